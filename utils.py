@@ -1,0 +1,335 @@
+"""What two or more scripts of the toolkit share, and nothing else.
+
+- ``init_distributed``: the process group from torchrun's environment (gloo on CPU, nccl with one GPU per
+  process, the device from LOCAL_RANK); plain ``python script.py`` is a world of 1.
+- ``LocalGroup``: N local worker processes joined in one gloo group over a FileStore (no guessed ports),
+  started once and reused for many calls, for tests and benchmarks.
+- ``print0``: rank-0 printing.
+- timing, memory, machine description and JSON helpers for the benchmarks.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import re
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Process-group set-up from torchrun's environment
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def resolve_device_backend(device: str = "auto", backend: str = "auto",
+                           local_rank: int = 0, local_world_size: int = 1) -> tuple[torch.device, str]:
+    """auto = cuda + nccl when every local process has a GPU of its own, else cpu + gloo.
+
+    NCCL refuses two ranks on one GPU, so cuda with more local processes than GPUs means gloo over CUDA tensors.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        device = "cuda" if gpus >= local_world_size and gpus > 0 else "cpu"
+    if device == "cuda" and gpus == 0:
+        raise ValueError("--device cuda: no CUDA GPU is visible to this process")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}: expected auto, cpu or cuda")
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" and gpus >= local_world_size else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("--backend nccl needs --device cuda")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}: expected auto, gloo or nccl")
+    if device == "cuda":
+        torch_device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(torch_device)
+    else:
+        torch_device = torch.device("cpu")
+    return torch_device, backend
+
+
+def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 1800.0) -> DistContext:
+    """Join the process group torchrun describes in the environment, or make a world of 1.
+
+    A world of 1 still gets a real process group (over an in-memory store) so that the same collectives run
+    unchanged under ``python script.py``.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch_device, backend = resolve_device_backend(device, backend, local_rank, local_world_size)
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if launched_by_torchrun():
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistContext(rank, world_size, local_rank, local_world_size, torch_device, backend)
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """print() on rank 0 only (or when no process group exists)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A reusable local N-process group for tests and benchmarks
+# ----------------------------------------------------------------------------------------------------------
+def _group_worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s: float,
+                  tasks: Any, results: Any) -> None:
+    # With a couple of cores and several workers, one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        results.put((rank, "ready", None))
+    except BaseException:  # report start-up failures instead of dying silently
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args, **kwargs)))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerError(RuntimeError):
+    """A worker of a LocalGroup raised; the message carries its traceback."""
+
+
+class LocalGroup:
+    """``world_size`` spawned processes joined in one process group over a FileStore, reused across calls.
+
+    ``group.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` in every worker and returns the results as
+    a list in rank order. ``fn`` must be importable by the workers (a module-level function). Any worker's
+    exception is re-raised here as WorkerError with its traceback; a call that does not finish within
+    ``timeout_s`` kills the group and raises TimeoutError. After either, the group is closed: make a new one.
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 120.0,
+                 start_timeout_s: float = 120.0):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._dir = tempfile.mkdtemp(prefix="localgroup-")
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_group_worker, daemon=True,
+                        args=(r, world_size, os.path.join(self._dir, "store"), backend, timeout_s,
+                              self._tasks[r], self._results))
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.closed = False
+        self._collect("start-up", start_timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        seen = 0
+        deadline = time.monotonic() + timeout_s
+        errors = []
+        while seen < self.world_size:
+            remaining = deadline - time.monotonic()
+            try:
+                rank, status, value = self._results.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                if errors:  # the peers of a failed rank are stuck in a collective: report the failure
+                    break
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                self.close(kill=True)
+                raise TimeoutError(f"LocalGroup({self.world_size}): {what} did not finish within {timeout_s:.0f}s"
+                                   + (f"; dead workers: {dead}" if dead else "")) from None
+            seen += 1
+            if status == "error":
+                errors.append(f"--- rank {rank} ---\n{value}")
+                # The other ranks may now wait forever in a collective: give them a moment, then stop.
+                deadline = min(deadline, time.monotonic() + 5.0)
+            else:
+                out[rank] = value
+        if errors:
+            self.close(kill=True)
+            raise WorkerError(f"LocalGroup({self.world_size}) {what} failed:\n" + "\n".join(errors))
+        return out
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        if self.closed:
+            raise RuntimeError("this LocalGroup is closed")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", str(fn)), timeout_s or self.timeout_s)
+
+    def close(self, kill: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close(kill=exc[0] is not None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timing, memory, machine description, results
+# ----------------------------------------------------------------------------------------------------------
+def time_calls_ms(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 5) -> list[float]:
+    """Per-call wall times in milliseconds: CUDA events on a GPU, perf_counter on the CPU.
+
+    Every call starts after a barrier (when a process group exists), so all ranks start each call together
+    and the collectives inside are timed as one job, not as ranks waiting for stragglers from the last call.
+    """
+    synced = dist.is_initialized() and dist.get_world_size() > 1
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if synced:
+            dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def max_across_ranks(value: float) -> float:
+    """The largest of one float per rank (the slowest rank sets a collective job's time)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: torch.cuda.max_memory_allocated. CPU: the process's peak resident set size (ru_maxrss)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What a results file needs to say where it came from."""
+    device = torch.device(device)
+    info = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "device": device.type,
+        "gpu": None,
+        "cuda": torch.version.cuda,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def machine_tag(device: torch.device | str = "cpu") -> str:
+    """A short name for results files: the GPU's name on CUDA, else cpu-<cores>core."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
+        return "gpu-" + re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return f"cpu-{os.cpu_count()}core"
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write JSON atomically (a temporary file renamed into place), making the folder if needed."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
