@@ -81,19 +81,31 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     """Join the process group torchrun describes in the environment, or make a world of 1.
 
     A world of 1 still gets a real process group (over an in-memory store) so that the same collectives run
-    unchanged under ``python script.py``.
+    unchanged under ``python script.py``. A group that already exists (a LocalGroup worker) is used as it is.
     """
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        torch_device, _ = resolve_device_backend(device, backend, rank, world_size)
+        return DistContext(rank, world_size, rank, world_size, torch_device, dist.get_backend())
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch_device, backend = resolve_device_backend(device, backend, local_rank, local_world_size)
     timeout = timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
-        if launched_by_torchrun():
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if not launched_by_torchrun():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent serves one TCPStore for the whole job, restarts included; joined through it as is,
+        # restarted gloo workers read the dead workers' addresses left in it and fail to connect
+        # (pytorch/pytorch#135712). A key prefix per restart attempt gives every attempt fresh keys.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return DistContext(rank, world_size, local_rank, local_world_size, torch_device, backend)
 
 
@@ -332,4 +344,5 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=2, sort_keys=False)
         f.write("\n")
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; results are for everyone to read
     os.replace(tmp, path)

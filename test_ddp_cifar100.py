@@ -1,0 +1,476 @@
+"""ddp_cifar100.py: the trainer against single-process references, and its robustness under torchrun.
+
+In-process tests run ``train()`` inside the session's reusable gloo workers (``local_group``); end-to-end and
+fault tests launch ``torchrun`` as subprocesses (CPU, gloo, OMP_NUM_THREADS=1, tiny synthetic data) and share
+one uninterrupted reference run, whose final checkpoint the restarted, resumed and two-node runs must reproduce.
+"""
+import json
+import os
+import signal
+import socket
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
+
+import ddp_cifar100 as trainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ddp_cifar100.py")
+TINY = ["--device", "cpu", "--dataset", "synthetic", "--train-size", "128", "--val-size", "50", "--batch-size", "8",
+        "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4"]
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Worker functions (module level: the LocalGroup's processes import them)
+# ----------------------------------------------------------------------------------------------------------
+def train_in_group(rank, world_size, argv, dtype="float32"):
+    """train() in a worker; the bare model's state on every rank and the metrics (rank 0's are the global ones).
+    ``dtype`` is the default dtype the model and data are made in (float64: exactness beyond fp32 rounding)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        metrics = trainer.train(trainer.parse_args(argv))
+    finally:
+        torch.set_default_dtype(previous)
+    model = metrics.pop("model")
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "metrics": metrics}
+
+
+def try_train_in_group(rank, world_size, argv):
+    """Like train_in_group, but a UsageError comes back as its message instead of breaking the group."""
+    try:
+        return train_in_group(rank, world_size, argv)
+    except trainer.UsageError as exc:
+        return f"UsageError: {exc}"
+
+
+def count_all_reduces(rank, world_size, argv):
+    """train() with dist.all_reduce counted per training micro-batch, and whether each call came while backward
+    was still running (before the first layer's weight gradient, the last one backward produces, was ready)."""
+    calls = []  # (micro-batch index, first layer's gradient ready yet, dtype)
+    micro_batch = [-1]
+    first_layer_done = [False]
+    real_all_reduce, real_build_model = dist.all_reduce, trainer.build_model
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append((micro_batch[0], first_layer_done[0], tensor.dtype))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def instrumented_build_model(*args, **kwargs):
+        model = real_build_model(*args, **kwargs)
+
+        def on_forward(module, _inputs):
+            if module.training:  # evaluation forwards are not micro-batches
+                micro_batch[0] += 1
+                first_layer_done[0] = False
+
+        model.register_forward_pre_hook(on_forward)
+        # Registered before the trainer's own hooks, so it runs first when that gradient is accumulated.
+        next(model.parameters()).register_post_accumulate_grad_hook(lambda p: first_layer_done.__setitem__(0, True))
+        return model
+
+    dist.all_reduce, trainer.build_model = counting_all_reduce, instrumented_build_model
+    try:
+        metrics = trainer.train(trainer.parse_args(argv))
+    finally:
+        dist.all_reduce, trainer.build_model = real_all_reduce, real_build_model
+    return {"calls": calls, "micro_batches": micro_batch[0] + 1, "optimizer_steps": metrics["optimizer_steps"]}
+
+
+def evaluate_in_group(rank, world_size, val_size, seed):
+    """The trainer's scattered evaluation of a seeded model on a set whose labels make about 2/3 of answers right."""
+    model, data = model_and_labelled_set(val_size, seed)
+    return trainer.evaluate(model, data, 16, torch.device("cpu"), torch.device("cpu"), None)
+
+
+def model_and_labelled_set(val_size, seed):
+    torch.manual_seed(seed)
+    model = trainer.build_model("resnet", 0.0, "local")
+    with torch.no_grad():  # non-trivial running statistics, so that eval-mode BatchNorm matters
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    _, data = trainer.make_synthetic(8, val_size, seed)
+    with torch.no_grad():
+        predictions = model(data.batch(torch.arange(val_size))[0]).argmax(1)
+    wrong = torch.arange(val_size) % 3 == 0
+    data.labels = torch.where(wrong, (predictions + 1) % 100, predictions)
+    return model, data
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Equivalence with one process on the global batch, and with DDP
+# ----------------------------------------------------------------------------------------------------------
+def single_process_reference(model_name, grad_accum, epochs, seed, dtype):
+    """One process, plain nn.BatchNorm, textbook gradient accumulation: micro-batch j of a step is rank 0's
+    micro-batch j followed by rank 1's (what SyncBatchNorm normalizes over), loss = mean / micro-batches in
+    the window (the last window of an epoch may be short)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        return _single_process_reference(model_name, grad_accum, epochs, seed)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _single_process_reference(model_name, grad_accum, epochs, seed):
+    batch = 8
+    train_set, _ = trainer.make_synthetic(128, 50, seed)
+    torch.manual_seed(seed)
+    model = trainer.build_model(model_name, 0.0, "local")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    for epoch in range(epochs):
+        shards = []
+        for rank in range(2):
+            sampler = DistributedSampler(range(128), num_replicas=2, rank=rank, shuffle=True, seed=seed)
+            sampler.set_epoch(epoch)
+            shards.append(torch.tensor(list(sampler)))
+        micro_batches = [torch.cat([s[j:j + batch] for s in shards]) for j in range(0, len(shards[0]), batch)]
+        for start in range(0, len(micro_batches), grad_accum):
+            window = micro_batches[start:start + grad_accum]
+            for indices in window:
+                images, labels = train_set.batch(indices)
+                (F.cross_entropy(model(images), labels) / len(window)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.state_dict()
+
+
+# float64 shows the algorithm exact (2 epochs); float32 shows the rounding a user sees, over 1 epoch because
+# these tiny-batch runs are chaotic: the fp32 reference alone moves by ~2e-6 after 2 epochs when run with 2
+# threads instead of 1.
+@pytest.mark.parametrize("model_name,grad_accum,dtype,epochs,tolerance", [
+    ("net", 2, "float64", 2, 1e-12), ("resnet", 3, "float64", 2, 1e-12),
+    ("net", 2, "float32", 1, 1e-5), ("resnet", 3, "float32", 1, 1e-5)])
+def test_two_ranks_with_syncbn_match_one_process_on_the_global_batch(local_group, model_name, grad_accum, dtype,
+                                                                      epochs, tolerance):
+    seed = 1
+    argv = TINY + ["--model", model_name, "--grad-accum", str(grad_accum), "--dropout", "0", "--epochs",
+                   str(epochs), "--norm", "custom", "--grad-sync", "custom", "--bucket-mb", "0.02", "--seed", str(seed)]
+    ranks = local_group(2).run(train_in_group, argv, dtype)
+    reference = single_process_reference(model_name, grad_accum, epochs, seed, dtype)
+    # 64 samples per rank in micro-batches of 8: 8 micro-batches per epoch, so grad-accum 3 ends on a short window.
+    assert ranks[0]["metrics"]["optimizer_steps"] == epochs * -(-8 // grad_accum)
+    assert all(ranks[0]["state"][k].dtype == reference[k].dtype for k in reference)
+    assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in reference)
+    worst = max_difference(ranks[0]["state"], reference)
+    print(f"\n{model_name} {dtype}, 2 ranks x 8 x grad-accum {grad_accum} vs 1 process x 16, "
+          f"{ranks[0]['metrics']['optimizer_steps']} steps: max |dw| = {worst:.2e}")
+    assert worst < tolerance
+
+
+@pytest.mark.parametrize("sync_mode", ["overlap", "after"])
+def test_custom_gradient_sync_matches_ddp(local_group, sync_mode):
+    argv = TINY + ["--grad-accum", "3", "--epochs", "2", "--norm", "custom", "--bucket-mb", "0.02", "--seed", "2"]
+    ours = local_group(2).run(train_in_group, argv + ["--grad-sync", "custom", "--sync-mode", sync_mode])
+    ddp = local_group(2).run(train_in_group, argv + ["--grad-sync", "ddp"])
+    worst = max_difference(ours[0]["state"], ddp[0]["state"])
+    print(f"\ncustom ({sync_mode}) vs DDP, dropout on, 8 steps: max |dw| = {worst:.2e}")
+    assert worst < 1e-6
+    assert ours[0]["metrics"]["val_correct"] == ddp[0]["metrics"]["val_correct"]
+
+
+@pytest.mark.parametrize("sync_mode", ["overlap", "after"])
+def test_no_all_reduce_on_accumulation_micro_batches(local_group, sync_mode):
+    grad_accum, epochs = 3, 2
+    argv = TINY + ["--grad-accum", str(grad_accum), "--epochs", str(epochs), "--norm", "local",
+                   "--grad-sync", "custom", "--sync-mode", sync_mode, "--bucket-mb", "0.5"]
+    result = local_group(2).run(count_all_reduces, argv)[0]
+    per_epoch = 8  # 64 samples per rank / micro-batches of 8
+    assert result["micro_batches"] == epochs * per_epoch
+    stepping = {e * per_epoch + j for e in range(epochs) for j in range(per_epoch)
+                if (j + 1) % grad_accum == 0 or j == per_epoch - 1}
+    training_calls = [c for c in result["calls"] if c[2] == torch.float32]  # the rest: one float64 max at the end
+    assert len(training_calls) == len(result["calls"]) - 1
+    by_micro_batch = {}
+    for micro_batch, _, _ in training_calls:
+        by_micro_batch[micro_batch] = by_micro_batch.get(micro_batch, 0) + 1
+    assert set(by_micro_batch) == stepping  # nothing at all on the K-1 accumulation micro-batches
+    buckets = set(by_micro_batch.values())
+    assert len(buckets) == 1 and buckets.pop() >= 2  # one all_reduce per bucket per step, several buckets
+    during_backward = sum(1 for _, first_layer_done, _ in training_calls if not first_layer_done)
+    if sync_mode == "overlap":
+        assert during_backward >= len(stepping)  # each step starts a bucket before backward is over
+    else:
+        assert during_backward == 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_scattered_validation_counts_every_sample_once(local_group, world_size):
+    val_size, seed = 101, 4  # divides evenly by neither 2 nor 3
+    result = local_group(world_size).run(evaluate_in_group, val_size, seed)[0]
+    model, data = model_and_labelled_set(val_size, seed)
+    with torch.no_grad():
+        images, labels = data.batch(torch.arange(val_size))
+        logits = model(images)
+    expected_correct = int((logits.argmax(1) == labels).sum())
+    expected_loss = F.cross_entropy(logits.double(), labels, reduction="sum").item() / val_size
+    assert expected_correct == val_size - len(range(0, val_size, 3))
+    assert (result["val_correct"], result["val_total"]) == (expected_correct, val_size)
+    assert result["val_loss"] == pytest.approx(expected_loss, rel=1e-6)
+
+
+def test_cifar_augmentation_is_torchvisions_random_crop_and_flip():
+    import torchvision.transforms.functional as TF
+
+    images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    ours = trainer.random_crop_flip(images, torch.Generator().manual_seed(0))
+    draws = torch.Generator().manual_seed(0)  # the same draws, in the same order
+    top, left = torch.randint(0, 9, (6,), generator=draws), torch.randint(0, 9, (6,), generator=draws)
+    flip = torch.rand(6, generator=draws) < 0.5
+    for i in range(6):  # RandomCrop(32, padding=4) then RandomHorizontalFlip, with those parameters
+        expected = TF.crop(TF.pad(images[i], [4]), int(top[i]), int(left[i]), 32, 32)
+        assert torch.equal(ours[i], TF.hflip(expected) if flip[i] else expected)
+    assert 0 < int(flip.sum()) < 6
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: exact resume, refusal, corruption
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def resumed_runs(local_group, tmp_path_factory):
+    """An uninterrupted run and the same run stopped mid-epoch by --max-steps, then resumed (dropout on)."""
+    base = TINY + ["--grad-accum", "2", "--epochs", "3", "--seed", "5", "--checkpoint-every", "3"]
+    group = local_group(2)
+    whole_dir, resumed_dir = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("resumed")
+    whole = group.run(train_in_group, base + ["--checkpoint-dir", str(whole_dir)])
+    first = group.run(train_in_group, base + ["--checkpoint-dir", str(resumed_dir), "--max-steps", "6"])
+    second = group.run(train_in_group, base + ["--checkpoint-dir", str(resumed_dir)])
+    return {"whole": whole, "first": first, "second": second, "dir": resumed_dir, "group": group, "base": base}
+
+
+def test_resume_mid_epoch_reproduces_the_uninterrupted_run(resumed_runs):
+    whole, first, second = resumed_runs["whole"], resumed_runs["first"], resumed_runs["second"]
+    assert first[0]["metrics"]["optimizer_steps"] == 6  # 4 steps per epoch: stopped inside epoch 2
+    assert second[0]["metrics"]["optimizer_steps"] == whole[0]["metrics"]["optimizer_steps"] == 12
+    worst = max_difference(whole[0]["state"], second[0]["state"])
+    print(f"\nresumed vs uninterrupted: max |dw| = {worst:.2e}")
+    assert all(torch.equal(whole[0]["state"][k], second[0]["state"][k]) for k in whole[0]["state"])
+    assert len(second[0]["metrics"]["epochs"]) == len(whole[0]["metrics"]["epochs"]) == 3
+    for ours, theirs in zip(second[0]["metrics"]["epochs"], whole[0]["metrics"]["epochs"]):
+        assert ours["val_correct"] == theirs["val_correct"]
+        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-12)
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-12)
+
+
+def test_checkpoint_format(resumed_runs):
+    state = torch.load(resumed_runs["dir"] / "last.pt", map_location="cpu", weights_only=True)
+    for key in ("model", "optimizer", "scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps",
+                "fingerprint", "config"):
+        assert key in state
+    assert not any(k.startswith("module.") for k in state["model"])
+    assert (state["epoch"], state["micro_batch"], state["optimizer_steps"]) == (3, 0, 12)
+    assert not list(resumed_runs["dir"].glob("*.tmp"))
+
+
+def test_checkpoint_of_another_configuration_is_refused(resumed_runs):
+    argv = resumed_runs["base"] + ["--checkpoint-dir", str(resumed_runs["dir"])]
+    argv[argv.index("--batch-size") + 1] = "16"
+    messages = resumed_runs["group"].run(try_train_in_group, argv)
+    assert all(isinstance(m, str) for m in messages)
+    assert "another configuration" in messages[0] and "batch_size 8 != 16" in messages[0]
+
+
+def test_eval_only_evaluates_the_checkpoint(resumed_runs):
+    argv = resumed_runs["base"] + ["--checkpoint-dir", str(resumed_runs["dir"]), "--eval-only"]
+    evaluated = resumed_runs["group"].run(train_in_group, argv)[0]
+    trained = resumed_runs["second"][0]
+    assert max_difference(evaluated["state"], trained["state"]) == 0
+    assert evaluated["metrics"]["val_correct"] == trained["metrics"]["val_correct"]
+    assert evaluated["metrics"]["val_loss"] == pytest.approx(trained["metrics"]["val_loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_checkpoint_is_an_error_not_a_fresh_start(resumed_runs, tmp_path, damage):
+    good = (resumed_runs["dir"] / "last.pt").read_bytes()
+    (tmp_path / "last.pt").write_bytes(b"not a checkpoint" if damage == "garbage" else good[:len(good) // 2])
+    argv = resumed_runs["base"] + ["--checkpoint-dir", str(tmp_path)]
+    messages = resumed_runs["group"].run(try_train_in_group, argv)
+    assert all(isinstance(m, str) and "cannot read checkpoint" in m for m in messages)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torchrun end to end: one uninterrupted reference run, and the runs that must reproduce it
+# ----------------------------------------------------------------------------------------------------------
+REFERENCE = ["--device", "cpu", "--dataset", "synthetic", "--train-size", "256", "--val-size", "100", "--batch-size", "16",
+             "--grad-accum", "2", "--epochs", "2", "--scheduler", "onecycle", "--checkpoint-every", "3",
+             "--seed", "7", "--timeout", "60"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+OUR_TRACEBACK = 'ddp_cifar100.py", line'  # a frame of this script in a traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_together(commands, timeout=240):
+    """Start every (argv, env) of ``commands`` at once and wait for all: these runs are mostly interpreter
+    start-up and waiting, so overlapping them keeps the file within its time budget."""
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    cwd=HERE) for name, (cmd, env) in commands.items()}
+    deadline = time.monotonic() + timeout
+    results = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+def final_weights(checkpoint_dir):
+    return torch.load(os.path.join(checkpoint_dir, "last.pt"), map_location="cpu", weights_only=True)["model"]
+
+
+def assert_same_weights(checkpoint_dir, reference_dir, what):
+    ours, reference = final_weights(checkpoint_dir), final_weights(reference_dir)
+    print(f"\n{what} vs uninterrupted one-node run: max |dw| = {max_difference(ours, reference):.2e}")
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+@pytest.fixture(scope="module")
+def training_runs(tmp_path_factory):
+    """The uninterrupted reference (torchrun, one node, 2 processes) and the runs that must end with its weights:
+    a worker SIGKILLed after step 7 (the last checkpoint is step 6, inside epoch 2) under --max-restarts 1, and
+    two torchrun agents as two nodes, with the static (--master_addr) and the c10d rendezvous."""
+    out = tmp_path_factory.mktemp("runs")
+    one_node = ["--standalone", "--nproc_per_node", "2"]
+    commands = {"reference": (TORCHRUN + one_node + [SCRIPT] + REFERENCE + [
+        "--checkpoint-dir", str(out / "reference"), "--metrics-out", str(out / "metrics.json"),
+        "--log-dir", str(out / "tb")], ENV)}
+    commands["restart"] = (TORCHRUN + one_node + ["--max-restarts", "1", SCRIPT] + REFERENCE + [
+        "--checkpoint-dir", str(out / "restart")], dict(ENV, DDP_CIFAR100_FAULT="1:7"))
+    static_port, c10d_port = free_port(), free_port()
+    for node in (0, 1):
+        static = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+                  "--master_port", str(static_port)]
+        c10d = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{c10d_port}", "--rdzv-id", "two-nodes"]
+        for name, launch in (("static", static), ("c10d", c10d)):
+            commands[f"{name}/{node}"] = (TORCHRUN + launch + [SCRIPT] + REFERENCE + [
+                "--checkpoint-dir", str(out / name)], ENV)
+    runs = run_together(commands)
+    assert runs["reference"].returncode == 0, runs["reference"].stderr[-3000:]
+    return {"runs": runs, "dir": out}
+
+
+def test_end_to_end_two_processes(training_runs):
+    out, stdout = training_runs["dir"], training_runs["runs"]["reference"].stdout
+    for epoch in (1, 2):  # rank 0 alone prints
+        assert sum(line.startswith(f"epoch {epoch}/2 |") for line in stdout.splitlines()) == 1, stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("world_size", "optimizer_steps", "micro_batches", "trainable_parameters", "train_loss", "val_loss",
+                "val_acc", "val_correct", "val_total", "peak_memory_mb", "wall_time_s", "samples_per_s", "epochs",
+                "config", "step_time_ms_median"):
+        assert key in metrics
+    assert (metrics["world_size"], metrics["optimizer_steps"], metrics["micro_batches"]) == (2, 8, 16)
+    assert metrics["val_total"] == 100 and len(metrics["epochs"]) == 2
+    assert metrics["val_acc"] == metrics["val_correct"] / 100 == metrics["epochs"][-1]["val_acc"]
+    assert metrics["step_time_ms_median"] > 0 and len(metrics["step_times_ms"]) == 8 - trainer.WARMUP_STEPS
+    state = torch.load(out / "reference" / "last.pt", map_location="cpu", weights_only=True)
+    assert not any(k.startswith("module.") for k in state["model"])
+    assert (state["epoch"], state["optimizer_steps"]) == (2, 8)
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+
+
+def test_a_killed_worker_is_restarted_and_resumes_exactly(training_runs):
+    proc = training_runs["runs"]["restart"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout and "optimizer step 6" in proc.stdout
+    assert_same_weights(training_runs["dir"] / "restart", training_runs["dir"] / "reference",
+                        "killed after step 7 and restarted")
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_nodes_match_one_node(training_runs, rendezvous):
+    agents = [training_runs["runs"][f"{rendezvous}/{node}"] for node in (0, 1)]
+    assert [agent.returncode for agent in agents] == [0, 0], agents[0].stderr[-2000:] + agents[1].stderr[-2000:]
+    assert sum("epoch 2/2 |" in agent.stdout for agent in agents) == 1  # one global rank 0 between the nodes
+    assert_same_weights(training_runs["dir"] / rendezvous, training_runs["dir"] / "reference",
+                        f"two nodes ({rendezvous})")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input and faults: one clear line, a non-zero exit, no hang
+# ----------------------------------------------------------------------------------------------------------
+BAD_FLAGS = {
+    "grad-accum 0": (["--grad-accum", "0"], "--grad-accum must be positive"),
+    "batch-size 0": (["--batch-size", "0"], "--batch-size must be positive"),
+    "unknown dataset": (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
+    "norm torch on cpu": (["--norm", "torch", "--device", "cpu"], "--norm torch (nn.SyncBatchNorm) needs CUDA"),
+}
+
+
+def worker_env(rank, port):
+    """What torchrun would give rank ``rank`` of a world of 2, for workers started without it."""
+    return dict(ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@pytest.fixture(scope="module")
+def failing_runs(tmp_path_factory):
+    """Runs that must fail cleanly: bad flags and CIFAR-100 missing offline (torchrun, 2 processes); rank 0 of a
+    world of 2 whose rank 1 never starts (--timeout 5); two workers started without torchrun (so no agent
+    stops the survivor) of which rank 1 SIGKILLs itself after step 2."""
+    one_node = TORCHRUN + ["--standalone", "--nproc_per_node", "2", SCRIPT]
+    commands = {name: (one_node + ["--dataset", "synthetic", *flags], ENV) for name, (flags, _) in BAD_FLAGS.items()}
+    commands["offline"] = (one_node + ["--dataset", "cifar100", "--timeout", "60", "--data-dir",
+                                       str(tmp_path_factory.mktemp("nowhere") / "cifar")], ENV)
+    commands["never joins"] = ([sys.executable, SCRIPT, *REFERENCE, "--timeout", "5"], worker_env(0, free_port()))
+    port = free_port()
+    for rank in (0, 1):
+        commands[f"dies/{rank}"] = ([sys.executable, SCRIPT, *REFERENCE, "--timeout", "30"],
+                                    dict(worker_env(rank, port), DDP_CIFAR100_FAULT="1:2"))
+    return run_together(commands, timeout=180)
+
+
+def assert_one_clear_line(proc, *phrases):
+    output = proc.stdout + proc.stderr
+    lines = [line for line in output.splitlines() if line.startswith("ddp_cifar100.py: error:")]
+    assert proc.returncode != 0
+    assert len(lines) == 1, output[-3000:]  # from rank 0 only
+    assert all(phrase in lines[0] for phrase in phrases), lines[0]
+    assert OUR_TRACEBACK not in output
+
+
+@pytest.mark.parametrize("case", BAD_FLAGS)
+def test_bad_flags_give_one_line_from_rank_0(failing_runs, case):
+    assert_one_clear_line(failing_runs[case], BAD_FLAGS[case][1])
+
+
+def test_missing_cifar100_offline_is_one_clear_line(failing_runs):
+    assert_one_clear_line(failing_runs["offline"], "--data-dir", "--dataset synthetic")
+
+
+def test_a_peer_that_never_joins_ends_within_timeout(failing_runs):
+    proc = failing_runs["never joins"]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "rank 0: distributed failure" in proc.stderr and OUR_TRACEBACK not in proc.stderr
+
+
+def test_a_peer_that_dies_ends_the_others(failing_runs):
+    survivor, killed = failing_runs["dies/0"], failing_runs["dies/1"]
+    assert killed.returncode == -signal.SIGKILL
+    assert survivor.returncode == 1, survivor.stderr[-2000:]
+    assert "rank 0: distributed failure" in survivor.stderr and OUR_TRACEBACK not in survivor.stderr

@@ -1,0 +1,426 @@
+"""Tests for syncbn.py against nn.BatchNorm*d over the concatenated global batch (and float64 references).
+
+Multi-process cases run in the session's reusable gloo groups (conftest.local_group), world sizes 1 and 4 only.
+Each worker rebuilds the same global batch from a seed and takes its own rank-major slice; the reference is
+computed here, in the test process, from the same global batch. The worst error of every comparison is
+printed (pytest -s shows it) and merged into results/syncbn-test-errors.json.
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import syncbn
+from utils import write_json
+
+ERRORS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "syncbn-test-errors.json")
+WORST_ERRORS: dict[str, dict[str, float]] = {}
+BATCHNORM_BY_NDIM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "broadcast",
+               "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "all_to_all_single", "gather", "scatter", "barrier", "send", "recv", "isend", "irecv")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_worst_errors():
+    """After the module: merge this run's worst errors into the results file (a partial run keeps the rest)."""
+    yield
+    if not WORST_ERRORS:
+        return
+    try:
+        with open(ERRORS_JSON) as f:
+            merged = json.load(f)["worst_abs_errors"]
+    except (OSError, ValueError, KeyError, TypeError):
+        merged = {}
+    merged.update(WORST_ERRORS)
+    write_json(ERRORS_JSON, {"torch": torch.__version__, "worst_abs_errors": dict(sorted(merged.items()))})
+
+
+def record(case: str, **errors: float) -> None:
+    WORST_ERRORS[case] = {name: float(value) for name, value in errors.items()}
+    print(f"\n{case}: " + ", ".join(f"worst {name} error {value:.3g}" for name, value in errors.items()))
+
+
+def max_error(results: list[torch.Tensor], reference: torch.Tensor) -> float:
+    """Largest |ours - reference| over the ranks' slices (results in rank order, rank-major reference)."""
+    ours = torch.cat([r.double() for r in results])
+    assert ours.shape == reference.shape
+    return (ours - reference.double()).abs().max().item() if ours.numel() else 0.0
+
+
+def global_batch(sizes, tail_shape, seed, offset=0.0, dtype=torch.float32):
+    """The concatenation of every rank's batch: rank r holds rows sum(sizes[:r]) ... sum(sizes[:r+1])-1."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(sum(sizes), *tail_shape, generator=generator, dtype=torch.float64) + offset).to(dtype)
+
+
+def rank_slice(tensor, sizes, rank):
+    start = sum(sizes[:rank])
+    return tensor[start:start + sizes[rank]]
+
+
+def random_affine(module, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
+        module.bias.copy_(torch.randn(module.num_features, generator=generator))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Worker functions: fn(rank, world_size, *args), run in every process of a LocalGroup
+# ----------------------------------------------------------------------------------------------------------
+def assignment_worker(rank, world_size, hid_dim, batch_size, seed):
+    sizes = [batch_size] * world_size
+    x = rank_slice(global_batch(sizes, (hid_dim,), seed), sizes, rank).clone().requires_grad_()
+    y = syncbn.SyncBatchNorm(hid_dim)(x)
+    # loss = sum of the outputs of the first B/2 samples of the global batch: this rank's share of them
+    rows_in_loss = min(max(world_size * batch_size // 2 - rank * batch_size, 0), batch_size)
+    y[:rows_in_loss].sum().backward()
+    return y.detach(), x.grad
+
+
+def general_worker(rank, world_size, sizes, tail_shape, seed, offset, dtype, affine, momentum):
+    """Forward + backward with a random cotangent; returns outputs, grads and the state after the step."""
+    x = rank_slice(global_batch(sizes, tail_shape, seed, offset, dtype), sizes, rank).clone().requires_grad_()
+    cotangent = rank_slice(global_batch(sizes, tail_shape, seed + 1, 0.0, dtype), sizes, rank)
+    bn = syncbn.SyncBatchNorm(tail_shape[0], affine=affine, momentum=momentum)
+    if affine:
+        random_affine(bn, seed + 2)
+    y = bn(x)
+    y.backward(cotangent)
+    return {"y": y.detach(), "grad": x.grad, "state": bn.state_dict(),
+            "weight_grad": bn.weight.grad if affine else None, "bias_grad": bn.bias.grad if affine else None}
+
+
+def running_stats_worker(rank, world_size, sizes_per_step, num_features, seed, momentum):
+    """Several training steps, then eval on the last batch; returns the buffers after every step."""
+    bn = syncbn.SyncBatchNorm(num_features, momentum=momentum)
+    states = []
+    for step, sizes in enumerate(sizes_per_step):
+        x = rank_slice(global_batch(sizes, (num_features,), seed + step, 3.0), sizes, rank)
+        bn(x)
+        states.append({k: v.clone() for k, v in bn.state_dict().items()})
+    bn.eval()
+    return states, bn(x)
+
+
+def collective_count_worker(rank, world_size):
+    calls = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    counts = {}
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, counting(name, fn))
+        bn = syncbn.SyncBatchNorm(8, affine=True, momentum=None)
+        x = torch.randn(5 + rank, 8, 3, requires_grad=True)
+        y = bn(x)
+        counts["forward"], calls[:] = list(calls), []
+        y.backward(torch.randn_like(y))
+        counts["backward"], calls[:] = list(calls), []
+        bn.eval()
+        bn(x)
+        counts["eval"], calls[:] = list(calls), []
+        unsynced_eval = syncbn.SyncBatchNorm(8, track_running_stats=False).eval()
+        eval_batch_stats = unsynced_eval(x.detach())
+        counts["eval_without_running_stats"] = list(calls)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts, x.detach(), eval_batch_stats
+
+
+def too_few_values_worker(rank, world_size, sizes):
+    x = rank_slice(global_batch(sizes, (3,), seed=5), sizes, rank)
+    try:
+        return syncbn.SyncBatchNorm(3)(x)
+    except ValueError as error:
+        return f"ValueError: {error}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The assignment's test
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch_size", [32, 64])
+@pytest.mark.parametrize("hid_dim", [128, 256, 512, 1024])
+@pytest.mark.parametrize("num_workers", [1, 4])
+def test_batchnorm(local_group, num_workers, hid_dim, batch_size):
+    seed = 1000 * num_workers + hid_dim + batch_size
+    results = local_group(num_workers).run(assignment_worker, hid_dim, batch_size, seed)
+
+    sizes = [batch_size] * num_workers
+    x = global_batch(sizes, (hid_dim,), seed).requires_grad_()
+    y = nn.BatchNorm1d(hid_dim, affine=False)(x)
+    y[: num_workers * batch_size // 2].sum().backward()
+
+    output_error = max_error([r[0] for r in results], y.detach())
+    grad_error = max_error([r[1] for r in results], x.grad)
+    record(f"test_batchnorm[{num_workers}-{hid_dim}-{batch_size}]", output=output_error, input_grad=grad_error)
+    assert output_error <= 1e-3 and grad_error <= 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Properties of syncbn.py
+# ----------------------------------------------------------------------------------------------------------
+def test_one_all_reduce_forward_one_backward_none_in_eval(local_group):
+    results = local_group(4).run(collective_count_worker)
+    for counts, x, eval_output in results:
+        assert counts == {"forward": ["all_reduce"], "backward": ["all_reduce"], "eval": [],
+                          "eval_without_running_stats": []}
+        # Without running statistics, eval normalizes with this rank's own batch, as nn.SyncBatchNorm does.
+        reference = nn.BatchNorm1d(8, affine=False, track_running_stats=False).eval()(x)
+        assert torch.allclose(eval_output, reference, rtol=0, atol=1e-5)
+    # A world of one runs no collective at all.
+    (counts, _, _), = local_group(1).run(collective_count_worker)
+    assert all(calls == [] for calls in counts.values())
+
+
+@pytest.mark.parametrize("ndim", [2, 3, 4, 5])
+def test_uneven_batches_zero_size_rank_and_affine_grads_are_local(local_group, ndim):
+    sizes = [3, 0, 7, 1]
+    tail_shape = {2: (6,), 3: (6, 4), 4: (6, 2, 3), 5: (6, 2, 2, 2)}[ndim]
+    seed = 50 + ndim
+    results = local_group(4).run(general_worker, sizes, tail_shape, seed, 0.0, torch.float32, True, 0.1)
+
+    x = global_batch(sizes, tail_shape, seed).requires_grad_()
+    cotangent = global_batch(sizes, tail_shape, seed + 1)
+    reference = BATCHNORM_BY_NDIM[ndim](6)
+    random_affine(reference, seed + 2)
+    y = reference(x)
+    y.backward(cotangent)
+    stats_error = max((results[0]["state"][k] - reference.state_dict()[k]).abs().max().item()
+                      for k in ("running_mean", "running_var"))
+
+    assert results[1]["y"].shape == (0, *tail_shape) and results[1]["grad"].shape == (0, *tail_shape)
+    output_error = max_error([r["y"] for r in results], y.detach())
+    grad_error = max_error([r["grad"] for r in results], x.grad)
+    # Affine gradients are each rank's own share: BatchNorm's gradient with the cotangent of that rank's rows.
+    param_error = 0.0
+    for rank, result in enumerate(results):
+        mask = torch.zeros(sum(sizes), *[1] * (ndim - 1))
+        rank_slice(mask, sizes, rank).fill_(1)
+        y_again = F.batch_norm(x, None, None, reference.weight, reference.bias, training=True)
+        local_weight, local_bias = torch.autograd.grad(y_again, [reference.weight, reference.bias], cotangent * mask)
+        param_error = max(param_error, (result["weight_grad"] - local_weight).abs().max().item(),
+                          (result["bias_grad"] - local_bias).abs().max().item())
+    summed_weight_grad = sum(r["weight_grad"] for r in results)
+    param_error = max(param_error, (summed_weight_grad - reference.weight.grad).abs().max().item())
+    record(f"test_uneven_batches[{ndim}d]", output=output_error, input_grad=grad_error, affine_grad=param_error,
+           running_stats=stats_error)
+    assert output_error <= 1e-5 and grad_error <= 1e-5 and param_error <= 1e-4 and stats_error <= 1e-6
+    assert all(torch.equal(r["state"]["running_var"], results[0]["state"]["running_var"]) for r in results)
+
+
+def test_large_offset_matches_float64_reference(local_group):
+    """1000 + N(0, 1) in float32: E[x^2] - E[x]^2 in float32 is off by more than 1e-3; ours must not be."""
+    sizes, tail_shape, seed, offset = [40, 24, 0, 33], (64, 5), 7, 1000.0
+    results = local_group(4).run(general_worker, sizes, tail_shape, seed, offset, torch.float32, False, 0.1)
+
+    x64 = global_batch(sizes, tail_shape, seed, offset, torch.float32).double().requires_grad_()
+    y64 = F.batch_norm(x64, None, None, training=True)
+    y64.backward(global_batch(sizes, tail_shape, seed + 1).double())
+    output_error = max_error([r["y"] for r in results], y64.detach())
+    grad_error = max_error([r["grad"] for r in results], x64.grad)
+    var64 = x64.detach().transpose(0, 1).reshape(64, -1).var(dim=1)
+    var_rel_error = ((results[2]["state"]["running_var"].double() - (0.9 + 0.1 * var64)) / var64).abs().max().item()
+
+    # The naive one-pass formula, on the same float32 data, to show this test tells the two apart.
+    x32 = x64.detach().float()
+    mean_x, mean_x2 = x32.mean((0, 2)), (x32 * x32).mean((0, 2))
+    naive = (x32 - mean_x[:, None]) * torch.rsqrt((mean_x2 - mean_x * mean_x).clamp_min(0)[:, None] + 1e-5)
+    naive_error = (naive.double() - y64.detach()).abs().max().item()
+
+    # The same data in a world of one, without any process group.
+    x_local = x64.detach().float().requires_grad_()
+    y_local = syncbn.SyncBatchNorm(64)(x_local)
+    y_local.backward(global_batch(sizes, tail_shape, seed + 1))
+    local_error = max((y_local.double() - y64).abs().max().item(), (x_local.grad.double() - x64.grad).abs().max().item())
+    record("test_large_offset", output=output_error, input_grad=grad_error, running_var_relative=var_rel_error,
+           world_of_one=local_error, naive_fp32_formula=naive_error)
+    assert naive_error > 1e-3
+    assert output_error <= 1e-3 and grad_error <= 1e-3 and local_error <= 1e-3 and var_rel_error <= 1e-4
+
+
+@pytest.mark.parametrize("dtype,offset,tolerance", [(torch.float16, 100.0, 3e-3), (torch.bfloat16, 10.0, 2e-2)])
+def test_half_precision_inputs(local_group, dtype, offset, tolerance):
+    """Statistics in float32 (statistics in the input dtype would be off by far more than an output ulp)."""
+    sizes, tail_shape, seed = [5, 0, 9, 4], (16, 3), 21
+    results = local_group(4).run(general_worker, sizes, tail_shape, seed, offset, dtype, True, 0.1)
+
+    x = global_batch(sizes, tail_shape, seed, offset, dtype).double().requires_grad_()
+    reference = nn.BatchNorm1d(16).double()
+    random_affine(reference, seed + 2)
+    y = reference(x)
+    y.backward(global_batch(sizes, tail_shape, seed + 1, 0.0, dtype).double())
+    for r in results:
+        assert r["y"].dtype == dtype and r["grad"].dtype == dtype
+        assert r["state"]["running_mean"].dtype == torch.float32 and r["weight_grad"].dtype == torch.float32
+    output_error = max_error([r["y"] for r in results], y.detach())
+    grad_error = max_error([r["grad"] for r in results], x.grad)
+    mean_error = (results[0]["state"]["running_mean"].double() - reference.running_mean).abs().max().item()
+    record(f"test_half_precision[{dtype}]", output=output_error, input_grad=grad_error, running_mean=mean_error)
+    assert output_error <= tolerance and grad_error <= tolerance and mean_error <= 1e-5 * offset
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_stats_state_dict_and_eval_match_batchnorm(local_group, momentum):
+    sizes_per_step = [[2, 5, 0, 3], [4, 4, 4, 4], [1, 0, 0, 6], [3, 1, 2, 1]]
+    seed, num_features = 31, 10
+    results = local_group(4).run(running_stats_worker, sizes_per_step, num_features, seed, momentum)
+
+    reference = nn.BatchNorm1d(num_features, affine=False, momentum=momentum)
+    worst = 0.0
+    for step, sizes in enumerate(sizes_per_step):
+        reference(global_batch(sizes, (num_features,), seed + step, 3.0))
+        for states, _ in results:
+            assert states[step]["num_batches_tracked"].item() == step + 1
+            for key in ("running_mean", "running_var"):
+                worst = max(worst, (states[step][key] - reference.state_dict()[key]).abs().max().item())
+    # Eval uses the running statistics: compare with nn.BatchNorm1d in eval mode on each rank's last batch.
+    reference.eval()
+    sizes = sizes_per_step[-1]
+    last = global_batch(sizes, (num_features,), seed + len(sizes_per_step) - 1, 3.0)
+    eval_error = max_error([eval_output for _, eval_output in results], reference(last))
+    # state_dicts move both ways.
+    into_torch = nn.BatchNorm1d(num_features, affine=False, momentum=momentum)
+    into_torch.load_state_dict(results[0][0][-1])
+    into_ours = syncbn.SyncBatchNorm(num_features, momentum=momentum)
+    into_ours.load_state_dict(reference.state_dict())
+    into_ours.eval()
+    into_torch.eval()
+    round_trip_error = max((into_torch(last) - reference(last)).abs().max().item(),
+                           (into_ours(last) - reference(last)).abs().max().item())
+    record(f"test_running_stats[momentum={momentum}]", running_stats=worst, eval_output=eval_error,
+           state_dict_round_trip=round_trip_error)
+    assert worst <= 1e-6 and eval_error <= 1e-5 and round_trip_error <= 1e-5
+    assert into_ours.num_batches_tracked.item() == len(sizes_per_step)
+
+
+def test_fewer_than_two_values_per_channel_raises(local_group):
+    results = local_group(4).run(too_few_values_worker, [0, 1, 0, 0])
+    assert all(isinstance(r, str) and r.startswith("ValueError: Expected more than 1 value") for r in results)
+    # Two values in all, on two ranks, is enough, and the group is still usable after the error above.
+    results = local_group(4).run(too_few_values_worker, [1, 0, 1, 0])
+    assert all(isinstance(r, torch.Tensor) for r in results)
+    reference = nn.BatchNorm1d(3, affine=False)(global_batch([1, 0, 1, 0], (3,), seed=5))
+    assert max_error(results, reference) <= 1e-5
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        syncbn.SyncBatchNorm(3)(torch.randn(1, 3))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        syncbn.SyncBatchNorm(3)(torch.randn(1, 3, 1, 1))
+    syncbn.SyncBatchNorm(3).eval()(torch.randn(1, 3))  # eval with running statistics needs no batch
+
+
+def test_bad_input_shapes_give_clear_errors():
+    bn = syncbn.SyncBatchNorm(4)
+    for bad in (torch.randn(4), torch.randn(2, 4, 1, 1, 1, 1)):
+        with pytest.raises(ValueError, match=r"expects a 2D, 3D, 4D or 5D input") as error:
+            bn(bad)
+        assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"expects 4 channels in dimension 1, got an input of shape \(2, 5\)"):
+        bn(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("ndim", [2, 3, 4, 5])
+def test_world_of_one_without_process_group(ndim):
+    assert not dist.is_initialized()
+    shape = (4, 3, 2, 3, 2)[:ndim]
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    cotangent = torch.randn(*shape, dtype=torch.float64)
+    ours, reference = syncbn.SyncBatchNorm(3, affine=True).double(), BATCHNORM_BY_NDIM[ndim](3).double()
+    random_affine(reference, 3)
+    ours.load_state_dict(reference.state_dict())
+    ours(x).backward(cotangent)
+    reference(x_ref).backward(cotangent)
+    assert torch.allclose(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    assert torch.allclose(ours.weight.grad, reference.weight.grad, rtol=0, atol=1e-12)
+    assert torch.allclose(ours.running_var, reference.running_var, rtol=0, atol=1e-12)
+
+
+def test_hand_derived_backward_passes_gradcheck_and_allows_inplace_relu():
+    x = torch.randn(5, 3, 2, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(3, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+    def function(x, weight, bias):
+        return syncbn.sync_batch_norm.apply(x, weight, bias, None, None, 0.1, 1e-5, None)
+
+    assert torch.autograd.gradcheck(function, (x, weight, bias))
+    # The input, not the output, is saved for backward: an in-place op on the output stays legal.
+    bn = syncbn.SyncBatchNorm(3)
+    nn.ReLU(inplace=True)(bn(x)).sum().backward()
+
+
+def test_no_pytorch_batch_norm_internals(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a PyTorch batch-norm internal was called")
+
+    for module, name in [(F, "batch_norm"), (torch, "batch_norm"), (torch, "native_batch_norm"),
+                         (torch, "_native_batch_norm_legit"), (torch, "batch_norm_stats"),
+                         (torch, "batch_norm_elemt"), (torch, "batch_norm_gather_stats_with_counts"),
+                         (torch, "batch_norm_backward_reduce"), (torch, "batch_norm_backward_elemt")]:
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, forbidden)
+    x = torch.randn(6, 3, 2, requires_grad=True)
+    bn = syncbn.SyncBatchNorm(3, affine=True)
+    bn(x).sum().backward()
+    bn.eval()
+    bn(x)
+    assert x.grad is not None and bn.weight.grad is not None
+
+
+def test_convert_sync_batchnorm_keeps_parameters_buffers_and_modes():
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6),
+        nn.Sequential(nn.Conv2d(6, 5, 1), nn.BatchNorm2d(5, momentum=None, eps=1e-3)),
+        nn.BatchNorm3d(5, affine=False), nn.SyncBatchNorm(5, track_running_stats=False), nn.ReLU())
+    model[2][1].weight.requires_grad_(False)
+    model[3].eval()
+    model[1].running_mean.fill_(0.25)
+    model[1].num_batches_tracked.fill_(7)
+    originals = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    converted = syncbn.SyncBatchNorm.convert_sync_batchnorm(model)
+    converted_modules = dict(converted.named_modules())
+    for name, original in originals.items():
+        new = converted_modules[name]
+        assert type(new) is syncbn.SyncBatchNorm
+        assert (new.num_features, new.eps, new.momentum, new.affine, new.track_running_stats, new.training) == (
+            original.num_features, original.eps, original.momentum, original.affine,
+            original.track_running_stats, original.training)
+        assert new.weight is original.weight and new.bias is original.bias
+        assert new.running_mean is original.running_mean and new.num_batches_tracked is original.num_batches_tracked
+    assert converted_modules["2.1"].weight.requires_grad is False and converted_modules["3"].training is False
+    assert type(converted_modules["5"]) is nn.ReLU and type(converted_modules["0"]) is nn.Linear
+    assert all(torch.equal(state_before[k], v) for k, v in converted.state_dict().items())
+    assert state_before.keys() == converted.state_dict().keys()
+    single = syncbn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3))
+    assert type(single) is syncbn.SyncBatchNorm
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_host_device_sync_on_cuda():
+    """A world of one on CUDA; the synchronized path runs the same kernels around its all_reduce."""
+    bn = syncbn.SyncBatchNorm(8, affine=True, momentum=None).cuda()
+    x = torch.randn(16, 8, 4, device="cuda", dtype=torch.float16, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = bn(x)
+        y.backward(torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert y.dtype == torch.float16 and x.grad.dtype == torch.float16
