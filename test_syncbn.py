@@ -358,9 +358,33 @@ def test_hand_derived_backward_passes_gradcheck_and_allows_inplace_relu():
         return syncbn.sync_batch_norm.apply(x, weight, bias, None, None, 0.1, 1e-5, None)
 
     assert torch.autograd.gradcheck(function, (x, weight, bias))
-    # The input, not the output, is saved for backward: an in-place op on the output stays legal.
+    # syncbn saves a tensor of its own (xhat), not the output: an in-place op on the output stays legal and
+    # leaves the gradient right.
     bn = syncbn.SyncBatchNorm(3)
     nn.ReLU(inplace=True)(bn(x)).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    nn.ReLU(inplace=True)(nn.BatchNorm1d(3).double()(x_ref)).sum().backward()
+    assert torch.allclose(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_saved_for_backward_bytes_at_most_batchnorm(dtype):
+    """What the layer keeps between forward and backward costs no more than what nn.BatchNorm1d keeps."""
+    def saved_bytes(module, x):
+        storages = {}
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            module(x)
+        return sum(storages.values())
+
+    x = torch.randn(64, 8).to(dtype).requires_grad_()
+    ours, theirs = saved_bytes(syncbn.SyncBatchNorm(8), x), saved_bytes(nn.BatchNorm1d(8, affine=False), x)
+    # One input-sized tensor each (xhat in the input's dtype vs the input) plus a few per-channel vectors.
+    assert x.numel() * x.element_size() <= ours <= theirs
 
 
 def test_no_pytorch_batch_norm_internals(monkeypatch):
