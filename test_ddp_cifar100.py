@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import socket
-import socket
 import subprocess
 import sys
 import time
