@@ -24,6 +24,7 @@ Memory:
 """
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -108,7 +109,8 @@ def benchmark_row(hid_dim, batch_size, device, iters, rounds):
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--json", default=None, help="results file (default: results/bn-<machine_tag>.json)")
+    parser.add_argument("--json", default=None, help="results file (default: results/bn-<machine_tag>.json; on "
+                                                     "a GPU results/bn-<machine_tag>-<ranks>x<backend>.json)")
     parser.add_argument("--iters", type=int, default=2000, help="timed calls per implementation and size")
     parser.add_argument("--rounds", type=int, default=10, help="alternating rounds the calls are split into")
     return parser.parse_args()
@@ -136,9 +138,13 @@ def main():
                          f"{row['time_ratio']:>6.2f} | {row['ours_memory_mb']:>9.4f} "
                          f"{row['theirs_memory_mb']:>10.4f} {row['memory_ratio']:>6.2f}")
     if ctx.is_main:
-        path = args.json or os.path.join("results", f"bn-{utils.machine_tag(ctx.device)}.json")
+        # One GPU runs two ways (2 ranks over gloo, 1 rank over nccl): each gets a file of its own.
+        suffix = f"-{ctx.world_size}x{ctx.backend}" if ctx.device.type == "cuda" else ""
+        path = args.json or os.path.join("results", f"bn-{utils.machine_tag(ctx.device)}{suffix}.json")
         utils.write_json(path, {
-            "benchmark": "bn_benchmark", "machine": utils.machine_info(ctx.device), "torch": torch.__version__,
+            "benchmark": "bn_benchmark", "command": " ".join(["torchrun", f"--nproc_per_node {ctx.world_size}",
+                                                              "bn_benchmark.py"] + sys.argv[1:]),
+            "machine": utils.machine_info(ctx.device), "torch": torch.__version__,
             "processes": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
             "theirs": theirs_label, "memory_measure": memory_label,
             "time_measure": "median ms per forward+backward, max across ranks",

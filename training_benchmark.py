@@ -69,19 +69,25 @@ def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -
     return cmd
 
 
-def run_trainer(config: dict, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory(prefix="trainbench-") as tmp:
-        metrics_path = os.path.join(tmp, "metrics.json")
-        cmd = trainer_command(config, args, metrics_path)
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_process))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE, timeout=args.run_timeout)
-        if proc.returncode != 0 or not os.path.exists(metrics_path):
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-40:])
-            raise SystemExit(f"training_benchmark: {config['name']} failed (exit {proc.returncode}):\n{tail}")
-        with open(metrics_path) as f:
-            metrics = json.load(f)
-    metrics["command"] = " ".join(cmd[1:]).replace(metrics_path, "METRICS.json")
-    return metrics
+def run_trainer(config: dict, args: argparse.Namespace, attempts: int = 2) -> dict:
+    """One trainer run; a failed run is retried once (said on stderr and recorded as "attempts"), since a rare
+    abort of a worker at interpreter exit has been seen on this machine under load (see the README)."""
+    for attempt in range(1, attempts + 1):
+        with tempfile.TemporaryDirectory(prefix="trainbench-") as tmp:
+            metrics_path = os.path.join(tmp, "metrics.json")
+            cmd = trainer_command(config, args, metrics_path)
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_process))
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE, timeout=args.run_timeout)
+            if proc.returncode == 0 and os.path.exists(metrics_path):
+                with open(metrics_path) as f:
+                    metrics = json.load(f)
+                metrics["command"] = " ".join(cmd[1:]).replace(metrics_path, "METRICS.json")
+                metrics["attempts"] = attempt
+                return metrics
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-40:])
+        print(f"training_benchmark: {config['name']} attempt {attempt} failed (exit {proc.returncode}):\n{tail}",
+              file=sys.stderr, flush=True)
+    raise SystemExit(f"training_benchmark: {config['name']} failed {attempts} times; see above")
 
 
 def summarize(config: dict, metrics: dict) -> dict:
@@ -100,6 +106,7 @@ def summarize(config: dict, metrics: dict) -> dict:
         "micro_batches": metrics["micro_batches"],
         "wall_time_s": metrics["wall_time_s"],
         "command": metrics["command"],
+        "attempts": metrics["attempts"],
         "metrics": metrics,
     }
 
