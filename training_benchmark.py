@@ -70,8 +70,8 @@ def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -
 
 
 def run_trainer(config: dict, args: argparse.Namespace, attempts: int = 2) -> dict:
-    """One trainer run; a failed run is retried once (said on stderr and recorded as "attempts"), since a rare
-    abort of a worker at interpreter exit has been seen on this machine under load (see the README)."""
+    """One trainer run; a failed run is retried once (said on stderr and recorded as "attempts"): a shared
+    machine can fail a run for reasons of its own, and one lost run should not cost the whole table."""
     for attempt in range(1, attempts + 1):
         with tempfile.TemporaryDirectory(prefix="trainbench-") as tmp:
             metrics_path = os.path.join(tmp, "metrics.json")
