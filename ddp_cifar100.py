@@ -433,13 +433,8 @@ def fingerprint(config: dict[str, Any]) -> str:
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically: a crash leaves the old file or the new one, never half of one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    with utils.atomic_write(path, "wb") as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -23,7 +24,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -336,13 +337,31 @@ def machine_tag(device: torch.device | str = "cpu") -> str:
     return f"cpu-{os.cpu_count()}core"
 
 
-def write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write JSON atomically (a temporary file renamed into place), making the folder if needed."""
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w") -> Iterator[IO[Any]]:
+    """Write ``path`` so that a crash leaves the old file or the new one, never half of one.
+
+    Yields a temporary file in the same folder (made if needed); on success it is flushed, fsynced, made
+    readable by everyone and renamed over ``path``; on failure it is removed.
+    """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write JSON atomically (see atomic_write)."""
+    with atomic_write(path) as f:
         json.dump(payload, f, indent=2, sort_keys=False)
         f.write("\n")
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; results are for everyone to read
-    os.replace(tmp, path)
