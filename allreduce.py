@@ -68,9 +68,13 @@ has no AVG) runs up to --torch-max-workers (16).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -82,13 +86,17 @@ import utils
 # ----------------------------------------------------------------------------------------------------------
 # The algorithms
 # ----------------------------------------------------------------------------------------------------------
-def _post_recv(into: torch.Tensor, src: int, tag: int):
+SEGMENT_ELEMENTS = 1 << 18  # the pipeline's unit, 1 MiB of float32: chosen by measurement (module docstring)
+RECEIVE_SLOTS = 2  # receive buffers of one segment each: segment k + 1 lands while segment k is added
+
+
+def _post_recv(into: torch.Tensor, src: int, tag: int, group):
     """irecv, or None for an empty piece (both ends know every piece's length and skip the same messages)."""
-    return dist.irecv(into, src, tag=tag) if into.numel() else None
+    return dist.irecv(into, group=group, group_src=src, tag=tag) if into.numel() else None
 
 
-def _post_send(outgoing: torch.Tensor, dst: int, tag: int):
-    return dist.isend(outgoing, dst, tag=tag) if outgoing.numel() else None
+def _post_send(outgoing: torch.Tensor, dst: int, tag: int, group):
+    return dist.isend(outgoing, group=group, group_dst=dst, tag=tag) if outgoing.numel() else None
 
 
 def _wait(request) -> None:
@@ -97,111 +105,152 @@ def _wait(request) -> None:
         request.wait()
 
 
-def _exchange(outgoing: torch.Tensor, dst: int, incoming: torch.Tensor, src: int, tag: int) -> None:
-    """Send ``outgoing`` to dst while receiving ``incoming`` from src."""
-    recv = _post_recv(incoming, src, tag)
-    send = _post_send(outgoing, dst, tag)
-    _wait(recv)
-    _wait(send)
+def _split_bounds(length: int, pieces: int) -> list[int]:
+    """Boundaries of ``pieces`` consecutive parts of ``length`` elements; the first length % pieces get one more."""
+    base, extra = divmod(length, pieces)
+    return [i * base + min(i, extra) for i in range(pieces + 1)]
 
 
-def _check_args(send: torch.Tensor, rank: int, size: int, name: str) -> None:
+def _segments(region: torch.Tensor, pieces: int) -> list[torch.Tensor]:
+    bounds = _split_bounds(region.numel(), pieces)
+    return [region[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _cut(region: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """``region`` in the fewest near-equal segments of at most ``width`` elements (one if it is empty)."""
+    return _segments(region, max(1, -(-region.numel() // width)))
+
+
+def _check_args(send: torch.Tensor, rank: int, size: int, group, segment_elements: int, name: str) -> None:
     if not isinstance(send, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(send).__name__}")
     if not send.is_floating_point():
         raise TypeError(f"{name}: averaging needs a floating-point tensor, got dtype {send.dtype}")
     if not dist.is_initialized():
         raise RuntimeError(f"{name}: the default process group is not initialized")
-    if size != dist.get_world_size() or rank != dist.get_rank():
-        raise ValueError(f"{name}: rank={rank}, size={size} do not match the default group "
-                         f"(rank {dist.get_rank()} of {dist.get_world_size()})")
+    if size != dist.get_world_size(group) or rank != dist.get_rank(group):
+        which = "the default group" if group is None else "the given group"
+        raise ValueError(f"{name}: rank={rank}, size={size} do not match {which} "
+                         f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})")
+    if segment_elements < 1:
+        raise ValueError(f"{name}: segment_elements must be positive, got {segment_elements}")
 
 
-def _in_place_on_contiguous(algorithm, send: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def _in_place_on_contiguous(algorithm, send: torch.Tensor, *args) -> torch.Tensor:
     # view(-1) needs contiguous memory; anything else is averaged in a contiguous copy and written back.
     if send.is_contiguous():
-        algorithm(send.view(-1), rank, size)
+        algorithm(send.view(-1), *args)
     else:
         work = send.contiguous()
-        algorithm(work.view(-1), rank, size)
+        algorithm(work.view(-1), *args)
         send.copy_(work)
     return send
 
 
-def _ring(flat: torch.Tensor, rank: int, size: int) -> None:
+def _ring(flat: torch.Tensor, rank: int, size: int, group, segment: int) -> None:
     n = flat.numel()
     if size == 1 or n == 0:
         return
-    base, extra = divmod(n, size)
-    bounds = [i * base + min(i, extra) for i in range(size + 1)]
-    chunks = [flat[bounds[i]:bounds[i + 1]] for i in range(size)]
+    bounds = _split_bounds(n, size)
+    largest = bounds[1] - bounds[0]  # ceil(n / p)
+    pieces = -(-largest // segment)  # segments per chunk, the same for every chunk
+    segs = [_segments(flat[bounds[c]:bounds[c + 1]], pieces) for c in range(size)]
+    steps = size - 1
+    messages = steps * pieces  # per phase; message i = (step, segment) = divmod(i, pieces); its tag is i
+    slots = torch.empty(min(RECEIVE_SLOTS, messages), -(-largest // pieces), dtype=flat.dtype, device=flat.device)
     right, left = (rank + 1) % size, (rank - 1) % size
-    # Every receive is posted before the matching send can arrive: gloo moves a payload only once the
-    # receiver has posted its buffer, so a late irecv costs a round trip of notices on the critical path.
-    # Hence two receive buffers (the receive for step s + 1 is posted while step s is reduced) and one tag
-    # per message, so that receives posted early cannot be matched to the wrong message.
-    buffers = torch.empty(2, base + (extra > 0), dtype=flat.dtype, device=flat.device)
 
-    def post_reduce_recv(step: int):
-        if step >= size - 1:
+    def reduce_target(i: int) -> torch.Tensor:  # reduce-scatter step s receives chunk rank - s - 1
+        step, k = divmod(i, pieces)
+        return segs[(rank - step - 1) % size][k]
+
+    def post_reduce_recv(i: int):
+        if i >= messages:
             return None
-        target = chunks[(rank - step - 1) % size]
-        return _post_recv(buffers[step % 2, :target.numel()], left, tag=step)
+        return _post_recv(slots[i % len(slots), :reduce_target(i).numel()], left, i, group)
 
-    reduce_recvs = [post_reduce_recv(0), post_reduce_recv(1)]
-    gather_recvs = []
-    for step in range(size - 1):
-        sent = chunks[(rank - step) % size]
-        _wait(_post_send(sent, right, tag=step))  # prompt: the receive at the other end is already posted
-        # The chunk just sent is not touched again by the reduce-scatter: all-gather step `step` may land in
-        # it, and posting that receive now puts it well ahead of its message.
-        gather_recvs.append(_post_recv(sent, left, tag=size + step))
-        _wait(reduce_recvs[step % 2])
-        target = chunks[(rank - step - 1) % size]
-        target.add_(buffers[step % 2, :target.numel()])
-        reduce_recvs[step % 2] = post_reduce_recv(step + 2)
-    chunks[(rank + 1) % size].div_(size)
+    # Receives are posted before their message can arrive (gloo moves a payload only into a posted buffer).
+    reduce_recvs = {i: post_reduce_recv(i) for i in range(len(slots))}
+    reduce_sends = {k: _post_send(segs[rank][k], right, k, group) for k in range(pieces)}  # step 0: own data
+    gather_recvs, gather_sends = {}, []
+    for i in range(messages):
+        step, k = divmod(i, pieces)
+        target = reduce_target(i)
+        _wait(reduce_recvs.pop(i))
+        target.add_(slots[i % len(slots), :target.numel()])
+        reduce_recvs[i + len(slots)] = post_reduce_recv(i + len(slots))  # the slot is free again
+        if step < steps - 1:  # forward the partial sum at once: the pipeline
+            reduce_sends[i + pieces] = _post_send(target, right, i + pieces, group)
+        else:  # chunk rank + 1 is complete here: its owner divides, and starts the all-gather with it
+            target.div_(size)
+            gather_sends.append(_post_send(target, right, messages + k, group))
+        # What this rank sent at this step (chunk rank - step) is final for the reduce-scatter: once the send is
+        # done, the all-gather receive for that segment (at step `step`) can be posted into place, early.
+        _wait(reduce_sends.pop(i))
+        gather_recvs[i] = _post_recv(segs[(rank - step) % size][k], left, messages + i, group)
+    for i in range(messages):  # all-gather step t receives chunk rank - t and forwards it at step t + 1
+        step, k = divmod(i, pieces)
+        _wait(gather_recvs.pop(i))
+        if step < steps - 1:
+            gather_sends.append(_post_send(segs[(rank - step) % size][k], right, messages + i + pieces, group))
+    for request in gather_sends:
+        _wait(request)
 
-    gather_sends = []
-    for step in range(size - 1):
-        if step > 0:  # what this step forwards is what the previous step received
-            _wait(gather_recvs[step - 1])
-        gather_sends.append(_post_send(chunks[(rank + 1 - step) % size], right, tag=size + step))
-    _wait(gather_recvs[-1])
-    for send in gather_sends:
-        _wait(send)
 
+def ring_allreduce(send: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,
+                   segment_elements: int = SEGMENT_ELEMENTS) -> torch.Tensor:
+    """Average ``send`` in place with a pipelined ring reduce-scatter + all-gather.
 
-def ring_allreduce(send: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Average ``send`` in place over the default group with a ring reduce-scatter + all-gather.
-
-    Point-to-point messages only (dist.isend/irecv); see the module docstring for the steps and costs.
-    Returns ``send``.
+    ``rank`` and ``size`` are this process's rank in ``group`` (default: the default group) and the group's size.
+    Point-to-point messages only (dist.isend/irecv) of at most ``segment_elements`` elements; extra memory
+    at most RECEIVE_SLOTS segments. See the module docstring for the steps and costs. Returns ``send``.
     """
-    _check_args(send, rank, size, "ring_allreduce")
-    return _in_place_on_contiguous(_ring, send, rank, size)
+    _check_args(send, rank, size, group, segment_elements, "ring_allreduce")
+    return _in_place_on_contiguous(_ring, send, rank, size, group, segment_elements)
 
 
-def _butterfly(flat: torch.Tensor, rank: int, size: int) -> None:
+def _receive_and_add(target: torch.Tensor, src: int, slots: torch.Tensor, tag: int, group,
+                     outgoing: torch.Tensor | None = None, dst: int = -1) -> None:
+    """Add the message from ``src`` into ``target`` one segment (a row of ``slots``) at a time, receiving the
+    next segments while adding this one; meanwhile send ``outgoing`` to ``dst`` segmented the same way (the
+    peer receives it as its ``target``). Segment k has tag ``tag + k``."""
+    incoming = _cut(target, slots.shape[1])
+    pieces = len(incoming)
+    recvs = {k: _post_recv(slots[k, :incoming[k].numel()], src, tag + k, group)
+             for k in range(min(len(slots), pieces))}
+    sends = []
+    if outgoing is not None:
+        sends = [_post_send(piece, dst, tag + k, group) for k, piece in enumerate(_cut(outgoing, slots.shape[1]))]
+    for k, piece in enumerate(incoming):
+        slot = slots[k % len(slots), :piece.numel()]
+        _wait(recvs.pop(k))
+        piece.add_(slot)
+        if k + len(slots) < pieces:
+            recvs[k + len(slots)] = _post_recv(slots[(k + len(slots)) % len(slots), :incoming[k + len(slots)].numel()],
+                                               src, tag + k + len(slots), group)
+    for request in sends:
+        _wait(request)
+
+
+def _butterfly(flat: torch.Tensor, rank: int, size: int, group, segment: int) -> None:
     n = flat.numel()
     if size == 1 or n == 0:
         return
     core = 1 << (size.bit_length() - 1)  # largest power of two <= size
     steps = core.bit_length() - 1  # log2(core)
-    fold_tag, unfold_tag = 2 * steps, 2 * steps + 2  # tags 0 .. 2 steps - 1 are the butterfly's own
-    halves = (flat[:(n + 1) // 2], flat[(n + 1) // 2:])
+    half = (n + 1) // 2
+    width = min(segment, half)  # no message is longer than this, so every segment fits a slot
+    stride = -(-n // width)  # tags: each exchange gets `stride` of them (enough for its segments)
+    fold_tag, unfold_tag = 2 * steps * stride, (2 * steps + 1) * stride
     if rank >= core:  # fold into rank - core, wait for the result, done
-        for i, half in enumerate(halves):
-            _wait(_post_send(half, rank - core, tag=fold_tag + i))
-        _wait(_post_recv(flat, rank - core, tag=unfold_tag))
+        for k, piece in enumerate(_cut(flat, width)):
+            _wait(_post_send(piece, rank - core, fold_tag + k, group))
+        _wait(_post_recv(flat, rank - core, unfold_tag, group))
         return
-    received = torch.empty((n + 1) // 2, dtype=flat.dtype, device=flat.device)
+    slots = torch.empty(1 if width == half else RECEIVE_SLOTS, width, dtype=flat.dtype, device=flat.device)
     partner_extra = rank + core if rank + core < size else None
     if partner_extra is not None:
-        for i, half in enumerate(halves):
-            incoming = received[:half.numel()]
-            _wait(_post_recv(incoming, partner_extra, tag=fold_tag + i))
-            half.add_(incoming)
+        _receive_and_add(flat, partner_extra, slots, fold_tag, group)
 
     lo, hi = 0, n
     segments = []  # (parent segment, sibling segment) per halving step
@@ -211,47 +260,82 @@ def _butterfly(flat: torch.Tensor, rank: int, size: int) -> None:
         mid = lo + (hi - lo) // 2
         keep, give = ((mid, hi), (lo, mid)) if rank & distance else ((lo, mid), (mid, hi))
         segments.append(((lo, hi), give))
-        incoming = received[:keep[1] - keep[0]]
-        _exchange(flat[give[0]:give[1]], partner, incoming, partner, tag=step)
-        flat[keep[0]:keep[1]].add_(incoming)
+        _receive_and_add(flat[keep[0]:keep[1]], partner, slots, step * stride, group,
+                         outgoing=flat[give[0]:give[1]], dst=partner)
         lo, hi = keep
     flat[lo:hi].div_(size)
 
     # Recursive doubling retraces the halving: at each step the partner sends back the sibling segment this
-    # rank gave away. Those regions are final for the halving, so every receive is posted up front.
+    # rank gave away. Those regions are final for the halving, so every receive is posted up front, in place.
     segments.reverse()
-    recvs = [_post_recv(flat[give[0]:give[1]], rank ^ (1 << step), tag=steps + step)
+    recvs = [_post_recv(flat[give[0]:give[1]], rank ^ (1 << step), (steps + step) * stride, group)
              for step, (_, give) in enumerate(segments)]
     sends = []
     for step, (parent, _) in enumerate(segments):
         if step > 0:
             _wait(recvs[step - 1])
-        sends.append(_post_send(flat[lo:hi], rank ^ (1 << step), tag=steps + step))
+        sends.append(_post_send(flat[lo:hi], rank ^ (1 << step), (steps + step) * stride, group))
         lo, hi = parent
     for request in recvs[-1:] + sends:  # the other receives were waited for already (gloo: wait once only)
         _wait(request)
 
     if partner_extra is not None:
-        _wait(_post_send(flat, partner_extra, tag=unfold_tag))
+        _wait(_post_send(flat, partner_extra, unfold_tag, group))
 
 
-def butterfly_allreduce(send: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Average ``send`` in place over the default group with recursive halving + doubling (a butterfly).
+def butterfly_allreduce(send: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,
+                        segment_elements: int = SEGMENT_ELEMENTS) -> torch.Tensor:
+    """Average ``send`` in place with recursive halving + doubling (a butterfly), over ``group`` (default: the
+    default group; ``rank`` and ``size`` are this process's rank in it and its size).
 
-    Non-power-of-two sizes fold the extra ranks into the power-of-two core first and unfold at the end; see
-    the module docstring. Returns ``send``.
+    Non-power-of-two sizes fold the extra ranks into the power-of-two core first and unfold at the end; the
+    halving and folding receive through RECEIVE_SLOTS segments of at most ``segment_elements`` (one of ceil(n/2)
+    when n/2 fits in a segment). See the module docstring. Returns ``send``.
     """
-    _check_args(send, rank, size, "butterfly_allreduce")
-    return _in_place_on_contiguous(_butterfly, send, rank, size)
+    _check_args(send, rank, size, group, segment_elements, "butterfly_allreduce")
+    return _in_place_on_contiguous(_butterfly, send, rank, size, group, segment_elements)
 
 
-def torch_allreduce(send: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """The baseline: torch.distributed.all_reduce (SUM; gloo has no AVG) and a division, in place."""
-    dist.all_reduce(send)
+def torch_allreduce(send: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,
+                    segment_elements: int = SEGMENT_ELEMENTS) -> torch.Tensor:
+    """The baseline: torch.distributed.all_reduce (SUM; gloo has no AVG) and a division, in place.
+    (``segment_elements`` is ignored: gloo segments on its own.)"""
+    dist.all_reduce(send, group=group)
     return send.div_(size)
 
 
 ALGORITHMS = {"ring": ring_allreduce, "butterfly": butterfly_allreduce, "torch": torch_allreduce}
+
+
+class AllreduceThread:
+    """Averages tensors with one of ALGORITHMS on a background thread, over a process group of its own.
+
+    ``submit(tensor)`` queues an in-place average and returns a concurrent.futures.Future (``.result()`` waits
+    and re-raises the thread's exception). Jobs run one at a time in submission order, so every rank that
+    submits the same sequence runs the same sequence of messages. The group is made here with dist.new_group,
+    which every rank of the default group must call at the same point: the thread's messages then cannot mix
+    with collectives the caller's thread issues on the default group meanwhile (gloo requires one order of
+    operations per group, and ours is on another thread). ``close()`` stops the thread and destroys the group.
+    """
+
+    def __init__(self, algorithm: str, timeout_s: float | None = None, segment_elements: int | None = None):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown all-reduce {algorithm!r}: choose from {', '.join(ALGORITHMS)}")
+        self._algorithm = ALGORITHMS[algorithm]
+        self._segment = segment_elements or SEGMENT_ELEMENTS
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+        self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"allreduce-{algorithm}")
+
+    def submit(self, tensor: torch.Tensor) -> Future:
+        return self._executor.submit(self._algorithm, tensor, self.rank, self.size, self.group, self._segment)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -297,55 +381,124 @@ def tracked_allocation_bytes(fn) -> int:
     return tracker.bytes
 
 
-_reference_cache: dict[tuple[int, int, int], torch.Tensor] = {}
-
-
 def benchmark_inputs(rank: int, size: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s float32 input, and the float64 mean of all ranks' inputs (each rank rebuilds it)."""
     def make(r: int) -> torch.Tensor:
         return torch.randn(n, generator=torch.Generator().manual_seed(seed * 100_003 + r))
 
-    key = (size, n, seed)
-    if key not in _reference_cache:
-        total = torch.zeros(n, dtype=torch.float64)
-        for r in range(size):
-            total += make(r).double()
-        _reference_cache.clear()  # one reference at a time is enough: configurations go size by size
-        _reference_cache[key] = total / size
-    return make(rank), _reference_cache[key]
+    total = torch.zeros(n, dtype=torch.float64)
+    for r in range(size):
+        total += make(r)  # float32 into float64: exact
+    return make(rank), total.div_(size)
 
 
-def bench_worker(rank: int, size: int, algo: str, n: int, seed: int, budget_s: float,
-                 min_iters: int, max_iters: int) -> dict:
-    """One configuration on every rank of a LocalGroup; rank 0's dict is the result row."""
-    allreduce = ALGORITHMS[algo]
+PINGPONG_LENGTHS = [10_000, 100_000, 1_000_000, 4_000_000]
+
+
+def pingpong_worker(rank: int, size: int, lengths: list[int], reps: int) -> list[dict]:
+    """One-way message time between ranks 0 and 1 (half the round trip; the other ranks wait at a barrier), as
+    the least time over ``reps`` round trips per length: the alpha-beta model describes an unhindered message."""
+    rows = []
+    for n in lengths:
+        buffer, times = torch.zeros(n), []
+        for _ in range(reps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            elif rank == 1:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            times.append((time.perf_counter() - start) / 2 * 1e3)
+        rows.append({"elements": n, "one_way_ms_min": min(times[1:]),
+                     "one_way_ms_median": utils.median(times[1:])})
+    return rows
+
+
+def fit_alpha_beta(rows: list[dict]) -> dict:
+    """Least squares t = alpha + beta * n over the ping-pong's (elements, one-way ms) points."""
+    xs, ys = [r["elements"] for r in rows], [r["one_way_ms_min"] for r in rows]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    alpha = max(mean_y - beta * mean_x, min(ys))  # a steep fit can push the intercept below any measurement
+    return {"alpha_ms": alpha, "beta_ms_per_element": beta, "beta_gb_per_s": 4 / (beta * 1e6), "points": rows}
+
+
+def predicted_ms(algo: str, p: int, n: int, model: dict, segment: int) -> float:
+    """The alpha-beta model of the module docstring for one call (the adds are not modelled)."""
+    alpha, beta = model["alpha_ms"], model["beta_ms_per_element"]
+    if p == 1:
+        return 0.0
+    if algo == "butterfly":
+        q = 1 << (p.bit_length() - 1)
+        extra = 0 if q == p else 2 * alpha + 2 * n * beta
+        return 2 * math.log2(q) * alpha + 2 * n * (q - 1) / q * beta + extra
+    # The ring pipelines K segments per chunk through 2(p - 1) hops: 2(p - 1) + K - 1 message times of n/(pK)
+    # elements. torch (gloo) runs a ring too, in C++: the same formula with K = 1 is its classical bound.
+    pieces = -(-math.ceil(n / p) // segment) if algo == "ring" else 1
+    return (2 * (p - 1) + pieces - 1) * (alpha + n / (p * pieces) * beta)
+
+
+def bench_worker(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: float, min_iters: int,
+                 max_iters: int, rounds: int, segment: int) -> list[dict]:
+    """Every algorithm at one (size, n) on every rank of a LocalGroup; rank 0's list is the result rows.
+
+    Timed calls are spread over ``rounds`` rounds, the algorithms' order reversed every other round, so that a
+    change in the machine's load falls on all of them alike; each row's median pools all its rounds."""
     data, reference = benchmark_inputs(rank, size, n, seed)
-
-    # Accuracy and identity on a fresh copy of the inputs, before the timing loop keeps averaging in place.
-    result = data.clone()
-    allreduce(result, rank, size)
-    error = utils.max_across_ranks(float((result.double() - reference).abs().max()))
-    rank0 = result.clone()
-    dist.broadcast(rank0, 0)
-    identical = utils.max_across_ranks(float(not torch.equal(rank0, result))) == 0.0
-
+    rows = {}
+    for algo in algos:
+        allreduce = ALGORITHMS[algo]
+        # Accuracy and identity on a fresh copy of the inputs, before the timing loop keeps averaging in place.
+        result = allreduce(data.clone(), rank, size, segment_elements=segment)
+        error = utils.max_across_ranks(float((result.double() - reference).abs().max()))
+        rank0 = result.clone()
+        dist.broadcast(rank0, 0)
+        identical = utils.max_across_ranks(float(not torch.equal(rank0, result))) == 0.0
+        work = data.clone()
+        extra_bytes = utils.max_across_ranks(tracked_allocation_bytes(
+            lambda: allreduce(work, rank, size, segment_elements=segment)))
+        probe = utils.time_calls_ms(lambda: allreduce(work, rank, size, segment_elements=segment),
+                                    torch.device("cpu"), iters=3, warmup=1)
+        probe_ms = utils.max_across_ranks(utils.median(probe))
+        iters = int(min(max_iters, max(min_iters, budget_s * 1e3 / max(probe_ms, 1e-3))))
+        rows[algo] = {"workers": size, "elements": n, "algo": algo, "iters": -(-iters // rounds) * rounds,
+                      "extra_peak_bytes": int(extra_bytes), "max_abs_error": error,
+                      "identical_across_ranks": identical, "times": []}
+        del result, rank0, work
     work = data.clone()
-    extra_bytes = utils.max_across_ranks(tracked_allocation_bytes(lambda: allreduce(work, rank, size)))
+    for round_index in range(rounds):
+        for algo in (algos if round_index % 2 == 0 else algos[::-1]):
+            allreduce = ALGORITHMS[algo]
+            rows[algo]["times"] += utils.time_calls_ms(
+                lambda: allreduce(work, rank, size, segment_elements=segment), torch.device("cpu"),
+                iters=rows[algo]["iters"] // rounds, warmup=1)
+    out = []
+    for algo in algos:
+        row = rows[algo]
+        times = row.pop("times")
+        row["median_ms"] = utils.max_across_ranks(utils.median(times))
+        row["min_ms"] = utils.max_across_ranks(min(times))
+        out.append(row)
+    return out
 
-    # Adaptive iteration count: a few probe calls, then as many as fit in budget_s (all ranks agree).
-    probe = utils.time_calls_ms(lambda: allreduce(work, rank, size), torch.device("cpu"), iters=3, warmup=1)
-    probe_ms = utils.max_across_ranks(utils.median(probe))
-    iters = int(min(max_iters, max(min_iters, budget_s * 1e3 / max(probe_ms, 1e-3))))
-    times = utils.time_calls_ms(lambda: allreduce(work, rank, size), torch.device("cpu"), iters=iters, warmup=2)
-    median_ms = utils.max_across_ranks(utils.median(times))
-    return {"workers": size, "elements": n, "algo": algo, "median_ms": median_ms,
-            "min_ms": utils.max_across_ranks(min(times)), "iters": iters,
-            "extra_peak_bytes": int(extra_bytes), "max_abs_error": error, "identical_across_ranks": identical}
+
+def segment_sweep_worker(rank: int, size: int, n: int, segments: list[int], rounds: int, iters: int) -> list[dict]:
+    """The ring's median time at length n for each segment size, alternating rounds as in bench_worker."""
+    work = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    times: dict[int, list[float]] = {s: [] for s in segments}
+    for round_index in range(rounds):
+        for segment in (segments if round_index % 2 == 0 else segments[::-1]):
+            times[segment] += utils.time_calls_ms(lambda: ring_allreduce(work, rank, size, segment_elements=segment),
+                                                  torch.device("cpu"), iters=iters, warmup=1)
+    return [{"workers": size, "elements": n, "segment_elements": s,
+             "median_ms": utils.max_across_ranks(utils.median(times[s]))} for s in segments]
 
 
 def _int_list(text: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(float(v)) if "e" in v.lower() else int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
@@ -365,25 +518,34 @@ def _algo_list(text: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Benchmark ring and butterfly all-reduce against "
                                                  "torch.distributed.all_reduce (gloo, CPU).")
-    parser.add_argument("--workers", type=_int_list, default=[1, 2, 4, 8, 16, 32],
-                        help="comma-separated world sizes (default 1,2,4,8,16,32)")
-    parser.add_argument("--sizes", type=_int_list, default=[1000, 10000, 100000],
-                        help="comma-separated vector lengths in float32 elements (default 1000,10000,100000)")
+    parser.add_argument("--workers", type=_int_list, default=[2, 4, 8],
+                        help="comma-separated world sizes (default 2,4,8)")
+    parser.add_argument("--sizes", type=_int_list, default=[1000, 10000, 100000, 1000000, 10000000, 25000000],
+                        help="comma-separated vector lengths in float32 elements, 1e6 notation allowed "
+                             "(default 1e3,1e4,1e5,1e6,1e7,2.5e7)")
     parser.add_argument("--algos", type=_algo_list, default=list(ALGORITHMS),
                         help="comma-separated subset of ring,butterfly,torch (default all)")
     parser.add_argument("--torch-max-workers", type=int, default=16,
                         help="run torch.distributed.all_reduce only up to this many workers (default 16)")
     parser.add_argument("--budget-s", type=float, default=1.0,
                         help="timed seconds per configuration; sets the iteration count (default 1.0)")
-    parser.add_argument("--min-iters", type=int, default=5)
+    parser.add_argument("--min-iters", type=int, default=6)
     parser.add_argument("--max-iters", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds the timed calls are spread over (default 3)")
+    parser.add_argument("--segment", type=int, default=SEGMENT_ELEMENTS,
+                        help=f"ring and butterfly segment, elements (default {SEGMENT_ELEMENTS})")
+    parser.add_argument("--segment-sweep", type=_int_list, default=None, metavar="SEGMENTS",
+                        help="also time the ring with each of these segment sizes at the largest length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for any one group call")
     parser.add_argument("--json", default=None,
                         help=f"results file (default results/allreduce-{utils.machine_tag()}.json)")
     args = parser.parse_args(argv)
-    if args.budget_s <= 0 or args.min_iters < 1 or args.max_iters < args.min_iters:
-        parser.error("need --budget-s > 0 and 1 <= --min-iters <= --max-iters")
+    if args.budget_s <= 0 or args.min_iters < 1 or args.max_iters < args.min_iters or args.rounds < 1:
+        parser.error("need --budget-s > 0, 1 <= --min-iters <= --max-iters and --rounds >= 1")
+    if args.segment < 1:
+        parser.error("--segment must be positive")
     return args
 
 
@@ -403,34 +565,43 @@ def _ratios(rows: list[dict]) -> list[dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     json_path = args.json or os.path.join("results", f"allreduce-{utils.machine_tag()}.json")
-    configs = [(w, n, a) for w in args.workers for n in args.sizes for a in args.algos
-               if not (a == "torch" and w > args.torch_max_workers)]
     progress = None
     if sys.stderr.isatty():
         from tqdm import tqdm
-        progress = tqdm(total=len(configs), file=sys.stderr, desc="all-reduce", leave=False)
+        progress = tqdm(total=len(args.workers) * len(args.sizes), file=sys.stderr, desc="all-reduce", leave=False)
+    say = progress.write if progress is not None else partial(print, flush=True)
 
-    header = f"{'workers':>7} {'elements':>9} {'algo':>9} {'median ms':>10} {'iters':>5} " \
+    header = f"{'workers':>7} {'elements':>9} {'algo':>9} {'median ms':>10} {'model ms':>9} {'iters':>5} " \
              f"{'extra KiB':>9} {'max abs err':>11} {'identical':>9}"
-    rows, started, load_before = [], time.perf_counter(), os.getloadavg()
+    rows, models, sweep, started, load_before = [], {}, [], time.perf_counter(), os.getloadavg()
     print(header, flush=True)
     for workers in args.workers:
-        mine = [c for c in configs if c[0] == workers]
-        if not mine:
-            continue
+        algos = [a for a in args.algos if not (a == "torch" and workers > args.torch_max_workers)]
         with utils.LocalGroup(workers, timeout_s=args.timeout, start_timeout_s=args.timeout) as group:
-            for _, n, algo in mine:
-                row = group.run(bench_worker, algo, n, args.seed, args.budget_s, args.min_iters,
-                                args.max_iters)[0]
-                rows.append(row)
-                line = (f"{workers:>7} {n:>9} {algo:>9} {row['median_ms']:>10.3f} {row['iters']:>5} "
-                        f"{row['extra_peak_bytes'] / 1024:>9.1f} {row['max_abs_error']:>11.2e} "
+            if workers > 1:
+                # Lengths up to the largest benchmarked (at least two points for the fit).
+                lengths = [1] + [m for m in PINGPONG_LENGTHS if m <= max(10_000, max(args.sizes))]
+                points = group.run(pingpong_worker, lengths, 10)[0]
+                models[workers] = fit_alpha_beta(points)
+                m = models[workers]
+                say(f"{workers:>7} ping-pong: alpha {m['alpha_ms'] * 1e3:.0f} us, beta {m['beta_ms_per_element'] * 1e6:.2f}"
+                    f" ns/element ({m['beta_gb_per_s']:.2f} GB/s)")
+            for n in args.sizes:
+                for row in group.run(bench_worker, n, algos, args.seed, args.budget_s, args.min_iters,
+                                     args.max_iters, args.rounds, args.segment)[0]:
+                    row["predicted_ms"] = predicted_ms(row["algo"], workers, n, models[workers], args.segment) \
+                        if workers > 1 else 0.0
+                    rows.append(row)
+                    say(f"{workers:>7} {n:>9} {row['algo']:>9} {row['median_ms']:>10.3f} {row['predicted_ms']:>9.3f} "
+                        f"{row['iters']:>5} {row['extra_peak_bytes'] / 1024:>9.1f} {row['max_abs_error']:>11.2e} "
                         f"{str(row['identical_across_ranks']):>9}")
                 if progress is not None:
-                    progress.write(line)
                     progress.update()
-                else:
-                    print(line, flush=True)
+            if args.segment_sweep and workers > 1:
+                for row in group.run(segment_sweep_worker, max(args.sizes), args.segment_sweep, args.rounds, 2)[0]:
+                    sweep.append(row)
+                    say(f"{workers:>7} {row['elements']:>9} ring with segment {row['segment_elements']:>8}: "
+                        f"{row['median_ms']:.1f} ms")
     if progress is not None:
         progress.close()
 
@@ -447,12 +618,15 @@ def main(argv=None) -> dict:
         "machine": utils.machine_info(),
         "settings": {"workers": args.workers, "sizes": args.sizes, "algos": args.algos, "dtype": "float32",
                      "torch_max_workers": args.torch_max_workers, "budget_s": args.budget_s,
-                     "min_iters": args.min_iters, "max_iters": args.max_iters, "seed": args.seed},
+                     "min_iters": args.min_iters, "max_iters": args.max_iters, "rounds": args.rounds,
+                     "segment_elements": args.segment, "receive_slots": RECEIVE_SLOTS, "seed": args.seed},
         "method": {
             "time": "median over the timed calls of one rank's wall time per call (each call starts after a "
                     "barrier), the largest such median across ranks; iterations adaptive: 3 probe calls, then "
-                    "budget_s / probe median, clamped to [min_iters, max_iters], so oversubscribed runs "
-                    "(up to 32 processes on this machine's cores) finish in minutes",
+                    "budget_s / probe median, clamped to [min_iters, max_iters], spread over `rounds` rounds in "
+                    "alternating algorithm order",
+            "predicted_ms": "alpha-beta model (predicted_ms in allreduce.py) with alpha and beta fitted per "
+                            "worker count to a ping-pong between ranks 0 and 1 (least one-way time per length)",
             "extra_peak_bytes": "bytes of new tensor storage returned by torch functions and Tensor methods "
                                 "during one call (a TorchFunctionMode), max over ranks; a sum of allocations, "
                                 "so an upper bound on the peak; gloo's internal scratch in "
@@ -465,6 +639,8 @@ def main(argv=None) -> dict:
         # The machine may be shared: the 1/5/15-minute load averages say how busy it was around the run.
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
+        "alpha_beta": {str(w): m for w, m in models.items()},
+        "segment_sweep": sweep,
         "results": rows,
         "ratios": ratios,
     }

@@ -289,8 +289,13 @@ class GradientSync:
     at most ``bucket_mb``.
     """
 
-    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool):
+    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
+                 timeout_s: float | None = None):
         self.world_size = dist.get_world_size()
+        # ring/butterfly: allreduce.py's algorithms average the buckets on a thread of their own, over a
+        # process group of their own (made here, by every rank at the same point); torch: all_reduce (SUM).
+        from allreduce import AllreduceThread
+        self.averager = None if allreduce == "torch" else AllreduceThread(allreduce, timeout_s)
         params = [p for p in model.parameters() if p.requires_grad]
         cap_bytes = int(bucket_mb * 2**20)
         buckets: list[list[nn.Parameter]] = [[]]
@@ -336,8 +341,11 @@ class GradientSync:
 
     def _launch(self) -> None:
         flat = self.flats[self.launched]
-        flat.div_(self.world_size)
-        self.handles.append(dist.all_reduce(flat, async_op=True))
+        if self.averager is not None:
+            self.handles.append(self.averager.submit(flat))  # averages: no division here
+        else:
+            flat.div_(self.world_size)
+            self.handles.append(dist.all_reduce(flat, async_op=True))
         self.launched += 1
 
     def finish(self) -> None:
@@ -345,7 +353,7 @@ class GradientSync:
         while self.launched < len(self.flats):
             self._launch()
         for handle in self.handles:
-            handle.wait()
+            handle.wait() if self.averager is None else handle.result()  # a Future re-raises the thread's error
         self.handles = []
         self.sync = False
 
@@ -584,7 +592,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                                               bucket_cap_mb=args.bucket_mb, forward_sync_buffers=False,
                                               gradient_as_bucket_view=True)
     else:
-        grad_sync = GradientSync(model, args.bucket_mb, overlap=args.sync_mode == "overlap")
+        grad_sync = GradientSync(model, args.bucket_mb, args.sync_mode == "overlap", args.allreduce, args.timeout)
 
     writer = None
     if rank == 0 and args.log_dir:
@@ -776,6 +784,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--model", choices=("net", "resnet"), default="net")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
     add("--grad-sync", choices=("custom", "ddp"), default="custom")
+    add("--allreduce", choices=("torch", "ring", "butterfly"), default="torch",
+        help="custom: which all-reduce averages the buckets (torch.distributed's, or allreduce.py's own)")
     add("--sync-mode", choices=("overlap", "after"), default="overlap",
         help="custom: all_reduce buckets from gradient hooks during backward, or after it")
     add("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap (DDP's bucket_cap_mb)")

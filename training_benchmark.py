@@ -14,6 +14,11 @@ Configurations, all with the same seed, data order and initial weights:
   since nn.SyncBatchNorm refuses CPU tensors, so there the comparison isolates gradient synchronization;
 - each at ``--grad-accum K`` (K >= 2) and at ``--grad-accum 1`` for reference.
 
+``--compare-allreduce`` runs instead ``ours`` with each all-reduce the hand-written sync can use
+(``--allreduce torch|ring|butterfly``: torch.distributed's, or allreduce.py's ring and butterfly on a
+communication thread) at ``--grad-accum K``, compared against ``--allreduce torch``, and writes
+``results/trainer-allreduce-<machine>.json``.
+
 The headline figure is the optimizer-step time (median over steps after warm-up, all K micro-batches, the
 gradient sync and the step included), measured by the trainer itself. This machine is shared and noisy, so
 ``--repeats R`` runs the whole list R times, in alternating order, and keeps each configuration's median run.
@@ -50,6 +55,12 @@ def configurations(device: str, grad_accum: int) -> list[dict]:
     return rows
 
 
+def allreduce_configurations(grad_accum: int) -> list[dict]:
+    return [{"name": f"ours-{name}/accum{grad_accum}" if name != "torch" else f"ours/accum{grad_accum}",
+             "grad_sync": "custom", "norm": "custom", "sync_mode": "overlap", "grad_accum": grad_accum,
+             "allreduce": name} for name in ("torch", "ring", "butterfly")]
+
+
 def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            os.path.join(HERE, "ddp_cifar100.py"),
@@ -63,6 +74,8 @@ def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -
         cmd += ["--data-dir", args.data_dir]
     if config["sync_mode"]:
         cmd += ["--sync-mode", config["sync_mode"]]
+    if config.get("allreduce"):
+        cmd += ["--allreduce", config["allreduce"]]
     if args.amp != "off":
         cmd += ["--amp", args.amp]
     return cmd
@@ -110,10 +123,11 @@ def summarize(config: dict, metrics: dict) -> dict:
     }
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], baseline_prefix: str = "pytorch/") -> None:
     baseline = {row["config"]["grad_accum"]: row["step_time_ms_median"] for row in rows
-                if row["name"].startswith("pytorch/")}
-    header = f"{'configuration':<22}{'step ms':>10}{'vs pytorch':>12}{'samples/s':>12}{'peak MB':>10}{'val acc':>9}"
+                if row["name"].startswith(baseline_prefix)}
+    vs = "vs " + baseline_prefix.rstrip("/")
+    header = f"{'configuration':<22}{'step ms':>10}{vs:>12}{'samples/s':>12}{'peak MB':>10}{'val acc':>9}"
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -140,7 +154,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="run the list this many times; keep medians")
     parser.add_argument("--threads-per-process", type=int, default=1)
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds allowed for one trainer run")
-    parser.add_argument("--json", default=None, help="default: results/training-<machine>.json")
+    parser.add_argument("--compare-allreduce", action="store_true",
+                        help="compare ours with --allreduce torch, ring and butterfly instead (see above)")
+    parser.add_argument("--json", default=None, help="default: results/training-<machine>.json, or "
+                                                     "results/trainer-allreduce-<machine>.json")
     args = parser.parse_args(argv)
     if args.nproc < 2:
         parser.error("--nproc must be at least 2: the point is to compare distributed pipelines")
@@ -158,13 +175,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
     if args.json is None:
-        args.json = os.path.join(HERE, "results", f"training-{machine_tag(args.device)}.json")
+        stem = "trainer-allreduce" if args.compare_allreduce else "training"
+        args.json = os.path.join(HERE, "results", f"{stem}-{machine_tag(args.device)}.json")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    configs = configurations(args.device, args.grad_accum)
+    if args.compare_allreduce:
+        configs = allreduce_configurations(args.grad_accum)
+    else:
+        configs = configurations(args.device, args.grad_accum)
     runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
     total = len(configs) * args.repeats
     started = time.time()
@@ -178,9 +199,9 @@ def main(argv=None) -> None:
     for config in configs:
         by_step_time = sorted(runs[config["name"]], key=lambda m: m["step_time_ms_median"])
         rows.append(summarize(config, by_step_time[len(by_step_time) // 2]))
-    print_table(rows)
+    print_table(rows, "ours/" if args.compare_allreduce else "pytorch/")
     payload = {
-        "benchmark": "training",
+        "benchmark": "trainer-allreduce" if args.compare_allreduce else "training",
         "machine": machine_info(args.device),
         "machine_tag": machine_tag(args.device),
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
