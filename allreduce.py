@@ -1,28 +1,44 @@
 """Ring and butterfly all-reduce on point-to-point primitives, and their benchmark against torch.distributed.
 
-Both functions AVERAGE a floating-point tensor in place over the default process group, for any shape and any
-number of elements n (also n < p, the world size, and n not divisible by p), and leave bit-identical values on
-every rank: each piece of the result is summed and divided by p on exactly one rank (its owner), and the other
-ranks only copy it.
+Both functions AVERAGE a floating-point tensor in place over a process group (the default one, or ``group=``),
+for any shape and any number of elements n (also n < p, the group's size, and n not divisible by p), and leave
+bit-identical values on every rank: each piece of the result is summed and divided by p on exactly one rank
+(its owner), and the other ranks only copy it. ``AllreduceThread`` runs them on a thread of its own over a
+group of its own, for overlapping communication with computation (the trainer's --allreduce ring|butterfly).
 
-Ring (reduce-scatter, then all-gather)
+Ring (reduce-scatter, then all-gather), pipelined
     The flat vector is cut into p chunks, chunk i holding floor(n/p) or ceil(n/p) elements (the first n mod p
-    chunks get the extra one; with n < p some chunks are empty and are simply not sent). Rank r sends to
-    r+1 and receives from r-1 (mod p).
-    - reduce-scatter, steps s = 0 .. p-2: send chunk (r - s), receive chunk (r - s - 1) into a preallocated
-      buffer of ceil(n/p) elements and add it to the local chunk. After p-1 steps chunk (r + 1) on rank r
-      holds the sum over all ranks; rank r divides it by p.
+    chunks get the extra one; with n < p some chunks are empty and are simply not sent), and every chunk into
+    the same number K = ceil(ceil(n/p) / S) of near-equal segments of at most S = segment_elements elements.
+    Rank r sends to r+1 and receives from r-1 (mod p).
+    - reduce-scatter, steps s = 0 .. p-2: send chunk (r - s), receive chunk (r - s - 1) and add it to the
+      local chunk. After p-1 steps chunk (r + 1) on rank r holds the sum over all ranks; rank r divides it by p.
     - all-gather, steps s = 0 .. p-2: send chunk (r + 1 - s), receive chunk (r - s) straight into place.
-    Steps 2(p-1); elements sent per rank 2n - |chunk r+1| - |chunk r+2| = 2n(p-1)/p when p divides n.
-    With a per-message cost alpha and a per-element cost beta, T_ring = 2(p-1) alpha + 2n(p-1)/p beta:
-    bandwidth-optimal, but the latency term grows linearly in p.
-    Every receive is posted before its message can arrive. Gloo moves a payload only once the receiver has
-    posted its buffer, so a receive posted after the sender's send adds a round trip of notices (and two
-    thread wake-ups) to each of the 2(p-1) steps on the critical path; posting early halved the ring's time
-    at 8 and 16 workers here. So the reduce-scatter double-buffers (the receive for step s + 1 is posted
-    before step s is reduced: extra memory two chunks, 2 ceil(n/p) elements), each all-gather receive is
-    posted as soon as the reduce-scatter has sent that chunk, and every message has its own tag so that
-    receives posted early cannot match the wrong message.
+    Elements sent per rank 2n - |chunk r+1| - |chunk r+2| = 2n(p-1)/p when p divides n.
+    Pipelining: a step works segment by segment, and segment k is forwarded to the next step as soon as it is
+    reduced, so receiving segment k + 1 overlaps adding segment k and the next hop starts after one segment,
+    not one chunk. Receives land in RECEIVE_SLOTS (2) buffers of one segment, used in turn: the receive of
+    message m + 2 is posted when message m has been added. Extra memory is therefore at most 2 S elements
+    (2 ceil(n/p) when a chunk is one segment), whatever n: 2 MiB of float32 at the default S = 2^18, where
+    the unsegmented ring needed 2 ceil(n/p) (40 MB at n = 1e7, p = 2). Every receive is posted before its
+    message can arrive: gloo moves a payload only once the receiver has posted its buffer, so a late receive
+    costs a round trip of notices on the critical path (posting early halved the unsegmented ring's time at 8
+    and 16 workers here). Each all-gather receive is posted as soon as the reduce-scatter has sent what was
+    in that place; every message has its own tag, so receives posted early cannot match the wrong message.
+
+    alpha-beta model, per message alpha, per element beta: the unsegmented ring takes 2(p-1) message times of
+    n/p elements, T = 2(p-1) alpha + 2n(p-1)/p beta: bandwidth-optimal, latency linear in p. Pipelined, the
+    critical path is 2(p-1) + K - 1 message times of n/(pK) elements:
+        T_ring(K) = (2(p-1) + K - 1) (alpha + n beta / (p K)),
+    minimal at K* = sqrt((2p-3) n beta / (p alpha)), i.e. a segment S* = n/(pK*) = sqrt(n alpha / (p (2p-3) beta)):
+    longer segments leave the hops unoverlapped, shorter ones pay alpha too often. The ping-pong of the
+    benchmark (ranks 0 and 1, least one-way time over lengths 1 .. 4e6) fitted alpha = 37 us, beta = 0.97 ns per
+    float32 (4.1 GB/s) with 2 workers, alpha = 0.16 ms, beta = 1.8 ns with 8 (results/allreduce-cpu-2core-
+    gradients.json). At n = 2.5e7 that gives S* = 6.9e5 (p = 2) and 1.5e5 (p = 8); S grows with sqrt(n), and
+    the memory budget needs a fixed S, so S = 2^18 = 262,144, inside that range. Measured
+    (``python allreduce.py --segment-sweep 65536,262144,1048576``, ring at n = 2.5e7): p = 2: 607 / 489 / 394 ms,
+    p = 4: 972 / 524 / 696 ms, p = 8: 2140 / 1370 / 2055 ms for S = 65,536 / 262,144 / 1,048,576: 2^18 is best at
+    4 and 8 workers and second at 2 (where, with a loaded machine, fewer messages won; see below).
 
 Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
     The assignment's butterfly exchanges with partner r XOR d, one element per rank; here the elements are
@@ -35,39 +51,51 @@ Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
     - recursive doubling, d = 1, 2, .., p/2: partners swap their segments (received straight into place),
       retracing the halving in reverse, until every rank holds the whole vector.
     Steps 2 log2 p; elements sent per rank n/2 + n/4 + .. = n(p-1)/p per phase, 2n(p-1)/p in all (the same
-    volume as the ring); extra memory ceil(n/2) elements (the first halving step's receive buffer).
-    T_butterfly = 2 log2(p) alpha + 2 n (p-1)/p beta: fewer, larger messages than the ring.
+    volume as the ring). T_butterfly = 2 log2(p) alpha + 2 n (p-1)/p beta: fewer, larger messages.
     Non-power-of-two p: let q = 2^floor(log2 p) and e = p - q. Fold: each extra rank q + j (j < e) sends its
-    whole vector to rank j, which adds it in (received in two halves through the same ceil(n/2) buffer); the
-    q core ranks run the butterfly; unfold: rank j sends the final vector back to rank q + j. That costs two
-    more steps and n more elements each way on the paired ranks:
+    whole vector to rank j, which adds it in; the q core ranks run the butterfly; unfold: rank j sends the
+    final vector back to rank q + j. Two more steps and n more elements each way on the paired ranks:
     T = (2 log2 q + 2) alpha + (2n(q-1)/q + 2n) beta on the paired ranks.
-
-The doubling-phase receives are posted up front too (they land in place, so that costs no memory); the
-halving phase posts each receive just before its send, as the buffer is reused.
+    Halving and folding receive segment by segment through the same 2 slots of min(S, ceil(n/2)) elements
+    (one slot of ceil(n/2) when half the vector fits in a segment), adding one while the next arrives: extra
+    memory at most 2 S, as the ring. The doubling receives land in place and are all posted up front.
 
 Ring against butterfly: both send the same volume, 2n(p-1)/p per rank, but the ring needs 2(p-1) messages in
-sequence and the butterfly 2 log2 p, so for a power-of-two p in the alpha-beta model the ring is never faster:
-T_ring - T_butterfly = 2(p - 1 - log2 p) alpha >= 0. The ring's advantages lie elsewhere (only neighbour links,
-so no contention on a real network; any p without folding; one message size). On one machine over loopback
-TCP with more processes than cores, alpha (two thread wake-ups and a TCP round of syscalls, about 0.2 ms of
-CPU per message) dominates at these sizes, so the ring loses to the butterfly there and the benchmark shows it.
+sequence and the butterfly 2 log2 p, so for a power-of-two p in the unpipelined model the ring is never faster:
+T_ring - T_butterfly = 2(p - 1 - log2 p) alpha >= 0. Pipelining changes that for long vectors: the ring's
+segments overlap its hops while each halving step of the butterfly must finish before the next. The ring's
+other advantages: only neighbour links (no contention on a real network), any p without folding.
 
-Extra memory is what the algorithm allocates: one receive buffer each, allocated up front, and in-place adds
-into views of the input (no .contiguous() copies). A non-contiguous input is averaged in a
-contiguous copy and copied back (n more elements).
+Extra memory is what the algorithm allocates: the receive slots, allocated once per call, and in-place adds
+into views of the input (no .contiguous() copies). A non-contiguous input is averaged in a contiguous copy and
+copied back (n more elements).
 
-Benchmark: ``python allreduce.py --workers 1,2,4,8,16,32 --sizes 1000,10000,100000 --algos ring,butterfly,torch
---json results/allreduce-cpu-2core.json`` starts one utils.LocalGroup (gloo over a FileStore) per worker count,
-reused for every size and algorithm, and for each configuration reports the median time of one call (every call
-starts after a barrier; the slowest rank's median counts), the extra memory (bytes of new tensor storage made
-by torch calls during one call, tracked with a TorchFunctionMode; see ``tracked_allocation_bytes``) and the max
-error against the float64 mean of the inputs. torch.distributed.all_reduce (gloo, SUM then a division, since gloo
-has no AVG) runs up to --torch-max-workers (16).
+Where the time goes on this machine (2 vCPUs, loopback TCP, gloo): every message wakes gloo's I/O thread and
+then the waiting thread in the receiving process, on a CPU that is usually busy, and while the machine is shared
+with other sessions (two of their `sh -c 'while :; do :; done'` kept both CPUs busy during the measurements)
+the woken thread often waits for the scheduler tick (4 ms: this kernel runs at 250 Hz) instead of preempting
+the other session's task. That is the 2-process bimodality: a call costs ~0.1-0.5 ms or a few ms depending on
+whether its wake-ups hit a CPU held by another session, and whole runs flip as the threads settle on one CPU
+or the other. Evidence: with every thread of both workers pinned to one CPU (``--cpus 0``), each hand-off is a
+switch between our own threads on that CPU and the short messages get fast and steady (README: the
+results/allreduce-cpu-2core-one-cpu.json run against the unpinned one). Many short messages pay many such
+waits: gloo's all_reduce issues fewer wake-ups per call (it runs the whole collective in one C++ thread), so
+it keeps winning where messages are short; the pipelined ring needs long vectors to pay off here.
+
+Benchmark: ``python allreduce.py`` (default: 2, 4, 8 workers x 1e3 .. 1e7 and 2.5e7 float32 x ring, butterfly,
+torch) starts one utils.LocalGroup (gloo over a FileStore) per worker count, reused for every size, and first
+fits alpha and beta to a ping-pong between ranks 0 and 1. For each (workers, size) every algorithm's accuracy
+(max error against the float64 mean of the inputs), bit-identity across ranks and extra memory (bytes of new
+tensor storage made by torch calls during one call, tracked with a TorchFunctionMode; see
+``tracked_allocation_bytes``) are taken first; then the timed calls (each after a barrier; adaptive count from
+3 probe calls and --budget-s) are spread over --rounds rounds in alternating algorithm order, and the slowest
+rank's median counts. The table prints the model's prediction (``predicted_ms``) beside each measured median.
+torch.distributed.all_reduce (gloo, SUM then a division, since gloo has no AVG) runs up to --torch-max-workers.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -440,8 +468,32 @@ def predicted_ms(algo: str, p: int, n: int, model: dict, segment: int) -> float:
     return (2 * (p - 1) + pieces - 1) * (alpha + n / (p * pieces) * beta)
 
 
+@contextlib.contextmanager
+def pinned(rank: int, cpus: list[int] | None):
+    """Every thread of this process (gloo's included) on CPU cpus[rank % len(cpus)] for the block; None: as is."""
+    if not cpus:
+        yield
+        return
+    threads = [int(t) for t in os.listdir("/proc/self/task")]
+    before = {t: os.sched_getaffinity(t) for t in threads}
+    for t in threads:
+        os.sched_setaffinity(t, {cpus[rank % len(cpus)]})
+    try:
+        yield
+    finally:
+        for t, mask in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(t, mask)
+
+
 def bench_worker(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: float, min_iters: int,
-                 max_iters: int, rounds: int, segment: int) -> list[dict]:
+                 max_iters: int, rounds: int, segment: int, cpus: list[int] | None = None) -> list[dict]:
+    with pinned(rank, cpus):
+        return _bench(rank, size, n, algos, seed, budget_s, min_iters, max_iters, rounds, segment)
+
+
+def _bench(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: float, min_iters: int,
+           max_iters: int, rounds: int, segment: int) -> list[dict]:
     """Every algorithm at one (size, n) on every rank of a LocalGroup; rank 0's list is the result rows.
 
     Timed calls are spread over ``rounds`` rounds, the algorithms' order reversed every other round, so that a
@@ -480,6 +532,10 @@ def bench_worker(rank: int, size: int, n: int, algos: list[str], seed: int, budg
         times = row.pop("times")
         row["median_ms"] = utils.max_across_ranks(utils.median(times))
         row["min_ms"] = utils.max_across_ranks(min(times))
+        # The spread shows two-mode timings (calls whose wake-ups waited for a busy CPU, and calls that did not).
+        ordered = sorted(times)
+        row["p10_ms"] = utils.max_across_ranks(ordered[len(ordered) // 10])
+        row["p90_ms"] = utils.max_across_ranks(ordered[(9 * len(ordered)) // 10])
         out.append(row)
     return out
 
@@ -503,6 +559,17 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _cpu_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated CPU numbers, got {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not values or not set(values) <= allowed:
+        raise argparse.ArgumentTypeError(f"CPUs {text!r} not all in this process's set {sorted(allowed)}")
     return values
 
 
@@ -537,6 +604,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"ring and butterfly segment, elements (default {SEGMENT_ELEMENTS})")
     parser.add_argument("--segment-sweep", type=_int_list, default=None, metavar="SEGMENTS",
                         help="also time the ring with each of these segment sizes at the largest length")
+    parser.add_argument("--cpus", type=_cpu_list, default=None,
+                        help="pin worker r (all its threads) to CPU cpus[r %% len] while timing, e.g. 0 puts every "
+                             "worker on CPU 0 (default: the scheduler places them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for any one group call")
     parser.add_argument("--json", default=None,
@@ -588,7 +658,7 @@ def main(argv=None) -> dict:
                     f" ns/element ({m['beta_gb_per_s']:.2f} GB/s)")
             for n in args.sizes:
                 for row in group.run(bench_worker, n, algos, args.seed, args.budget_s, args.min_iters,
-                                     args.max_iters, args.rounds, args.segment)[0]:
+                                     args.max_iters, args.rounds, args.segment, args.cpus)[0]:
                     row["predicted_ms"] = predicted_ms(row["algo"], workers, n, models[workers], args.segment) \
                         if workers > 1 else 0.0
                     rows.append(row)
@@ -619,12 +689,14 @@ def main(argv=None) -> dict:
         "settings": {"workers": args.workers, "sizes": args.sizes, "algos": args.algos, "dtype": "float32",
                      "torch_max_workers": args.torch_max_workers, "budget_s": args.budget_s,
                      "min_iters": args.min_iters, "max_iters": args.max_iters, "rounds": args.rounds,
-                     "segment_elements": args.segment, "receive_slots": RECEIVE_SLOTS, "seed": args.seed},
+                     "segment_elements": args.segment, "receive_slots": RECEIVE_SLOTS, "cpus": args.cpus,
+                     "seed": args.seed},
         "method": {
             "time": "median over the timed calls of one rank's wall time per call (each call starts after a "
                     "barrier), the largest such median across ranks; iterations adaptive: 3 probe calls, then "
                     "budget_s / probe median, clamped to [min_iters, max_iters], spread over `rounds` rounds in "
                     "alternating algorithm order",
+            "p10_ms/p90_ms": "10th and 90th percentile of one rank's call times, the largest across ranks",
             "predicted_ms": "alpha-beta model (predicted_ms in allreduce.py) with alpha and beta fitted per "
                             "worker count to a ping-pong between ranks 0 and 1 (least one-way time per length)",
             "extra_peak_bytes": "bytes of new tensor storage returned by torch functions and Tensor methods "
