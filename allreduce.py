@@ -31,14 +31,16 @@ Ring (reduce-scatter, then all-gather), pipelined
     critical path is 2(p-1) + K - 1 message times of n/(pK) elements:
         T_ring(K) = (2(p-1) + K - 1) (alpha + n beta / (p K)),
     minimal at K* = sqrt((2p-3) n beta / (p alpha)), i.e. a segment S* = n/(pK*) = sqrt(n alpha / (p (2p-3) beta)):
-    longer segments leave the hops unoverlapped, shorter ones pay alpha too often. The ping-pong of the
-    benchmark (ranks 0 and 1, least one-way time over lengths 1 .. 4e6) fitted alpha = 37 us, beta = 0.97 ns per
-    float32 (4.1 GB/s) with 2 workers, alpha = 0.16 ms, beta = 1.8 ns with 8 (results/allreduce-cpu-2core-
-    gradients.json). At n = 2.5e7 that gives S* = 6.9e5 (p = 2) and 1.5e5 (p = 8); S grows with sqrt(n), and
-    the memory budget needs a fixed S, so S = 2^18 = 262,144, inside that range. Measured
-    (``python allreduce.py --segment-sweep 65536,262144,1048576``, ring at n = 2.5e7): p = 2: 607 / 489 / 394 ms,
-    p = 4: 972 / 524 / 696 ms, p = 8: 2140 / 1370 / 2055 ms for S = 65,536 / 262,144 / 1,048,576: 2^18 is best at
-    4 and 8 workers and second at 2 (where, with a loaded machine, fewer messages won; see below).
+    longer segments leave the hops unoverlapped, shorter ones pay alpha too often. The benchmark's ping-pong
+    (ranks 0 and 1, least one-way time over lengths 1 .. 4e6) fitted alpha = 40 / 61 / 137 us and beta = 1.22 /
+    1.49 / 1.71 ns per float32 element with 2 / 4 / 8 workers (results/allreduce-cpu-2core-gradients.json).
+    At n = 2.5e7 that gives S* = 6.4e5 / 2.3e5 / 1.4e5. S* grows as sqrt(n) while the memory budget needs a
+    fixed S, so S = 2^18 = 262,144, inside that range. Measured with
+    ``python allreduce.py --segment-sweep 65536,262144,1048576`` (ring at n = 2.5e7, S = 65,536 / 262,144 /
+    1,048,576, median ms): 2 workers 497 / 316 / 309, 4 workers 1634 / 837 / 787, 8 workers 1908 / 1326 / 1338.
+    The shortest segments always lose (alpha paid 4x as often); 2^18 and 2^20 are within the run-to-run noise
+    of this shared machine of each other (an earlier run of the same command had 2^18 ahead at 4 and 8 workers:
+    524 vs 696 and 1370 vs 2055 ms), and 2^18 needs a quarter of the memory.
 
 Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
     The assignment's butterfly exchanges with partner r XOR d, one element per rank; here the elements are
@@ -71,16 +73,19 @@ into views of the input (no .contiguous() copies). A non-contiguous input is ave
 copied back (n more elements).
 
 Where the time goes on this machine (2 vCPUs, loopback TCP, gloo): every message wakes gloo's I/O thread and
-then the waiting thread in the receiving process, on a CPU that is usually busy, and while the machine is shared
-with other sessions (two of their `sh -c 'while :; do :; done'` kept both CPUs busy during the measurements)
-the woken thread often waits for the scheduler tick (4 ms: this kernel runs at 250 Hz) instead of preempting
-the other session's task. That is the 2-process bimodality: a call costs ~0.1-0.5 ms or a few ms depending on
-whether its wake-ups hit a CPU held by another session, and whole runs flip as the threads settle on one CPU
-or the other. Evidence: with every thread of both workers pinned to one CPU (``--cpus 0``), each hand-off is a
-switch between our own threads on that CPU and the short messages get fast and steady (README: the
-results/allreduce-cpu-2core-one-cpu.json run against the unpinned one). Many short messages pay many such
-waits: gloo's all_reduce issues fewer wake-ups per call (it runs the whole collective in one C++ thread), so
-it keeps winning where messages are short; the pipelined ring needs long vectors to pay off here.
+then the waiting thread in the receiving process. While these measurements ran, the machine was shared with
+other sessions (load averages 9-20, recorded in each JSON; two of those processes were `sh -c 'while :; do :;
+done'` loops, one per core), so a woken thread usually finds its CPU held by another session's task and runs
+only when the scheduler next looks, at the latest at its tick (this kernel runs at 250 Hz: 4 ms). That is the
+2-process bimodality: the same call in the same run takes either a fraction of a millisecond or several
+(p10 / p90 in the JSON: e.g. ring at 1,000 elements 0.33 / 8.2 ms, gloo's all_reduce 0.15 / 3.4 ms), and the
+median lands in one mode or the other, so whole runs flip. gloo's all_reduce shows the same two modes, but
+its median stays in the fast one more often: it runs the whole collective in one C++ thread per process, with
+fewer hand-offs between threads that can each miss the CPU. Pinning every thread of both workers to one CPU
+(``--cpus 0``), so that hand-offs stay on one CPU, did not remove the slow mode under this load
+(results/allreduce-cpu-2core-one-cpu.json against -unpinned.json). Many short messages pay many such waits,
+which is also why longer segments won at 2 workers in one of two sweeps; the model, fitted to the fastest
+ping-pong, describes the fast mode only.
 
 Benchmark: ``python allreduce.py`` (default: 2, 4, 8 workers x 1e3 .. 1e7 and 2.5e7 float32 x ring, butterfly,
 torch) starts one utils.LocalGroup (gloo over a FileStore) per worker count, reused for every size, and first

@@ -286,7 +286,10 @@ class GradientSync:
     and ``zero_grad()`` after it; parameters' .grad are views into the buckets and must not be set to None.
 
     Buckets follow DistributedDataParallel's sizing: reverse parameter order, the first at most 1 MB, the others
-    at most ``bucket_mb``.
+    at most ``bucket_mb``. ``allreduce`` "torch" divides a bucket by W and all_reduces it (SUM) asynchronously;
+    "ring" or "butterfly" hands it to allreduce.py's algorithm on an AllreduceThread (its own thread and
+    process group, so SyncBatchNorm's collectives on the default group meanwhile cannot interleave with it),
+    which averages it; either way the buckets are launched in index order and ranks end bit-identical.
     """
 
     def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
