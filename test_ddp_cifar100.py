@@ -114,24 +114,27 @@ def model_and_labelled_set(val_size, seed):
 # ----------------------------------------------------------------------------------------------------------
 # Equivalence with one process on the global batch, and with DDP
 # ----------------------------------------------------------------------------------------------------------
-def single_process_reference(model_name, grad_accum, epochs, seed, dtype):
+def single_process_reference(model_name, grad_accum, epochs, seed, dtype, max_steps=None, init_dtype=None):
     """One process, plain nn.BatchNorm, textbook gradient accumulation: micro-batch j of a step is rank 0's
     micro-batch j followed by rank 1's (what SyncBatchNorm normalizes over), loss = mean / micro-batches in
-    the window (the last window of an epoch may be short)."""
+    the window (the last window of an epoch may be short). The model and the data are made in ``init_dtype``
+    (default: ``dtype``, as the trainer does) and computed in ``dtype``; at most ``max_steps`` optimizer steps."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
+    torch.set_default_dtype(getattr(torch, init_dtype or dtype))
     try:
-        return _single_process_reference(model_name, grad_accum, epochs, seed)
+        train_set, _ = trainer.make_synthetic(128, 50, seed)
+        torch.manual_seed(seed)
+        model = trainer.build_model(model_name, 0.0, "local").to(getattr(torch, dtype))
+        torch.set_default_dtype(getattr(torch, dtype))
+        return _single_process_reference(model, train_set, grad_accum, epochs, seed, max_steps)
     finally:
         torch.set_default_dtype(previous)
 
 
-def _single_process_reference(model_name, grad_accum, epochs, seed):
+def _single_process_reference(model, train_set, grad_accum, epochs, seed, max_steps):
     batch = 8
-    train_set, _ = trainer.make_synthetic(128, 50, seed)
-    torch.manual_seed(seed)
-    model = trainer.build_model(model_name, 0.0, "local")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    steps = 0
     for epoch in range(epochs):
         shards = []
         for rank in range(2):
@@ -140,36 +143,75 @@ def _single_process_reference(model_name, grad_accum, epochs, seed):
             shards.append(torch.tensor(list(sampler)))
         micro_batches = [torch.cat([s[j:j + batch] for s in shards]) for j in range(0, len(shards[0]), batch)]
         for start in range(0, len(micro_batches), grad_accum):
+            if max_steps is not None and steps == max_steps:
+                return model.state_dict()
             window = micro_batches[start:start + grad_accum]
             for indices in window:
                 images, labels = train_set.batch(indices)
                 (F.cross_entropy(model(images), labels) / len(window)).backward()
             optimizer.step()
             optimizer.zero_grad()
+            steps += 1
     return model.state_dict()
 
 
-# float64 shows the algorithm exact (2 epochs); float32 shows the rounding a user sees, over 1 epoch because
-# these tiny-batch runs are chaotic: the fp32 reference alone moves by ~2e-6 after 2 epochs when run with 2
-# threads instead of 1.
-@pytest.mark.parametrize("model_name,grad_accum,dtype,epochs,tolerance", [
-    ("net", 2, "float64", 2, 1e-12), ("resnet", 3, "float64", 2, 1e-12),
-    ("net", 2, "float32", 1, 1e-5), ("resnet", 3, "float32", 1, 1e-5)])
-def test_two_ranks_with_syncbn_match_one_process_on_the_global_batch(local_group, model_name, grad_accum, dtype,
-                                                                      epochs, tolerance):
-    seed = 1
-    argv = TINY + ["--model", model_name, "--grad-accum", str(grad_accum), "--dropout", "0", "--epochs",
-                   str(epochs), "--norm", "custom", "--grad-sync", "custom", "--bucket-mb", "0.02", "--seed", str(seed)]
-    ranks = local_group(2).run(train_in_group, argv, dtype)
-    reference = single_process_reference(model_name, grad_accum, epochs, seed, dtype)
+def syncbn_argv(model_name, grad_accum, epochs, seed):
+    return TINY + ["--model", model_name, "--grad-accum", str(grad_accum), "--dropout", "0", "--epochs", str(epochs),
+                   "--norm", "custom", "--grad-sync", "custom", "--bucket-mb", "0.02", "--seed", str(seed)]
+
+
+# Float64 carries the exactness claim: 2 epochs (8 or 6 steps, grad-accum 3 ending on a short window), so every
+# part of the trainer (sampler shards, SyncBatchNorm, bucketed all-reduce, window-sized loss scaling, momentum,
+# weight decay) must equal the textbook computation on the global batch. The two runs differ only in summation
+# order; the trajectory amplifies that rounding (float32 runs that differ only in summation order move apart
+# 2-3x per step here), so after 8 steps some tens to a hundred float64 units of 2^-53 remain (about 1e-14
+# under default, avx2 and avx512), and 1e-12 leaves two orders of magnitude for other kernel sets. A real
+# error (a missing 1/W, a wrong window size, a dropped sample) changes the gradient at first order, which no
+# rounding comes near.
+@pytest.mark.parametrize("model_name,grad_accum", [("net", 2), ("resnet", 3)])
+def test_two_ranks_with_syncbn_match_one_process_on_the_global_batch(local_group, model_name, grad_accum):
+    seed, epochs = 1, 2
+    ranks = local_group(2).run(train_in_group, syncbn_argv(model_name, grad_accum, epochs, seed), "float64")
+    reference = single_process_reference(model_name, grad_accum, epochs, seed, "float64")
     # 64 samples per rank in micro-batches of 8: 8 micro-batches per epoch, so grad-accum 3 ends on a short window.
     assert ranks[0]["metrics"]["optimizer_steps"] == epochs * -(-8 // grad_accum)
-    assert all(ranks[0]["state"][k].dtype == reference[k].dtype for k in reference)
+    assert all(ranks[0]["state"][k].dtype == reference[k].dtype == torch.float64 for k in reference
+               if reference[k].is_floating_point())
     assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in reference)
     worst = max_difference(ranks[0]["state"], reference)
-    print(f"\n{model_name} {dtype}, 2 ranks x 8 x grad-accum {grad_accum} vs 1 process x 16, "
+    print(f"\n{model_name} float64, 2 ranks x 8 x grad-accum {grad_accum} vs 1 process x 16, "
           f"{ranks[0]['metrics']['optimizer_steps']} steps: max |dw| = {worst:.2e}")
-    assert worst < tolerance
+    assert worst < 1e-12
+
+
+# Float32 over several steps cannot be pinned on every CPU, and this is why. A ReLU decision flips: seed 1, net,
+# avx512 kernels, the float32 reference run with 2 threads: the weights of the two runs agree to 4e-7 after 3
+# steps; in step 4 one unit after bn1 (BatchNorm1d, then ReLU) has a pre-activation within that rounding of 0
+# and is active in one run and not in the other. BatchNorm couples the 16 samples of the channel, so the flip
+# changes the gradient of the whole channel and of fc1's 6272 weights into it: 3.9e-4 after step 4. Whether a
+# pre-activation lands that close to 0 depends on the kernel set (the same case gives 1e-6 with
+# ATEN_CPU_CAPABILITY=default, and the resnet case flips under avx2 instead), so any tolerance for several
+# float32 steps is a bet on the machine.
+# What is stable is one step from the same weights: both runs see the same weights, so a decision flips only
+# for a pre-activation within float32 rounding (~1e-7 relative) of 0. The float32 claim is then accuracy:
+# against a float64 run of the same step from the same float32 weights, ours is off by no more than the
+# single-process float32 run. Ours sums the BatchNorm statistics in float64 and adds the gradient as two
+# partial sums, so it has the same float32 error bound; the factor 2 allows for the other summation order
+# (measured under default, avx2 and avx512: ours / reference = 0.39 to 0.51).
+@pytest.mark.parametrize("model_name,grad_accum", [("net", 2), ("resnet", 3)])
+def test_float32_step_is_as_accurate_as_one_process(local_group, model_name, grad_accum):
+    seed = 1
+    argv = syncbn_argv(model_name, grad_accum, 1, seed) + ["--max-steps", "1"]
+    ranks = local_group(2).run(train_in_group, argv, "float32")
+    reference32 = single_process_reference(model_name, grad_accum, 1, seed, "float32", max_steps=1)
+    reference64 = single_process_reference(model_name, grad_accum, 1, seed, "float64", max_steps=1,
+                                           init_dtype="float32")
+    assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in reference32)
+    ours_error = max_difference(ranks[0]["state"], reference64)
+    reference_error = max_difference(reference32, reference64)
+    print(f"\n{model_name} float32, one step of grad-accum {grad_accum}: max |dw| against float64: ours "
+          f"{ours_error:.2e}, one process {reference_error:.2e}")
+    assert 0 < reference_error and ours_error <= 2 * reference_error
 
 
 @pytest.mark.parametrize("sync_mode", ["overlap", "after"])
