@@ -91,7 +91,16 @@ def count_all_reduces(rank, world_size, argv):
 def evaluate_in_group(rank, world_size, val_size, seed):
     """The trainer's scattered evaluation of a seeded model on a set whose labels make about 2/3 of answers right."""
     model, data = model_and_labelled_set(val_size, seed)
-    return trainer.evaluate(model, data, 16, torch.device("cpu"), torch.device("cpu"), None)
+    memory = trainer.MemoryData(data, data, 100, seed, 16)
+    return trainer.evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None)
+
+
+def normalized_batch(image_set, indices, generator=None):
+    """An in-memory batch as the trainer feeds it to the model: normalized with CIFAR-100's mean and std."""
+    images, labels = image_set.batch(indices, generator)
+    mean = torch.tensor(trainer.CIFAR100_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(trainer.CIFAR100_STD).view(1, 3, 1, 1)
+    return trainer.normalize(images, mean, std, torch.contiguous_format), labels
 
 
 def model_and_labelled_set(val_size, seed):
@@ -105,7 +114,7 @@ def model_and_labelled_set(val_size, seed):
     model.eval()
     _, data = trainer.make_synthetic(8, val_size, seed)
     with torch.no_grad():
-        predictions = model(data.batch(torch.arange(val_size))[0]).argmax(1)
+        predictions = model(normalized_batch(data, torch.arange(val_size))[0]).argmax(1)
     wrong = torch.arange(val_size) % 3 == 0
     data.labels = torch.where(wrong, (predictions + 1) % 100, predictions)
     return model, data
@@ -142,7 +151,7 @@ def _single_process_reference(model_name, grad_accum, epochs, seed):
         for start in range(0, len(micro_batches), grad_accum):
             window = micro_batches[start:start + grad_accum]
             for indices in window:
-                images, labels = train_set.batch(indices)
+                images, labels = normalized_batch(train_set, indices)
                 (F.cross_entropy(model(images), labels) / len(window)).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -214,7 +223,7 @@ def test_scattered_validation_counts_every_sample_once(local_group, world_size):
     result = local_group(world_size).run(evaluate_in_group, val_size, seed)[0]
     model, data = model_and_labelled_set(val_size, seed)
     with torch.no_grad():
-        images, labels = data.batch(torch.arange(val_size))
+        images, labels = normalized_batch(data, torch.arange(val_size))
         logits = model(images)
     expected_correct = int((logits.argmax(1) == labels).sum())
     expected_loss = F.cross_entropy(logits.double(), labels, reduction="sum").item() / val_size
@@ -227,7 +236,7 @@ def test_cifar_augmentation_is_torchvisions_random_crop_and_flip():
     import torchvision.transforms.functional as TF
 
     images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
-    ours = trainer.random_crop_flip(images, torch.Generator().manual_seed(0))
+    ours = trainer.crop_flip(images, trainer.crop_flip_draws(6, torch.Generator().manual_seed(0)))
     draws = torch.Generator().manual_seed(0)  # the same draws, in the same order
     top, left = torch.randint(0, 9, (6,), generator=draws), torch.randint(0, 9, (6,), generator=draws)
     flip = torch.rand(6, generator=draws) < 0.5
