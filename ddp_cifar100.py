@@ -315,30 +315,35 @@ def scan_image_folder(root: str, classes: list[str] | None = None) -> tuple[list
     list of tuples: DataLoader workers share them without the reference-count writes that copy Python objects
     page by page into every worker. ``classes`` (train's) makes a validation class absent from them an error.
     """
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
     if not os.path.isdir(root):
         raise UsageError(f"{root} is not a folder: --data-dir must hold train/<class>/* and val/<class>/*")
+
+    def refuse(error: OSError) -> None:
+        raise error  # os.walk (and so torchvision's make_dataset) would skip an unreadable folder silently
+
+    paths: list[bytes] = []
+    labels: list[int] = []
     try:
         found, class_to_index = find_classes(root)
-        if classes is not None:
-            unknown = sorted(set(found) - set(classes))
-            if unknown:
-                raise UsageError(f"{root} has classes that train/ lacks: {', '.join(unknown[:5])}"
-                                 f"{' ...' if len(unknown) > 5 else ''}")
-            class_to_index = {name: classes.index(name) for name in found}
-        samples = make_dataset(root, class_to_index, extensions=IMG_EXTENSIONS, allow_empty=True)
+        unknown = sorted(set(found) - set(classes)) if classes is not None else []
+        if unknown:
+            raise UsageError(f"{root} has classes that train/ lacks: {', '.join(unknown[:5])}"
+                             f"{' ...' if len(unknown) > 5 else ''}")
+        for name in found:
+            before = len(paths)
+            for folder, _, files in sorted(os.walk(os.path.join(root, name), onerror=refuse, followlinks=True)):
+                paths += [os.fsencode(os.path.relpath(os.path.join(folder, f), root)) for f in sorted(files)
+                          if f.lower().endswith(IMG_EXTENSIONS)]
+            if len(paths) == before:
+                raise UsageError(f"{root}: class folder {name!r} has no images ({', '.join(IMG_EXTENSIONS)})")
+            labels += [classes.index(name) if classes is not None else class_to_index[name]] * (len(paths) - before)
     except FileNotFoundError as exc:  # find_classes: no class folder at all
         raise UsageError(f"{root}: {str(exc).splitlines()[0]}") from None
     except OSError as exc:  # unreadable folder (permissions, I/O)
         raise UsageError(f"cannot read {exc.filename or root}: {exc.strerror or exc}") from None
-    empty = sorted(set(class_to_index) - {os.path.relpath(path, root).split(os.sep)[0] for path, _ in samples})
-    if empty:
-        raise UsageError(f"{root}: class folder {empty[0]!r} has no images ({', '.join(IMG_EXTENSIONS)})"
-                         f"{f' (and {len(empty) - 1} more)' if len(empty) > 1 else ''}")
-    paths = np.array([os.fsencode(os.path.relpath(path, root)) for path, _ in samples])
-    labels = np.array([label for _, label in samples], dtype=np.int64)
-    return (classes if classes is not None else found), paths, labels
+    return (classes if classes is not None else found), np.array(paths), np.array(labels, dtype=np.int64)
 
 
 def folder_transforms(augment: str, size: int) -> tuple[Any, Any]:
