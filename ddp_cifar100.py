@@ -410,7 +410,8 @@ class FolderData:
         _, val_paths, val_labels = scan_image_folder(os.path.join(root, "val"), classes)
         train_transform, val_transform = folder_transforms(augment, size)
         self.classes, self.num_classes = classes, len(classes)
-        self.train = FolderSamples(os.path.join(root, "train"), train_paths, train_labels, train_transform, size, seed)
+        self.train = FolderSamples(os.path.join(root, "train"), train_paths, train_labels, train_transform, size,
+                                   seed)
         self.val = FolderSamples(os.path.join(root, "val"), val_paths, val_labels, val_transform, size, seed)
         self.seed, self.batch_size, self.device, self.memory_format = seed, batch_size, device, memory_format
         self.check_group = check_group  # gloo: agreeing on bad files never waits for the GPU
@@ -1016,7 +1017,8 @@ def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.T
         waited += time.perf_counter() - start
         # forward and backward; the gradient average starts on the window's last micro-batch only
         run.sync.prepare(sync=j == window[-1])
-        with torch.autocast(run.device.type, dtype=run.amp_dtype or torch.float32, enabled=run.amp_dtype is not None):
+        with torch.autocast(run.device.type, dtype=run.amp_dtype or torch.float32,
+                            enabled=run.amp_dtype is not None):
             logits = run.forward(images)
             per_sample = F.cross_entropy(logits.float() if run.amp_dtype else logits, labels, reduction="none")
         run.scaler.scale(per_sample.sum() / window_samples).backward()
@@ -1075,13 +1077,17 @@ def train_epoch(run: Run, position: Position, history: list[dict[str, Any]], sum
     return steps, samples
 
 
+def validate(run: Run) -> dict[str, Any]:
+    broadcast_state(run.model, buffers_only=True)  # evaluate with rank 0's running statistics everywhere
+    return evaluate(run.model, run.data, max(run.args.batch_size, 256), run.device, run.comm_device, run.amp_dtype)
+
+
 def end_epoch(run: Run, position: Position, history: list[dict[str, Any]], sums: EpochSums,
               samples: int, train_time: float, epoch_start: float) -> dict[str, Any]:
     """Evaluate, record and print an epoch (or the part of it --max-steps allowed); checkpoint a finished one."""
     args = run.args
     loss_sum, correct, seen = (sum(column) for column in zip(*sums.gather(run.comm_device)))
-    broadcast_state(run.model, buffers_only=True)  # evaluate with rank 0's running statistics everywhere
-    val = evaluate(run.model, run.data, max(args.batch_size, 256), run.device, run.comm_device, run.amp_dtype)
+    val = validate(run)
     entry = {"epoch": position.epoch + 1, "optimizer_steps": position.optimizer_steps,
              "train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1), **val,
              "epoch_time_s": time.perf_counter() - epoch_start, "samples_per_s": samples / max(train_time, 1e-9),
@@ -1124,7 +1130,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             sums = EpochSums.of(epoch_sums if position.micro_batch else [0.0, 0.0, 0.0], run.device)
             steps, samples = train_epoch(run, position, history, sums)
             epoch_time = time.perf_counter() - epoch_start
-            train_time, samples_trained, run_steps = train_time + epoch_time, samples_trained + samples, run_steps + steps
+            train_time, samples_trained = train_time + epoch_time, samples_trained + samples
+            run_steps += steps
             # evaluate, log, checkpoint
             entry = end_epoch(run, position, history, sums, samples, epoch_time, epoch_start)
             final = entry if entry.get("complete") is False else None
@@ -1133,8 +1140,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if final is None and run_steps and history:
             final = history[-1]
         if final is None:  # --eval-only, or a checkpoint with nothing left to train
-            broadcast_state(run.model, buffers_only=True)
-            val = evaluate(run.model, run.data, max(args.batch_size, 256), run.device, run.comm_device, run.amp_dtype)
+            val = validate(run)
             final = {"train_loss": history[-1]["train_loss"] if history else None, **val}
             utils.print0(f"evaluation | val loss {val['val_loss']:.4f} acc {100 * val['val_acc']:.2f}% top-5 "
                          f"{100 * val['val_acc5']:.2f}% ({val['val_correct']}/{val['val_total']})")
@@ -1259,7 +1265,8 @@ def resolve_data_flags(args: argparse.Namespace) -> argparse.Namespace:
         args.image_size = 224 if args.image_size is None else args.image_size
         minimum = 10 if args.model == "net" else 1  # net: two 3x3 convolutions and a 2x2 pool before fc1
         if args.image_size < minimum:
-            raise UsageError(f"--image-size must be at least {minimum} for --model {args.model}, got {args.image_size}")
+            raise UsageError(f"--image-size must be at least {minimum} for --model {args.model}, "
+                             f"got {args.image_size}")
         return args
     if args.augment == "imagenet":
         raise UsageError("--augment imagenet is for --dataset imagefolder; in-memory sets take cifar or none")

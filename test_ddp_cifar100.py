@@ -246,6 +246,39 @@ def test_cifar_augmentation_is_torchvisions_random_crop_and_flip():
     assert 0 < int(flip.sum()) < 6
 
 
+def test_in_memory_batches_make_one_non_blocking_copy_and_no_sync_on_cuda(monkeypatch):
+    """Traced with FakeTensorMode (no GPU needed): an augmented micro-batch on a CUDA-resident set costs one
+    host-to-device copy, non-blocking, and nothing that waits for the device (.item(), a blocking copy)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CopyLog(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.to_device, self.syncs = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            source = [a.device.type for a in args if isinstance(a, torch.Tensor)]
+            if func is torch.ops.aten._to_copy.default and source == ["cpu"] and out.device.type == "cuda":
+                self.to_device.append((kwargs or {}).get("non_blocking", False))
+            self.syncs += func is torch.ops.aten._local_scalar_dense.default
+            return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # fake tensors cannot be pinned
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        images = torch.zeros(100, 3, 32, 32, dtype=torch.uint8, device="cuda")
+        data = trainer.MemoryData(trainer.ImageSet(images, torch.zeros(100, dtype=torch.int64, device="cuda"),
+                                                   augment=True), None, 100, 0, 16)
+    log = CopyLog()
+    with fake, log:
+        batch, labels = data.train.batch(torch.arange(16), torch.Generator().manual_seed(0))
+        batch = trainer.normalize(batch, data.mean, data.std, torch.channels_last)
+    assert batch.device.type == labels.device.type == "cuda" and batch.shape == (16, 3, 32, 32)
+    assert log.to_device == [True] and log.syncs == 0
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints: exact resume, refusal, corruption
 # ----------------------------------------------------------------------------------------------------------
