@@ -1113,6 +1113,7 @@ def end_epoch(run: Run, position: Position, history: list[dict[str, Any]], sums:
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the training (or evaluation) ``args`` describe; returns the metrics and, on every rank, the model."""
     wall_start = time.perf_counter()
+    # set-up and resume
     run = set_up(args)
     try:
         position, history, epoch_sums = resume(run)
@@ -1135,6 +1136,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             # evaluate, log, checkpoint
             entry = end_epoch(run, position, history, sums, samples, epoch_time, epoch_start)
             final = entry if entry.get("complete") is False else None
+        # the final figures: the last epoch's, or one evaluation when nothing was trained
         if run.writer is not None:
             run.writer.close()
         if final is None and run_steps and history:

@@ -5,7 +5,7 @@
 Writes two folders of the synthetic set as JPEG files (make_image_folder.py; --size pixels), one with
 --train-size training images and one ten times larger, and measures, for each --workers value:
 - loader: samples/s that ddp_cifar100's FolderData delivers (decoded, RandomResizedCrop + flip, collated and
-  normalized, bad-file agreement included) in this process with nothing else running;
+  normalized, bad-file agreement included) in this process (one intra-op thread) with nothing else running;
 - training: samples/s of ``python ddp_cifar100.py --dataset imagefolder --model resnet18`` (a world of one,
   OMP_NUM_THREADS=1 so that a loader worker can have the other core), from the trainer's median step time
   after warm-up, and the median time per step it waited for data;
@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(HERE, "results", f"loader-{utils.machine_tag()}.json"))
     args = parser.parse_args()
     workers_list = [int(w) for w in args.workers.split(",")]
+    torch.set_num_threads(1)  # as the trainer runs here (OMP_NUM_THREADS=1): loader and normalization on one core
     load_before = os.getloadavg()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -591,6 +591,7 @@ def test_image_folder_augmentation_depends_on_seed_epoch_and_index_only(image_fo
     workers of this process) or the caller's RNG; another epoch gives another crop."""
     data = trainer.FolderData(str(image_folder), "imagenet", 16, 0, 5, 4, torch.device("cpu"),
                               torch.contiguous_format, None)
+    assert (len(data.train), data.val_size, data.num_classes) == (40, FOLDER_VAL, 8)  # notes.txt skipped
     keys = [(epoch, index) for epoch in (0, 1) for index in range(12)]
     torch.manual_seed(123)
     rng_before = torch.get_rng_state()
@@ -658,6 +659,20 @@ def test_bad_image_folders_are_one_clear_error_on_every_rank(local_group, image_
     assert messages[0] == messages[1]  # agreed: the rank that found it and the one that did not say the same
     if case == "garbage val image":
         assert "val/class004/" in messages[0]
+
+
+@pytest.mark.parametrize("flags,phrase", [
+    (["--dataset", "synthetic", "--workers", "2"], "--workers is for --dataset imagefolder"),
+    (["--dataset", "synthetic", "--image-size", "64"], "--image-size is for --dataset imagefolder"),
+    (["--dataset", "cifar100", "--augment", "imagenet"], "--augment imagenet is for --dataset imagefolder"),
+    (["--dataset", "imagefolder", "--image-size", "8"], "--image-size must be at least 10 for --model net"),
+    (["--dataset", "imagefolder", "--workers", "-1"], "--workers must not be negative"),
+])
+def test_flags_that_only_an_image_folder_takes(flags, phrase):
+    with pytest.raises(trainer.UsageError, match=phrase.replace("-", r"\-")):
+        trainer.parse_args(flags)
+    defaults = trainer.parse_args(["--dataset", "imagefolder"])
+    assert (defaults.augment, defaults.image_size, defaults.workers) == ("imagenet", 224, 0)
 
 
 def test_an_unreadable_folder_is_one_clear_error(image_folder, monkeypatch):
