@@ -6,6 +6,7 @@ one uninterrupted reference run, whose final checkpoint the restarted, resumed a
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -539,8 +540,6 @@ def image_folder(tmp_path_factory):
 
 def folder_variant(image_folder, tmp_path, change):
     """A copy of the tiny folder with one thing broken by ``change(root)``."""
-    import shutil
-
     root = tmp_path / "data"
     shutil.copytree(image_folder, root)
     change(root)
@@ -638,7 +637,7 @@ def truncate_first_image(directory):
 
 FOLDER_DAMAGE = {
     "missing train": (lambda root: os.rename(root / "train", root / "training"), "train is not a folder"),
-    "missing val": (lambda root: __import__("shutil").rmtree(root / "val"), "val is not a folder"),
+    "missing val": (lambda root: shutil.rmtree(root / "val"), "val is not a folder"),
     "empty class": (lambda root: [p.unlink() for p in (root / "train" / "class005").glob("*.png")],
                     "class folder 'class005' has no images"),
     "unknown val class": (lambda root: os.rename(root / "val" / "class002", root / "val" / "class999"),
