@@ -460,7 +460,8 @@ BAD_FLAGS = {
     "grad-accum 0": (["--grad-accum", "0"], "--grad-accum must be positive"),
     "batch-size 0": (["--batch-size", "0"], "--batch-size must be positive"),
     "unknown dataset": (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
-    "norm torch on cpu": (["--norm", "torch", "--device", "cpu"], "--norm torch (nn.SyncBatchNorm) needs CUDA"),
+    "norm torch on cpu": (["--norm", "torch", "--device", "cpu"],
+                          "--norm torch (nn.SyncBatchNorm) needs CUDA: use --device cuda"),
 }
 
 
