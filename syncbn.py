@@ -52,11 +52,14 @@ Precision, devices, collectives
 -------------------------------
 - Statistics are summed in float64 and used in float32 (float64 for float64 inputs); fp16/bf16 inputs get
   float32 arithmetic, and the output and input gradient come back in the input's dtype.
-- No host-device synchronization in forward or backward on CUDA: no .item(), no masks, no branching on tensor
-  values (only on shapes). The one value check, "more than 1 value per channel across all ranks", needs the
-  global count, which only exists on the device after the all_reduce: on the CPU it is checked directly and
-  raises ValueError as nn.BatchNorm does; on CUDA it is torch._assert_async (fails at a later launch,
-  RuntimeError) rather than a sync. A world of one checks the count on the host from the shape, anywhere.
+- No host-device synchronization in forward or backward on CUDA with nccl: no .item(), no masks, no
+  branching on tensor values (only on shapes). The global count N stays a device tensor. The one value check,
+  "more than 1 value per channel across all ranks" (ValueError, as nn.BatchNorm), needs N only where it can
+  fail: a rank whose own batch has 2 or more values per channel knows N >= 2 and checks nothing; a rank with
+  fewer reads N on the host (one sync, on that rare path only). If N < 2, every rank has fewer than 2 values,
+  so every rank reads N and raises: no rank is left waiting in the next collective. On the CPU N is read
+  directly (free). With gloo over CUDA tensors (several ranks on one GPU) each all_reduce itself goes through
+  host memory, so it waits for the GPU: that path is correct but not sync-free.
 - A world of one (no process group initialized, or a group of size 1) runs no collective at all; otherwise
   forward and backward each run exactly one all_reduce on ``process_group`` (default: the whole world).
   A rank with 0 samples still runs both, so its peers do not hang.
@@ -75,16 +78,8 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
-def _checked_count(count: torch.Tensor | int, world_size: int) -> torch.Tensor | int:
-    """nn.BatchNorm's "more than 1 value per channel" check, without a host-device sync on CUDA.
-
-    Returns the count as a Python int where reading it costs nothing (a shape, or a CPU tensor), else the
-    device tensor itself (see the module docstring for the CUDA choice).
-    """
-    if isinstance(count, torch.Tensor) and count.device.type != "cpu":
-        torch._assert_async(count >= 2, "Expected more than 1 value per channel when training")
-        return count
-    count = int(count)
+def _checked_count(count: int, world_size: int) -> int:
+    """nn.BatchNorm's "more than 1 value per channel" check on a count read on the host."""
     if count < 2:
         raise ValueError(f"Expected more than 1 value per channel when training, got {count} per channel across "
                          f"{world_size} process(es)")
@@ -112,12 +107,17 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
         reduce_dims = [0, *range(2, input.dim())]
         stat_dtype = torch.promote_types(input.dtype, torch.float32)
 
+        local_count = input.numel() // num_channels  # from the shape: known on the host
         sums = _local_sums(input, reduce_dims)
         if process_group is None:
-            count = _checked_count(input.numel() // num_channels, 1)  # from the shape: no sync
+            count = _checked_count(local_count, 1)
         else:
             dist.all_reduce(sums, group=process_group)  # the one collective of the forward pass
-            count = _checked_count(sums[-1], process_group.size())
+            count = sums[-1]  # 2C, 2C, 1 -> the last number is the global count N
+            # Reading N on CUDA waits for the GPU. A rank with 2+ values of its own knows N >= 2 and skips it;
+            # if N < 2, every rank has fewer than 2 and reads it, so all of them raise together.
+            if count.device.type == "cpu" or local_count < 2:
+                count = _checked_count(int(count), process_group.size())
         moments = sums / count
         mean, mean_of_squares = moments[:num_channels], moments[num_channels:2 * num_channels]
         var = torch.addcmul(mean_of_squares, mean, mean, value=-1).to(stat_dtype)  # cancels harmlessly in float64

@@ -435,6 +435,41 @@ def test_convert_sync_batchnorm_keeps_parameters_buffers_and_modes():
     assert type(single) is syncbn.SyncBatchNorm
 
 
+class _StandInGroup:
+    """What sync_batch_norm asks of a process group, for tracing without peers."""
+
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_path_traced_with_fake_tensors_has_no_host_sync(monkeypatch, dtype):
+    """The CUDA code path on a CPU-only machine: FakeTensorMode tensors claim device "cuda" and raise on any
+    read of a value on the host (.item(), int(), a branch on a tensor), which on a GPU would be a sync.
+
+    Forward and backward (node.apply: the autograd engine itself would need a real GPU) run the synchronized
+    path with a stand-in all_reduce: exactly one per pass, on CUDA tensors, and nothing read on the host.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    collectives = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: collectives.append(tensor.device.type))
+    with FakeTensorMode(), torch.device("cuda"):
+        bn = syncbn.SyncBatchNorm(8, affine=True, momentum=None)
+        x = torch.empty(16, 8, 4, dtype=dtype, requires_grad=True)
+        y = syncbn.sync_batch_norm.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                         1.0 / bn.num_batches_tracked.add_(1), bn.eps, _StandInGroup())
+        forward_collectives = list(collectives)
+        grad_input, grad_weight, grad_bias, *_ = y.grad_fn.apply(torch.ones_like(y))
+        assert (y.device.type, y.dtype, grad_input.device.type, grad_input.dtype) == ("cuda", dtype, "cuda", dtype)
+        assert grad_weight.dtype == torch.float32 and bn.running_var.device.type == "cuda"
+        # A world of one takes its count from the shape; eval uses the running statistics.
+        assert bn(x).device.type == "cuda" and bn.eval()(x).dtype == dtype
+        with pytest.raises(DataDependentOutputException):
+            int(y.sum())  # the guard works: a host read fails loudly here
+    assert forward_collectives == ["cuda"] and collectives == ["cuda", "cuda"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_no_host_device_sync_on_cuda():
     """A world of one on CUDA; the synchronized path runs the same kernels around its all_reduce."""
@@ -448,3 +483,40 @@ def test_no_host_device_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert y.dtype == torch.float16 and x.grad.dtype == torch.float16
+
+
+def cuda_worker(rank, world_size, sizes, tail_shape, seed):
+    """Ours and nn.SyncBatchNorm on this rank's slice, on the GPU (several ranks share it over gloo)."""
+    torch.cuda.set_device(0)
+    x = rank_slice(global_batch(sizes, tail_shape, seed), sizes, rank).cuda()
+    cotangent = rank_slice(global_batch(sizes, tail_shape, seed + 1), sizes, rank).cuda()
+    out = {}
+    for name, layer in (("ours", syncbn.SyncBatchNorm(tail_shape[0], affine=True)),
+                        ("torch", nn.SyncBatchNorm(tail_shape[0], affine=True))):
+        random_affine(layer, seed + 2)
+        x_in = x.clone().requires_grad_()
+        y = layer.cuda()(x_in)
+        y.backward(cotangent)
+        out[name] = {"y": y.detach().cpu(), "grad": x_in.grad.cpu(), "running_var": layer.running_var.cpu()}
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_synchronized_cuda_path_matches_batchnorm_and_nn_syncbatchnorm(local_group):
+    """Two ranks on one GPU over gloo (NCCL refuses two ranks on one GPU): the synchronized CUDA path against
+    nn.BatchNorm2d on the concatenated batch (float64) and against nn.SyncBatchNorm on the same ranks."""
+    sizes, tail_shape, seed = [6, 3], (5, 4, 3), 77
+    results = local_group(2).run(cuda_worker, sizes, tail_shape, seed)
+    x = global_batch(sizes, tail_shape, seed).double().requires_grad_()
+    reference = nn.BatchNorm2d(5).double()
+    random_affine(reference, seed + 2)
+    y = reference(x)
+    y.backward(global_batch(sizes, tail_shape, seed + 1).double())
+    for name in ("ours", "torch"):
+        output_error = max_error([r[name]["y"] for r in results], y.detach())
+        grad_error = max_error([r[name]["grad"] for r in results], x.grad)
+        stats_error = (results[0][name]["running_var"].double() - reference.running_var).abs().max().item()
+        record(f"test_synchronized_cuda_path[{name}]", output=output_error, input_grad=grad_error,
+               running_var=stats_error)
+        # float32 against float64: values of size ~3, a few float32 roundings (ulp 2.4e-7) per element
+        assert output_error <= 1e-5 and grad_error <= 1e-5 and stats_error <= 1e-6

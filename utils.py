@@ -68,6 +68,10 @@ def resolve_device_backend(device: str = "auto", backend: str = "auto",
         backend = "nccl" if device == "cuda" and gpus >= local_world_size else "gloo"
     if backend == "nccl" and device != "cuda":
         raise ValueError("--backend nccl needs --device cuda")
+    if backend == "nccl" and gpus < local_world_size:  # NCCL would fail at the first collective, not here
+        raise ValueError(f"--backend nccl needs a GPU per process: {local_world_size} processes on this node, "
+                         f"{gpus} GPU(s), and NCCL refuses two ranks on one GPU; use --backend gloo "
+                         f"(gloo over CUDA tensors) or at most {gpus} process(es) per node")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r}: expected auto, gloo or nccl")
     if device == "cuda":
