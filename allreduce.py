@@ -454,8 +454,10 @@ def fit_alpha_beta(rows: list[dict]) -> dict:
     xs, ys = [r["elements"] for r in rows], [r["one_way_ms_min"] for r in rows]
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    beta = max(beta, 0.0)  # short lengths only: noise can outweigh the per-element cost and tilt the slope
     alpha = max(mean_y - beta * mean_x, min(ys))  # a steep fit can push the intercept below any measurement
-    return {"alpha_ms": alpha, "beta_ms_per_element": beta, "beta_gb_per_s": 4 / (beta * 1e6), "points": rows}
+    return {"alpha_ms": alpha, "beta_ms_per_element": beta, "beta_gb_per_s": 4 / (beta * 1e6) if beta else None,
+            "points": rows}
 
 
 def predicted_ms(algo: str, p: int, n: int, model: dict, segment: int) -> float:
@@ -660,7 +662,7 @@ def main(argv=None) -> dict:
                 models[workers] = fit_alpha_beta(points)
                 m = models[workers]
                 say(f"{workers:>7} ping-pong: alpha {m['alpha_ms'] * 1e3:.0f} us, beta {m['beta_ms_per_element'] * 1e6:.2f}"
-                    f" ns/element ({m['beta_gb_per_s']:.2f} GB/s)")
+                    f" ns/element" + (f" ({m['beta_gb_per_s']:.2f} GB/s)" if m["beta_gb_per_s"] else ""))
             for n in args.sizes:
                 for row in group.run(bench_worker, n, algos, args.seed, args.budget_s, args.min_iters,
                                      args.max_iters, args.rounds, args.segment, args.cpus)[0]:

@@ -204,7 +204,7 @@ def test_benchmark_smoke(tmp_path, capsys):
         assert row["identical_across_ranks"] and row["max_abs_error"] < 1e-6 and row["median_ms"] > 0
         assert row["predicted_ms"] > 0 and row["iters"] in (2, 4)  # 2 rounds of 1 or 2 calls
     model = written["alpha_beta"]["2"]
-    assert model["alpha_ms"] > 0 and model["beta_ms_per_element"] > 0 and len(model["points"]) == 2
+    assert model["alpha_ms"] > 0 and model["beta_ms_per_element"] >= 0 and len(model["points"]) == 2
     assert [r["segment_elements"] for r in written["segment_sweep"]] == [8, 50]
     assert {"cpu_model", "torch"} <= set(written["machine"]) and written["ratios"][0]["ring_over_torch"] > 0
     assert "ring" in capsys.readouterr().out
