@@ -248,19 +248,19 @@ def _receive_and_add(target: torch.Tensor, src: int, slots: torch.Tensor, tag: i
     next segments while adding this one; meanwhile send ``outgoing`` to ``dst`` segmented the same way (the
     peer receives it as its ``target``). Segment k has tag ``tag + k``."""
     incoming = _cut(target, slots.shape[1])
-    pieces = len(incoming)
-    recvs = {k: _post_recv(slots[k, :incoming[k].numel()], src, tag + k, group)
-             for k in range(min(len(slots), pieces))}
+
+    def post(k: int):  # segment k lands in slot k mod the number of slots
+        return _post_recv(slots[k % len(slots), :incoming[k].numel()], src, tag + k, group)
+
+    recvs = {k: post(k) for k in range(min(len(slots), len(incoming)))}
     sends = []
     if outgoing is not None:
         sends = [_post_send(piece, dst, tag + k, group) for k, piece in enumerate(_cut(outgoing, slots.shape[1]))]
     for k, piece in enumerate(incoming):
-        slot = slots[k % len(slots), :piece.numel()]
         _wait(recvs.pop(k))
-        piece.add_(slot)
-        if k + len(slots) < pieces:
-            recvs[k + len(slots)] = _post_recv(slots[(k + len(slots)) % len(slots), :incoming[k + len(slots)].numel()],
-                                               src, tag + k + len(slots), group)
+        piece.add_(slots[k % len(slots), :piece.numel()])
+        if k + len(slots) < len(incoming):
+            recvs[k + len(slots)] = post(k + len(slots))  # the slot just added from is free again
     for request in sends:
         _wait(request)
 
@@ -661,8 +661,9 @@ def main(argv=None) -> dict:
                 points = group.run(pingpong_worker, lengths, 10)[0]
                 models[workers] = fit_alpha_beta(points)
                 m = models[workers]
-                say(f"{workers:>7} ping-pong: alpha {m['alpha_ms'] * 1e3:.0f} us, beta {m['beta_ms_per_element'] * 1e6:.2f}"
-                    f" ns/element" + (f" ({m['beta_gb_per_s']:.2f} GB/s)" if m["beta_gb_per_s"] else ""))
+                say(f"{workers:>7} ping-pong: alpha {m['alpha_ms'] * 1e3:.0f} us, "
+                    f"beta {m['beta_ms_per_element'] * 1e6:.2f} ns/element"
+                    + (f" ({m['beta_gb_per_s']:.2f} GB/s)" if m["beta_gb_per_s"] else ""))
             for n in args.sizes:
                 for row in group.run(bench_worker, n, algos, args.seed, args.budget_s, args.min_iters,
                                      args.max_iters, args.rounds, args.segment, args.cpus)[0]:
