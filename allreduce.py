@@ -26,21 +26,25 @@ Ring (reduce-scatter, then all-gather), pipelined
     and 16 workers here). Each all-gather receive is posted as soon as the reduce-scatter has sent what was
     in that place; every message has its own tag, so receives posted early cannot match the wrong message.
 
-    alpha-beta model, per message alpha, per element beta: the unsegmented ring takes 2(p-1) message times of
-    n/p elements, T = 2(p-1) alpha + 2n(p-1)/p beta: bandwidth-optimal, latency linear in p. Pipelined, the
-    critical path is 2(p-1) + K - 1 message times of n/(pK) elements:
-        T_ring(K) = (2(p-1) + K - 1) (alpha + n beta / (p K)),
-    minimal at K* = sqrt((2p-3) n beta / (p alpha)), i.e. a segment S* = n/(pK*) = sqrt(n alpha / (p (2p-3) beta)):
-    longer segments leave the hops unoverlapped, shorter ones pay alpha too often. The benchmark's ping-pong
-    (ranks 0 and 1, least one-way time over lengths 1 .. 4e6) fitted alpha = 40 / 61 / 137 us and beta = 1.22 /
-    1.49 / 1.71 ns per float32 element with 2 / 4 / 8 workers (results/allreduce-cpu-2core-gradients.json).
-    At n = 2.5e7 that gives S* = 6.4e5 / 2.3e5 / 1.4e5. S* grows as sqrt(n) while the memory budget needs a
-    fixed S, so S = 2^18 = 262,144, inside that range. Measured with
-    ``python allreduce.py --segment-sweep 65536,262144,1048576`` (ring at n = 2.5e7, S = 65,536 / 262,144 /
-    1,048,576, median ms): 2 workers 497 / 316 / 309, 4 workers 1634 / 837 / 787, 8 workers 1908 / 1326 / 1338.
-    The shortest segments always lose (alpha paid 4x as often); 2^18 and 2^20 are within the run-to-run noise
-    of this shared machine of each other (an earlier run of the same command had 2^18 ahead at 4 and 8 workers:
-    524 vs 696 and 1370 vs 2055 ms), and 2^18 needs a quarter of the memory.
+    alpha-beta model, per message alpha, per element beta: every rank sends 2(p-1) chunks of n/p elements in
+    sequence, and every link is busy at every step, so T = 2(p-1) alpha + 2n(p-1)/p beta: bandwidth-optimal,
+    latency linear in p. Segments do not shorten that path: with K segments per chunk a rank sends 2(p-1)K
+    messages, T = 2(p-1) K alpha + 2n(p-1)/p beta (``predicted_ms``). What they buy lies outside alpha and beta:
+    the extra memory is fixed, and the adds (gamma per element) of segment k overlap the arrival of segment
+    k + 1, so only one segment's add per step stays on the critical path instead of a whole chunk's:
+    T ~ 2(p-1) K alpha + 2n(p-1)/p beta + (p-1) n gamma / (p K). Minimal at K* = sqrt(n gamma / (2 p alpha)),
+    i.e. a segment S* = n/(pK*) = sqrt(2 n alpha / (p gamma)): shorter segments pay alpha too often, longer ones
+    leave the adds unoverlapped. The benchmark's ping-pong (ranks 0 and 1, least one-way time over lengths
+    1 .. 4e6) fitted alpha = 59 / 77 / 179 us and beta = 1.79 / 1.74 / 1.03 ns per float32 element with
+    2 / 4 / 8 workers (results/allreduce-cpu-2core-gradients.json); gamma is not measured, but an in-place add
+    moves about as many bytes per element as a receive, so with gamma ~ beta: S* ~ 9.0e5 / 7.4e5 / 1.0e6
+    (p = 2 / 4 / 8) at n = 2.5e7, 1.8e5 / 1.5e5 / 2.1e5 at n = 1e6. S* grows as sqrt(n) while the memory budget needs a fixed S, so
+    S = 2^18 = 262,144, between those. Measured with ``python allreduce.py --segment-sweep
+    65536,262144,1048576`` (ring at n = 2.5e7, S = 65,536 / 262,144 / 1,048,576, median ms): 2 workers
+    192 / 156 / 178, 4 workers 790 / 352 / 387, 8 workers 2655 / 880 / 827. The shortest segments lost in
+    every sweep (alpha paid 4x as often); 2^18 won or came within this shared machine's noise of 2^20 (two
+    earlier runs of the same command: 2^18 ahead at 4 and 8 workers and 2^20 at 2; then 2^20 slightly ahead at
+    2 and 4), and 2^18 needs a quarter of the memory.
 
 Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
     The assignment's butterfly exchanges with partner r XOR d, one element per rank; here the elements are
@@ -63,10 +67,9 @@ Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
     memory at most 2 S, as the ring. The doubling receives land in place and are all posted up front.
 
 Ring against butterfly: both send the same volume, 2n(p-1)/p per rank, but the ring needs 2(p-1) messages in
-sequence and the butterfly 2 log2 p, so for a power-of-two p in the unpipelined model the ring is never faster:
-T_ring - T_butterfly = 2(p - 1 - log2 p) alpha >= 0. Pipelining changes that for long vectors: the ring's
-segments overlap its hops while each halving step of the butterfly must finish before the next. The ring's
-other advantages: only neighbour links (no contention on a real network), any p without folding.
+sequence and the butterfly 2 log2 p, so for a power-of-two p in the alpha-beta model the ring is never faster:
+T_ring - T_butterfly = 2(p - 1 - log2 p) alpha >= 0. The ring's advantages lie elsewhere: only neighbour links
+(no contention on a real network), any p without folding, and every step's adds overlapped in segments.
 
 Extra memory is what the algorithm allocates: the receive slots, allocated once per call, and in-place adds
 into views of the input (no .contiguous() copies). A non-contiguous input is averaged in a contiguous copy and
@@ -78,7 +81,7 @@ other sessions (load averages 9-20, recorded in each JSON; two of those processe
 done'` loops, one per core), so a woken thread usually finds its CPU held by another session's task and runs
 only when the scheduler next looks, at the latest at its tick (this kernel runs at 250 Hz: 4 ms). That is the
 2-process bimodality: the same call in the same run takes either a fraction of a millisecond or several
-(p10 / p90 in the JSON: e.g. ring at 1,000 elements 0.33 / 8.2 ms, gloo's all_reduce 0.15 / 3.4 ms), and the
+(p10 / p90 in the JSON: e.g. ring at 1,000 elements 0.51 / 6.3 ms, gloo's all_reduce 0.21 / 3.2 ms), and the
 median lands in one mode or the other, so whole runs flip. gloo's all_reduce shows the same two modes, but
 its median stays in the fast one more often: it runs the whole collective in one C++ thread per process, with
 fewer hand-offs between threads that can each miss the CPU. Pinning every thread of both workers to one CPU
@@ -469,10 +472,10 @@ def predicted_ms(algo: str, p: int, n: int, model: dict, segment: int) -> float:
         q = 1 << (p.bit_length() - 1)
         extra = 0 if q == p else 2 * alpha + 2 * n * beta
         return 2 * math.log2(q) * alpha + 2 * n * (q - 1) / q * beta + extra
-    # The ring pipelines K segments per chunk through 2(p - 1) hops: 2(p - 1) + K - 1 message times of n/(pK)
-    # elements. torch (gloo) runs a ring too, in C++: the same formula with K = 1 is its classical bound.
+    # Every rank sends 2(p - 1) chunks of n/p elements in sequence, K segments each; gloo's ring (torch) is
+    # modelled unsegmented, K = 1. Segments add messages; what they save (the adds overlapped) is not alpha-beta.
     pieces = -(-math.ceil(n / p) // segment) if algo == "ring" else 1
-    return (2 * (p - 1) + pieces - 1) * (alpha + n / (p * pieces) * beta)
+    return 2 * (p - 1) * pieces * alpha + 2 * (p - 1) * n / p * beta
 
 
 @contextlib.contextmanager
