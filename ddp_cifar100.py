@@ -26,7 +26,10 @@ starts an asynchronous all_reduce (SUM), so communication of late layers overlap
 buckets are launched strictly in index order so every rank issues the same collectives in the same order.
 --sync-mode after launches every bucket once backward is over. Before the optimizer step all handles are waited
 on; with fp16 the gradient scaler unscales the synchronized gradients. The K-1 other micro-batches do no
-all_reduce at all. Parameters and buffers are broadcast from rank 0 at start.
+all_reduce at all. Parameters and buffers are broadcast from rank 0 at start. --allreduce ring|butterfly hands
+each complete bucket instead to allreduce.py's own algorithm (which averages, so there is no division first),
+run by a thread of its own over a process group of its own, so it still overlaps backward and never interleaves
+with SyncBatchNorm's collectives on the default group.
 
 --grad-sync ddp does the same with DistributedDataParallel, skipping its all-reduce on the K-1 micro-batches.
 
@@ -1268,6 +1271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"{flag} must not be negative, got {value}")
     if not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.allreduce != "torch" and args.grad_sync == "ddp":
+        raise UsageError(f"--allreduce {args.allreduce} is for --grad-sync custom (DDP uses its own all-reduce)")
     return resolve_data_flags(args)
 
 

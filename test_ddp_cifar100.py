@@ -717,6 +717,12 @@ def test_flags_that_only_an_image_folder_takes(flags, phrase):
     assert (defaults.augment, defaults.image_size, defaults.workers) == ("imagenet", 224, 0)
 
 
+def test_allreduce_choice_is_for_the_hand_written_sync():
+    with pytest.raises(trainer.UsageError, match="--allreduce ring is for --grad-sync custom"):
+        trainer.parse_args(["--grad-sync", "ddp", "--allreduce", "ring"])
+    assert trainer.parse_args(["--grad-sync", "ddp"]).allreduce == "torch"
+
+
 def test_an_unreadable_folder_is_one_clear_error(image_folder, monkeypatch):
     real_scandir = os.scandir
 
