@@ -543,9 +543,8 @@ def _bench(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: 
         row["median_ms"] = utils.max_across_ranks(utils.median(times))
         row["min_ms"] = utils.max_across_ranks(min(times))
         # The spread shows two-mode timings (calls whose wake-ups waited for a busy CPU, and calls that did not).
-        ordered = sorted(times)
-        row["p10_ms"] = utils.max_across_ranks(ordered[len(ordered) // 10])
-        row["p90_ms"] = utils.max_across_ranks(ordered[(9 * len(ordered)) // 10])
+        row["p10_ms"] = utils.max_across_ranks(utils.percentile(times, 10))
+        row["p90_ms"] = utils.max_across_ranks(utils.percentile(times, 90))
         out.append(row)
     return out
 

@@ -828,36 +828,6 @@ def check_compatible(state: dict[str, Any], config: dict[str, Any], path: str) -
 # Training: set-up, resume, one epoch of optimizer steps, evaluation, checkpoint, summary
 # ----------------------------------------------------------------------------------------------------------
 @dataclass
-class StepTimer:
-    """Optimizer-step times: perf_counter on the CPU, CUDA events on a GPU (read once per epoch, no extra syncs)."""
-    device: torch.device
-    times_ms: list[float] = field(default_factory=list)
-    _events: list[Any] = field(default_factory=list)
-    _start: Any = None
-
-    def start(self) -> None:
-        if self.device.type == "cuda":
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((self._start, end))
-        else:
-            self.times_ms.append((time.perf_counter() - self._start) * 1e3)
-
-    def collect(self) -> None:
-        if self._events:
-            self._events[-1][1].synchronize()
-            self.times_ms.extend(start.elapsed_time(end) for start, end in self._events)
-            self._events = []
-
-
-@dataclass
 class Position:
     """Where a run stands: the epoch, its next micro-batch, and the totals so far (with the weights, all a resume
     needs)."""
@@ -910,7 +880,7 @@ class Run:
     config: dict[str, Any]
     checkpoint_path: str | None
     writer: Any = None
-    timer: StepTimer = None  # type: ignore[assignment]
+    timer: utils.IntervalTimer = None  # type: ignore[assignment]
     data_wait_ms: list[float] = field(default_factory=list)  # per optimizer step, host time waiting for batches
 
     @property
@@ -971,7 +941,7 @@ def set_up(args: argparse.Namespace) -> Run:
                {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp], steps_per_epoch,
                trajectory_config(args, ctx.world_size, schedule_steps, data),
                os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None, writer,
-               StepTimer(device))
+               utils.IntervalTimer(device))
 
 
 def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
@@ -1185,22 +1155,13 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         "wall_time_s": time.perf_counter() - wall_start, "train_time_s": train_time,
         "samples_per_s": samples_trained / train_time if train_time else 0.0,
         "step_time_ms_median": statistics.median(steps) if steps else None,
-        "step_time_ms_p10": percentile(steps, 10), "step_time_ms_p90": percentile(steps, 90),
+        "step_time_ms_p10": utils.percentile(steps, 10), "step_time_ms_p90": utils.percentile(steps, 90),
         "step_time_ms_mean": statistics.fmean(steps) if steps else None,
         "step_time_warmup_steps": len(times) - len(steps), "step_times_ms": [round(t, 4) for t in steps],
         "data_wait_ms_median": statistics.median(waits) if waits else None,
         "epochs": history + ([final] if final.get("complete") is False else []),
         "fingerprint": fingerprint(run.config), "config": vars(run.args),
     }
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 # ----------------------------------------------------------------------------------------------------------

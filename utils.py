@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -22,7 +23,7 @@ import statistics
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any, Callable, Iterator
 
@@ -245,6 +246,39 @@ class LocalGroup:
 # ----------------------------------------------------------------------------------------------------------
 # Timing, memory, machine description, results
 # ----------------------------------------------------------------------------------------------------------
+@dataclass
+class IntervalTimer:
+    """Wall times of start()/stop() intervals in ms: perf_counter on the CPU, CUDA events on a GPU (recorded on
+    the stream, read in collect(): timing adds no host-device sync of its own)."""
+    device: torch.device
+    times_ms: list[float] = field(default_factory=list)
+    _events: list[Any] = field(default_factory=list)
+    _start: Any = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self.times_ms.append((time.perf_counter() - self._start) * 1e3)
+
+    def collect(self) -> list[float]:
+        """Read the recorded CUDA intervals (waits for the last one); returns every time so far."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.times_ms.extend(start.elapsed_time(end) for start, end in self._events)
+            self._events = []
+        return self.times_ms
+
+
 def time_calls_ms(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 5) -> list[float]:
     """Per-call wall times in milliseconds: CUDA events on a GPU, perf_counter on the CPU.
 
@@ -254,28 +288,30 @@ def time_calls_ms(fn: Callable[[], Any], device: torch.device, iters: int, warmu
     synced = dist.is_initialized() and dist.get_world_size() > 1
     for _ in range(warmup):
         fn()
-    times = []
+    timer = IntervalTimer(device)
     for _ in range(iters):
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)  # the last call's kernels are done: the barrier lines up real starts
         if synced:
             dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+        timer.start()
+        fn()
+        timer.stop()
+    return timer.collect()
 
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between neighbours; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def max_across_ranks(value: float) -> float:
