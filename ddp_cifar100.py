@@ -1297,11 +1297,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    # Leave without the interpreter's teardown. Under load, about 1 run in 25 here had a worker abort in C++
-    # static destructors after main() had returned ("terminate called without an active exception", no Python
-    # frame on the stack), turning a finished run into a failure. By now the metrics, checkpoint and TensorBoard
-    # files are written and closed and the process group is destroyed; only the streams need flushing.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    sys.exit(main())

@@ -29,6 +29,13 @@ from typing import IO, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: torch.distributed.nn.functional's functions take
+# `group=group.WORLD` as a default argument, evaluated at import time. Imported while a group exists (building a
+# torch.optim optimizer imports it, through torch._dynamo), they keep the default group alive after
+# destroy_process_group, and its gloo threads run on into interpreter shutdown, where one that still frees a
+# finished collective's tensors needs the GIL, is ended by pthread_exit and aborts the process ("terminate called
+# without an active exception"). test_teardown.py checks that the group's threads end at cleanup_distributed.
+import torch.distributed.nn  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -116,6 +123,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
 
 
 def cleanup_distributed() -> None:
+    """Destroy the process group; its gloo threads end here, while Python is still whole (see the imports)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
