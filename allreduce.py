@@ -35,16 +35,16 @@ Ring (reduce-scatter, then all-gather), pipelined
     T ~ 2(p-1) K alpha + 2n(p-1)/p beta + (p-1) n gamma / (p K). Minimal at K* = sqrt(n gamma / (2 p alpha)),
     i.e. a segment S* = n/(pK*) = sqrt(2 n alpha / (p gamma)): shorter segments pay alpha too often, longer ones
     leave the adds unoverlapped. The benchmark's ping-pong (ranks 0 and 1, least one-way time over lengths
-    1 .. 4e6) fitted alpha = 59 / 77 / 179 us and beta = 1.79 / 1.74 / 1.03 ns per float32 element with
-    2 / 4 / 8 workers (results/allreduce-cpu-2core-gradients.json); gamma is not measured, but an in-place add
-    moves about as many bytes per element as a receive, so with gamma ~ beta: S* ~ 9.0e5 / 7.4e5 / 1.0e6
-    (p = 2 / 4 / 8) at n = 2.5e7, 1.8e5 / 1.5e5 / 2.1e5 at n = 1e6. S* grows as sqrt(n) while the memory budget needs a fixed S, so
-    S = 2^18 = 262,144, between those. Measured with ``python allreduce.py --segment-sweep
+    1 .. 4e6) fitted alpha = 63 / 78 / 229 us and beta = 1.31 / 1.41 / 1.39 ns per float32 element with
+    2 / 4 / 8 workers (results/allreduce-cpu-2core-gradients.json, a quiet machine); gamma is not measured, but an
+    in-place add moves about as many bytes per element as a receive, so with gamma ~ beta: S* ~ 1.1e+06 / 8.3e+05 / 1.0e+06
+    (p = 2 / 4 / 8) at n = 2.5e7, 2.2e+05 / 1.7e+05 / 2.0e+05 at n = 1e6. S* grows as sqrt(n) while the memory budget needs a
+    fixed S, so S = 2^18 = 262,144, between those. Measured with ``python allreduce.py --segment-sweep
     65536,262144,1048576`` (ring at n = 2.5e7, S = 65,536 / 262,144 / 1,048,576, median ms): 2 workers
-    192 / 156 / 178, 4 workers 790 / 352 / 387, 8 workers 2655 / 880 / 827. The shortest segments lost in
-    every sweep (alpha paid 4x as often); 2^18 won or came within this shared machine's noise of 2^20 (two
-    earlier runs of the same command: 2^18 ahead at 4 and 8 workers and 2^20 at 2; then 2^20 slightly ahead at
-    2 and 4), and 2^18 needs a quarter of the memory.
+    172 / 117 / 111, 4 workers 576 / 292 / 226, 8 workers 1116 / 501 / 495. The shortest segments lose (alpha
+    paid 4x as often); 2^20 is ahead of 2^18 by 5%, 22% and 1% there, as the model's S* ~ 1e6 at that length
+    says, but it costs four times the memory and is past S* for gradients of 1e6 elements; 2^18 is the
+    compromise for a fixed budget of 2 MiB (float32).
 
 Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
     The assignment's butterfly exchanges with partner r XOR d, one element per rank; here the elements are
@@ -76,18 +76,16 @@ into views of the input (no .contiguous() copies). A non-contiguous input is ave
 copied back (n more elements).
 
 Where the time goes on this machine (2 vCPUs, loopback TCP, gloo): every message wakes gloo's I/O thread and
-then the waiting thread in the receiving process. While these measurements ran, the machine was shared with
-other sessions (load averages 9-20, recorded in each JSON; two of those processes were `sh -c 'while :; do :;
-done'` loops, one per core), so a woken thread usually finds its CPU held by another session's task and runs
-only when the scheduler next looks, at the latest at its tick (this kernel runs at 250 Hz: 4 ms). That is the
-2-process bimodality: the same call in the same run takes either a fraction of a millisecond or several
-(p10 / p90 in the JSON: e.g. ring at 1,000 elements 0.51 / 6.3 ms, gloo's all_reduce 0.21 / 3.2 ms), and the
-median lands in one mode or the other, so whole runs flip. gloo's all_reduce shows the same two modes, but
-its median stays in the fast one more often: it runs the whole collective in one C++ thread per process, with
-fewer hand-offs between threads that can each miss the CPU. Pinning every thread of both workers to one CPU
-(``--cpus 0``), so that hand-offs stay on one CPU, did not remove the slow mode under this load
-(results/allreduce-cpu-2core-one-cpu.json against -unpinned.json). Many short messages pay many such waits,
-which is also why longer segments won at 2 workers in one of two sweeps; the model, fitted to the fastest
+then the waiting thread in the receiving process; a thread that finds no free CPU runs only when the scheduler
+next looks, at the latest at its tick (this kernel runs at 250 Hz: 4 ms). That is the 2-process bimodality:
+the same call in the same run takes either a fraction of a millisecond or several. On a quiet machine
+(results/allreduce-cpu-2core-gradients.json) it is ours alone: ring at 1,000 elements and 2 workers p10 / p90
+0.46 / 5.1 ms, gloo's all_reduce 0.33 / 0.67 ms. gloo runs the whole collective in one C++ thread per process;
+ours hands every segment between the Python thread and gloo's I/O thread, 2 processes x 2 busy threads on 2
+CPUs, and each hand-off can miss the CPU. Under load from other sessions (load averages 9-20, two busy loops
+one per core) gloo shows the slow mode too and whole runs flip between modes. Pinning every thread of both
+workers to one CPU (``--cpus 0``), so that hand-offs stay on one CPU, did not remove the slow mode under that
+load (results/allreduce-cpu-2core-one-cpu.json against -unpinned.json). The model, fitted to the fastest
 ping-pong, describes the fast mode only.
 
 Benchmark: ``python allreduce.py`` (default: 2, 4, 8 workers x 1e3 .. 1e7 and 2.5e7 float32 x ring, butterfly,

@@ -121,7 +121,10 @@ def main():
     if args.iters < args.rounds:
         raise SystemExit(f"--iters ({args.iters}) must be at least --rounds ({args.rounds})")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    ctx = utils.init_distributed(device=args.device)
+    try:
+        ctx = utils.init_distributed(device=args.device)
+    except ValueError as exc:  # no GPU, or nccl with more processes than GPUs: one line, not a traceback
+        raise SystemExit(f"bn_benchmark.py: error: {exc}") from None
     theirs_label = "nn.SyncBatchNorm" if ctx.device.type == "cuda" else "floor: nn.BatchNorm1d + 2 all_reduce(2C+1)"
     memory_label = ("extra peak torch.cuda.max_memory_allocated" if ctx.device.type == "cuda"
                     else "saved-for-backward + output bytes")
