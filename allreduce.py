@@ -19,12 +19,16 @@ Ring (reduce-scatter, then all-gather), pipelined
     reduced, so receiving segment k + 1 overlaps adding segment k and the next hop starts after one segment,
     not one chunk. Receives land in RECEIVE_SLOTS (2) buffers of one segment, used in turn: the receive of
     message m + 2 is posted when message m has been added. Extra memory is therefore at most 2 S elements
-    (2 ceil(n/p) when a chunk is one segment), whatever n: 2 MiB of float32 at the default S = 2^18, where
+    (2 ceil(n/p) when a chunk is one segment), whatever n: 8 MiB of float32 at the default S = 2^20, where
     the unsegmented ring needed 2 ceil(n/p) (40 MB at n = 1e7, p = 2). Every receive is posted before its
     message can arrive: gloo moves a payload only once the receiver has posted its buffer, so a late receive
     costs a round trip of notices on the critical path (posting early halved the unsegmented ring's time at 8
     and 16 workers here). Each all-gather receive is posted as soon as the reduce-scatter has sent what was
-    in that place; every message has its own tag, so receives posted early cannot match the wrong message.
+    in that place, and before this rank's own all-gather send with the same tag: at p = 2 the first
+    all-gather receive used to follow that send, so both ranks' first all-gather message waited for a
+    round trip, and moving it ahead took the 2-worker ring from 1.27 / 2.16 ms to 0.58 / 0.75 ms at 1e4 / 1e5
+    elements (``python allreduce.py --workers 2 --sizes 1e3,1e4,1e5,1e6``, before and after). Every message
+    has its own tag, so receives posted early cannot match the wrong message.
 
     alpha-beta model, per message alpha, per element beta: every rank sends 2(p-1) chunks of n/p elements in
     sequence, and every link is busy at every step, so T = 2(p-1) alpha + 2n(p-1)/p beta: bandwidth-optimal,
@@ -35,16 +39,19 @@ Ring (reduce-scatter, then all-gather), pipelined
     T ~ 2(p-1) K alpha + 2n(p-1)/p beta + (p-1) n gamma / (p K). Minimal at K* = sqrt(n gamma / (2 p alpha)),
     i.e. a segment S* = n/(pK*) = sqrt(2 n alpha / (p gamma)): shorter segments pay alpha too often, longer ones
     leave the adds unoverlapped. The benchmark's ping-pong (ranks 0 and 1, least one-way time over lengths
-    1 .. 4e6) fitted alpha = 63 / 78 / 229 us and beta = 1.31 / 1.41 / 1.39 ns per float32 element with
-    2 / 4 / 8 workers (results/allreduce-cpu-2core-gradients.json, a quiet machine); gamma is not measured, but an
-    in-place add moves about as many bytes per element as a receive, so with gamma ~ beta: S* ~ 1.1e+06 / 8.3e+05 / 1.0e+06
-    (p = 2 / 4 / 8) at n = 2.5e7, 2.2e+05 / 1.7e+05 / 2.0e+05 at n = 1e6. S* grows as sqrt(n) while the memory budget needs a
-    fixed S, so S = 2^18 = 262,144, between those. Measured with ``python allreduce.py --segment-sweep
-    65536,262144,1048576`` (ring at n = 2.5e7, S = 65,536 / 262,144 / 1,048,576, median ms): 2 workers
-    172 / 117 / 111, 4 workers 576 / 292 / 226, 8 workers 1116 / 501 / 495. The shortest segments lose (alpha
-    paid 4x as often); 2^20 is ahead of 2^18 by 5%, 22% and 1% there, as the model's S* ~ 1e6 at that length
-    says, but it costs four times the memory and is past S* for gradients of 1e6 elements; 2^18 is the
-    compromise for a fixed budget of 2 MiB (float32).
+    1 .. 4e6) fitted alpha = 57 / 68 / 139 us and beta = 1.01 / 1.19 / 0.81 ns per float32 element with
+    2 / 4 / 8 workers (results/allreduce-cpu-2core-gradients.json); gamma is not measured, but an in-place add
+    moves about as many bytes per element as a receive, so with gamma ~ beta: S* ~ 1.2e6 / 8.5e5 / 1.0e6
+    (p = 2 / 4 / 8) at n = 2.5e7, 2.4e5 / 1.7e5 / 2.1e5 at n = 1e6. S* grows as sqrt(n) while the memory budget
+    needs a fixed S. Measured with ``python allreduce.py --segment-sweep 262144,1048576,4194304`` (ring at
+    n = 2.5e7, S = 2^18 / 2^20 / 2^22, median ms): 2 workers 89.3 / 84.4 / 93.0, 4 workers 212.3 / 188.9 /
+    185.9, 8 workers 498.7 / 469.8 / 486.9 (an earlier sweep, 2^16 / 2^18 / 2^20: 2 workers 172 / 117 / 111,
+    4 workers 576 / 292 / 226, 8 workers 1116 / 501 / 495). Short segments lose: every message costs CPU
+    time on both ends (see "Where the time goes"), and on 2 cores that is paid in full; 2^20 is the fastest or
+    within 2% of it at every worker count, as the model's S* ~ 1e6 at gradient lengths says. At 1e6 elements
+    a chunk then fits one segment (S* ~ 2e5 there), but the benchmark shows no loss: the ring / torch ratio
+    at 1e6 was 1.36 / 1.31 with 2^18 and 1.33 / 1.23 with 2^20 (2 / 4 workers, ``--segment`` on each side).
+    So S = 2^20 = 1,048,576: a fixed budget of 8 MiB (float32), which does not grow with n.
 
 Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
     The assignment's butterfly exchanges with partner r XOR d, one element per rank; here the elements are
@@ -75,18 +82,28 @@ Extra memory is what the algorithm allocates: the receive slots, allocated once 
 into views of the input (no .contiguous() copies). A non-contiguous input is averaged in a contiguous copy and
 copied back (n more elements).
 
-Where the time goes on this machine (2 vCPUs, loopback TCP, gloo): every message wakes gloo's I/O thread and
-then the waiting thread in the receiving process; a thread that finds no free CPU runs only when the scheduler
-next looks, at the latest at its tick (this kernel runs at 250 Hz: 4 ms). That is the 2-process bimodality:
-the same call in the same run takes either a fraction of a millisecond or several. On a quiet machine
-(results/allreduce-cpu-2core-gradients.json) it is ours alone: ring at 1,000 elements and 2 workers p10 / p90
-0.46 / 5.1 ms, gloo's all_reduce 0.33 / 0.67 ms. gloo runs the whole collective in one C++ thread per process;
-ours hands every segment between the Python thread and gloo's I/O thread, 2 processes x 2 busy threads on 2
-CPUs, and each hand-off can miss the CPU. Under load from other sessions (load averages 9-20, two busy loops
-one per core) gloo shows the slow mode too and whole runs flip between modes. Pinning every thread of both
-workers to one CPU (``--cpus 0``), so that hand-offs stay on one CPU, did not remove the slow mode under that
-load (results/allreduce-cpu-2core-one-cpu.json against -unpinned.json). The model, fitted to the fastest
-ping-pong, describes the fast mode only.
+Where the time goes on this machine (2 vCPUs, loopback TCP, gloo): the benchmark reads every thread's scheduler
+accounting (Linux schedstat) around its timed calls and reports, per call, the CPU time of the calling thread,
+the time that thread was ready to run but waited for a CPU, and the CPU time of the process's other threads
+(gloo's I/O and work threads). At 1e4 elements and 2 workers (results/allreduce-cpu-2core-gradients.json, the
+barrier before each call included) the ring takes 364 / 957 / 1072 us of those, gloo's all_reduce 164 / 85 /
+330 us. The ring sends fewer messages than gloo's own ring (2 per rank; gloo cuts the vector into 2p
+segments, 4 per rank), yet costs three times the CPU: every message is a hand-off between our Python thread and
+gloo's I/O thread (a post, a sleep in wait(), a wake-up), and the Python code that runs after each wake-up meets
+cold caches. Two processes then ask for more CPU time than 2 CPUs have while a call lasts, ready threads queue,
+and one that finds no free CPU runs when the scheduler next looks, at the latest at its tick (250 Hz here:
+4 ms). That is the 2-process bimodality: ring at 1e4 and 2 workers p10 / p90 0.40 / 4.0 ms against gloo's
+0.32 / 0.51 ms. gloo runs the whole collective in C++ inside its own threads, cheaply enough that the CPUs
+rarely run out. What beat part of it is fewer and earlier hand-offs: the all-gather receive posted before its
+send (above) and segments of 2^20 instead of 2^18 took the 2-worker ring at 1e5 elements from a median of 1.88
+to 0.82 ms and a p90 of 6.5 to 4.0 ms, and at 1e3 from 1.09 to 0.61 ms (p90 5.1 to 2.7 ms) (this JSON against
+its previous version, both on a quiet machine). What stays is the hand-off itself: a gloo point-to-point
+receive cannot be polled (its Work.is_completed() is False until wait() is called), so every receive sleeps and
+wakes. From 4 workers on the 2 CPUs are oversubscribed and every algorithm is CPU-bound: at 8 workers and
+2.5e7 elements the ring's threads use 48 + 68 = 116 ms of CPU per call and rank, gloo's 11 + 89 = 99 ms, and
+8 ranks x that / 2 CPUs is close to the measured medians (484 and 381 ms). Pinning every thread of both
+workers to one CPU (``--cpus 0``) did not remove the slow mode under load (results/allreduce-cpu-2core-one-cpu
+.json against -unpinned.json). The model, fitted to the fastest ping-pong, describes the fast mode only.
 
 Benchmark: ``python allreduce.py`` (default: 2, 4, 8 workers x 1e3 .. 1e7 and 2.5e7 float32 x ring, butterfly,
 torch) starts one utils.LocalGroup (gloo over a FileStore) per worker count, reused for every size, and first
@@ -105,6 +122,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -120,7 +138,7 @@ import utils
 # ----------------------------------------------------------------------------------------------------------
 # The algorithms
 # ----------------------------------------------------------------------------------------------------------
-SEGMENT_ELEMENTS = 1 << 18  # the pipeline's unit, 1 MiB of float32: chosen by measurement (module docstring)
+SEGMENT_ELEMENTS = 1 << 20  # the pipeline's unit, 4 MiB of float32: chosen by measurement (module docstring)
 RECEIVE_SLOTS = 2  # receive buffers of one segment each: segment k + 1 lands while segment k is added
 
 
@@ -211,6 +229,10 @@ def _ring(flat: torch.Tensor, rank: int, size: int, group, segment: int) -> None
         step, k = divmod(i, pieces)
         target = reduce_target(i)
         _wait(reduce_recvs.pop(i))
+        # What this rank sent at this step (chunk rank - step) is final for the reduce-scatter: once the send is
+        # done, the all-gather receive for that segment (at step `step`) can be posted into place, early.
+        _wait(reduce_sends.pop(i))
+        gather_recvs[i] = _post_recv(segs[(rank - step) % size][k], left, messages + i, group)
         target.add_(slots[i % len(slots), :target.numel()])
         reduce_recvs[i + len(slots)] = post_reduce_recv(i + len(slots))  # the slot is free again
         if step < steps - 1:  # forward the partial sum at once: the pipeline
@@ -218,10 +240,6 @@ def _ring(flat: torch.Tensor, rank: int, size: int, group, segment: int) -> None
         else:  # chunk rank + 1 is complete here: its owner divides, and starts the all-gather with it
             target.div_(size)
             gather_sends.append(_post_send(target, right, messages + k, group))
-        # What this rank sent at this step (chunk rank - step) is final for the reduce-scatter: once the send is
-        # done, the all-gather receive for that segment (at step `step`) can be posted into place, early.
-        _wait(reduce_sends.pop(i))
-        gather_recvs[i] = _post_recv(segs[(rank - step) % size][k], left, messages + i, group)
     for i in range(messages):  # all-gather step t receives chunk rank - t and forwards it at step t + 1
         step, k = divmod(i, pieces)
         _wait(gather_recvs.pop(i))
@@ -494,6 +512,29 @@ def pinned(rank: int, cpus: list[int] | None):
                 os.sched_setaffinity(t, mask)
 
 
+def thread_schedstat_ns() -> dict[int, tuple[int, int]]:
+    """Per thread of this process: (ns run on a CPU, ns spent runnable but waiting on a run queue), from Linux's
+    /proc/self/task/*/schedstat; {} where it does not exist. Shows where a call's time goes: computing, waiting
+    for a message (neither), or ready to run but waiting for a CPU."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    run_ns, wait_ns = map(int, f.read().split()[:2])
+                out[int(tid)] = (run_ns, wait_ns)
+    return out
+
+
+def _thread_deltas_us(before: dict, after: dict, caller: int) -> tuple[float, float, float]:
+    """(caller's CPU, caller's run-queue wait, every other thread's CPU) between two thread_schedstat_ns, in us."""
+    def delta(tid: int, field: int) -> float:
+        return (after[tid][field] - before.get(tid, (0, 0))[field]) / 1e3
+
+    others = sum(delta(t, 0) for t in after if t != caller)
+    return (delta(caller, 0), delta(caller, 1), others) if caller in after else (0.0, 0.0, others)
+
+
 def bench_worker(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: float, min_iters: int,
                  max_iters: int, rounds: int, segment: int, cpus: list[int] | None = None) -> list[dict]:
     with pinned(rank, cpus):
@@ -528,16 +569,24 @@ def _bench(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: 
                       "identical_across_ranks": identical, "times": []}
         del result, rank0, work
     work = data.clone()
+    caller = threading.get_native_id()
+    threads_us = {algo: [0.0, 0.0, 0.0] for algo in algos}
     for round_index in range(rounds):
         for algo in (algos if round_index % 2 == 0 else algos[::-1]):
             allreduce = ALGORITHMS[algo]
+            before = thread_schedstat_ns()
             rows[algo]["times"] += utils.time_calls_ms(
                 lambda: allreduce(work, rank, size, segment_elements=segment), torch.device("cpu"),
                 iters=rows[algo]["iters"] // rounds, warmup=1)
+            deltas = _thread_deltas_us(before, thread_schedstat_ns(), caller)
+            threads_us[algo] = [a + b for a, b in zip(threads_us[algo], deltas)]
     out = []
     for algo in algos:
         row = rows[algo]
         times = row.pop("times")
+        calls = len(times) + rounds  # each round's warm-up call falls inside the accounting too
+        row["caller_cpu_us"], row["caller_runqueue_us"], row["other_threads_cpu_us"] = (
+            utils.max_across_ranks(v / calls) for v in threads_us[algo])
         row["median_ms"] = utils.max_across_ranks(utils.median(times))
         row["min_ms"] = utils.max_across_ranks(min(times))
         # The spread shows two-mode timings (calls whose wake-ups waited for a busy CPU, and calls that did not).
@@ -690,6 +739,12 @@ def main(argv=None) -> dict:
             fmt = lambda v: f"{v:.2f}" if v is not None else "-"
             print(f"{r['workers']:>7} {r['elements']:>9}  ring/torch {fmt(r['ring_over_torch']):>6}  "
                   f"ring/butterfly {fmt(r['ring_over_butterfly']):>6}")
+    if rows and any(r["caller_cpu_us"] for r in rows):
+        print("\nper call, us (largest across ranks; the barrier before each call included): the calling thread's CPU "
+              "time, its wait for a CPU while ready to run, and the CPU time of the process's other threads (gloo's)")
+        for r in rows:
+            print(f"{r['workers']:>7} {r['elements']:>9} {r['algo']:>9}  caller CPU {r['caller_cpu_us']:>8.0f}  "
+                  f"waiting for a CPU {r['caller_runqueue_us']:>8.0f}  gloo threads CPU {r['other_threads_cpu_us']:>8.0f}")
     payload = {
         "benchmark": "allreduce",
         "command": " ".join(["python", "allreduce.py"] + (sys.argv[1:] if argv is None else list(argv))),
@@ -712,6 +767,10 @@ def main(argv=None) -> dict:
                                 "so an upper bound on the peak; gloo's internal scratch in "
                                 "torch.distributed.all_reduce is invisible to it, so the torch figure is a "
                                 "lower bound",
+            "caller_cpu_us/caller_runqueue_us/other_threads_cpu_us": "per timed call (barrier and each round's "
+                "warm-up call included), from Linux schedstat: CPU time of the thread that calls the all-reduce, the "
+                "time it was ready to run but waiting for a CPU, and the CPU time of the process's other threads "
+                "(gloo's I/O and work threads); largest across ranks; 0 where /proc has no schedstat",
             "max_abs_error": "max over ranks and elements of |result - float64 mean of all ranks' float32 inputs|",
             "torch": "torch.distributed.all_reduce(SUM) on gloo, then a division by the world size",
         },

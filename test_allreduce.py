@@ -6,6 +6,8 @@ and algorithm for that world size runs inside a single ``group.run`` call, and t
 checked here. Small segment sizes exercise the pipeline (many segments per chunk) on moderate lengths.
 """
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -46,7 +48,7 @@ def tolerance(world_size: int, length: int, dtype: torch.dtype) -> float:
 def average_all_cases(rank: int, world_size: int) -> dict:
     """Every (algorithm, dtype, length) case on this rank, with collectives banned and p2p calls counted."""
     originals = {name: getattr(dist, name) for name in COLLECTIVES + POINT_TO_POINT}
-    counts = {}
+    counts, posts = {}, []  # posts: (call, tag) in the order this rank made them
 
     def banned(name):
         def call(*args, **kwargs):
@@ -56,6 +58,7 @@ def average_all_cases(rank: int, world_size: int) -> dict:
     def counted(name):
         def call(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
+            posts.append((name, kwargs.get("tag", 0)))
             if name in ("send", "isend"):
                 counts["elements_sent"] = counts.get("elements_sent", 0) + args[0].numel()
             return originals[name](*args, **kwargs)
@@ -71,6 +74,7 @@ def average_all_cases(rank: int, world_size: int) -> dict:
                 send = make_input(rank, length, dtype).reshape(SHAPES.get(length, (length,)))
                 pointer, shape = send.data_ptr(), send.shape
                 counts.clear()
+                posts.clear()
                 for name in COLLECTIVES:
                     setattr(dist, name, banned(name))
                 for name in POINT_TO_POINT:
@@ -82,7 +86,7 @@ def average_all_cases(rank: int, world_size: int) -> dict:
                         setattr(dist, name, original)
                 out[(algo, str(dtype), length, segment)] = {
                     "result": send.clone(), "in_place": send.data_ptr() == pointer and send.shape == shape
-                    and returned is send, "counts": dict(counts),
+                    and returned is send, "counts": dict(counts), "posts": list(posts),
                     "allocated": allreduce.tracked_allocation_bytes(
                         lambda: fn(send.clone(), rank, world_size, segment_elements=segment))
                     - send.numel() * send.element_size(),  # minus the clone's own storage
@@ -132,7 +136,7 @@ def expected_extra_bytes(algo: str, rank: int, world_size: int, length: int, seg
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_average_matches_float64_mean(local_group, world_size):
     per_rank = local_group(world_size).run(average_all_cases)
-    worst = {}
+    worst, ordered_pairs = {}, 0
     for (algo, dtype_name, length, segment), first in per_rank[0].items():
         dtype = getattr(torch, dtype_name.split(".")[1])
         reference = float64_mean(world_size, length, dtype).reshape(SHAPES.get(length, (length,)))
@@ -166,6 +170,19 @@ def test_average_matches_float64_mean(local_group, world_size):
                 assert set(counts) <= {"isend", "irecv", "elements_sent"}, counts
                 # Messages of at most one segment: at least ceil(sent / segment) of them.
                 assert counts.get("isend", 0) >= -(-sent // segment), (where, counts)
+                # Every all-gather receive is posted before this rank sends the message with the same tag (its
+                # neighbours run the same schedule): gloo moves a payload only into a posted receive, so a late
+                # one costs a round trip. At p = 2 the first all-gather receive once came after its send.
+                # (All-gather tags follow the reduce-scatter's (p - 1) x segments-per-chunk ones.)
+                gather_from = (world_size - 1) * -(-chunk[0] // segment)
+                first_post = {}
+                for position, post in enumerate(case["posts"]):
+                    first_post.setdefault(post, position)
+                for (call, tag), at in first_post.items():
+                    if call == "isend" and tag >= gather_from and ("irecv", tag) in first_post:
+                        assert first_post[("irecv", tag)] < at, (where, "all-gather receive posted late", tag)
+                        ordered_pairs += 1
+    assert world_size == 1 or ordered_pairs > 0  # the order check above did run
     print(f"\np={world_size}: worst |error| (and error / tolerance) "
           + ", ".join(f"{a} {d}: {e:.2e} ({r:.3f})" for (a, d), (r, e) in sorted(worst.items())))
 
@@ -203,11 +220,29 @@ def test_benchmark_smoke(tmp_path, capsys):
     for row in written["results"]:
         assert row["identical_across_ranks"] and row["max_abs_error"] < 1e-6 and row["median_ms"] > 0
         assert row["predicted_ms"] > 0 and row["iters"] in (2, 4)  # 2 rounds of 1 or 2 calls
+        assert row["caller_cpu_us"] >= 0 and row["caller_runqueue_us"] >= 0 and row["other_threads_cpu_us"] >= 0
     model = written["alpha_beta"]["2"]
     assert model["alpha_ms"] > 0 and model["beta_ms_per_element"] >= 0 and len(model["points"]) == 2
     assert [r["segment_elements"] for r in written["segment_sweep"]] == [8, 50]
     assert {"cpu_model", "torch"} <= set(written["machine"]) and written["ratios"][0]["ring_over_torch"] > 0
     assert "ring" in capsys.readouterr().out
+
+
+def test_thread_accounting():
+    # Synthetic: the caller's own CPU and run-queue wait; every other thread's CPU, a new thread counted from 0.
+    before = {1: (0, 0), 2: (5_000, 7)}
+    after = {1: (3_000, 1_000), 2: (8_000, 9), 3: (2_000, 4)}
+    assert allreduce._thread_deltas_us(before, after, 1) == (3.0, 1.0, 5.0)
+    # Real: the calling thread's schedstat run time is the CPU time time.thread_time() reads (both the kernel's
+    # sum of execution time), so 20 ms of computing here shows as at least 20 ms.
+    before = allreduce.thread_schedstat_ns()
+    if not before:
+        pytest.skip("no /proc/self/task/*/schedstat on this system")
+    start = time.thread_time()
+    while time.thread_time() - start < 0.02:
+        pass
+    caller_us, _, _ = allreduce._thread_deltas_us(before, allreduce.thread_schedstat_ns(), threading.get_native_id())
+    assert caller_us >= 19_000, caller_us
 
 
 def test_bad_cli_arguments_exit_with_one_line(capsys):
