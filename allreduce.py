@@ -101,9 +101,11 @@ its previous version, both on a quiet machine). What stays is the hand-off itsel
 receive cannot be polled (its Work.is_completed() is False until wait() is called), so every receive sleeps and
 wakes. From 4 workers on the 2 CPUs are oversubscribed and every algorithm is CPU-bound: at 8 workers and
 2.5e7 elements the ring's threads use 48 + 68 = 116 ms of CPU per call and rank, gloo's 11 + 89 = 99 ms, and
-8 ranks x that / 2 CPUs is close to the measured medians (484 and 381 ms). Pinning every thread of both
-workers to one CPU (``--cpus 0``) did not remove the slow mode under load (results/allreduce-cpu-2core-one-cpu
-.json against -unpinned.json). The model, fitted to the fastest ping-pong, describes the fast mode only.
+8 ranks x that / 2 CPUs is close to the measured medians (484 and 381 ms). Pinning makes it worse, as the
+hand-offs predict (a process's Python thread and gloo's I/O thread then share one CPU): ring at 1e3 and 2
+workers, median 0.66 ms unpinned, 2.98 ms with one CPU per worker (``--cpus 0,1``), 7.35 ms with both on CPU 0
+(``--cpus 0``), gloo's 0.31-0.46 ms throughout (results/allreduce-cpu-2core-unpinned.json, -cpu-per-worker.json,
+-one-cpu.json). The model, fitted to the fastest ping-pong, describes the fast mode only.
 
 Benchmark: ``python allreduce.py`` (default: 2, 4, 8 workers x 1e3 .. 1e7 and 2.5e7 float32 x ring, butterfly,
 torch) starts one utils.LocalGroup (gloo over a FileStore) per worker count, reused for every size, and first
