@@ -746,7 +746,8 @@ def main(argv=None) -> dict:
               "time, its wait for a CPU while ready to run, and the CPU time of the process's other threads (gloo's)")
         for r in rows:
             print(f"{r['workers']:>7} {r['elements']:>9} {r['algo']:>9}  caller CPU {r['caller_cpu_us']:>8.0f}  "
-                  f"waiting for a CPU {r['caller_runqueue_us']:>8.0f}  gloo threads CPU {r['other_threads_cpu_us']:>8.0f}")
+                  f"waiting for a CPU {r['caller_runqueue_us']:>8.0f}  "
+                  f"gloo threads CPU {r['other_threads_cpu_us']:>8.0f}")
     payload = {
         "benchmark": "allreduce",
         "command": " ".join(["python", "allreduce.py"] + (sys.argv[1:] if argv is None else list(argv))),
