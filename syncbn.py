@@ -10,28 +10,23 @@ invstd = 1 / sqrt(var + eps), xhat = (x - mu) * invstd, y = w * xhat + b (w = 1,
 
 Forward: stable statistics with one collective
 ----------------------------------------------
-Each rank sums x and x^2 over its values IN FLOAT64, and one all_reduce(SUM) of one buffer
-[sum x (C values), sum x^2 (C values), n_r] gives every rank (S1, S2, N); then
+Each rank takes its own mean m_r and sum of squared deviations M2_r = sum_i (x_ri - m_r)^2, both stable
+(no cancellation: deviations are taken from the rank's own mean, never x^2 summed and a square subtracted).
+Sums of values can be added across ranks, means and M2s cannot, so each rank turns its pair into sums, in
+float64 on C-sized vectors only:
+
+    S1_r = n_r m_r,    S2_r = M2_r + n_r m_r^2        (the sum of x and of x^2 over rank r's values)
+
+and one all_reduce(SUM) of one buffer [S1 (C values), S2 (C values), n_r] gives every rank (S1, S2, N):
 
     mu = S1 / N,    var = S2 / N - mu^2    (float64),    unbiased var = var * N / (N - 1)
 
-In float32 this formula cancels catastrophically when |mean| >> std: for 1000 + N(0, 1), E[x^2] ~ 1e6 carries
-an absolute rounding error near 0.1, ten percent of the variance. In float64 it does not: the square of a
-float32 (or fp16/bf16) value has at most 48 significant bits, so it is exact in float64's 53, and the sums and
-the subtraction lose a few units of 2^-53 * mu^2 / var relatively, about 1e-10 for 1000 + N(0, 1). That only
-grows large as |mean| / std nears 1e7, where float32 data no longer resolve the spread anyway. Float64 inputs
-get the same formula and so the same relative error, about 1e-6 at |mean| / std = 1e5 (a two-pass variance
-would do better there). The buffer holds 2C + 1 numbers, the fewest that carry the statistics; the counts
+The subtraction cancels, but in float64 and harmlessly: with one rank it returns M2_r / n_r up to a few units
+of 2^-53 * mu^2 (m_r is a float32, so m_r^2 is exact in float64); with several it adds the spread of the m_r
+around mu, which is the between-rank part of the variance, again up to 2^-53 * mu^2. For 1000 + N(0, 1)
+that is about 1e-10 of the variance; the float32 formula E[x^2] - E[x]^2 on the same data is off by more
+than the variance itself. The buffer holds 2C + 1 numbers, the fewest that carry the statistics; the counts
 travel in it, so per-rank batch sizes may differ and may be 0 (a rank with no values adds zeros).
-
-Cost: the float64 sums need a float64 copy of the input (twice its bytes for float32, four times for fp16/bf16),
-squared in place and freed as soon as the sums are taken; on CUDA it counts in the forward pass's peak memory.
-Backward reads xhat = (x - mu) * invstd, kept in the input's dtype: the same bytes as the input that
-nn.BatchNorm keeps (for fp16/bf16 that rounds xhat as the output is rounded). The output is a tensor of its
-own (a copy of xhat, or w * xhat + b), never the saved one, so an in-place op on the output
-(ReLU(inplace=True)) stays legal. Elementwise passes over the data: forward 6 (copy, sum, square, sum,
-centering, scaling) and the output; backward 3 (sum g, g * xhat, its sum) and the input gradient (3).
-nn.BatchNorm's native kernels fuse theirs into fewer.
 
 Backward, derived by hand (one collective)
 ------------------------------------------
@@ -41,17 +36,50 @@ With g = dL/dy, dL/dxhat = w g, and for every value j of the global batch
 Summing over i:
     dL/dx_j = w invstd * (g_j - (1/N) sum_i g_i - xhat_j (1/N) sum_i g_i xhat_i)
 The only global quantities are the 2C sums sum(g) and sum(g xhat) over the whole batch: each rank computes its
-local sums from the saved xhat, one all_reduce(SUM) of one flat [2C] buffer adds them up, and
+local sums, one all_reduce(SUM) of one flat [2C] buffer adds them up, and
     dL/dx = (g - mean(g) - xhat * mean(g xhat)) * (w invstd).
 The affine gradients are dL/dw = sum(g xhat), dL/db = sum(g) over THIS rank's values only: like any other
 parameter gradient they are averaged by whoever synchronizes gradients (DistributedDataParallel or the
 trainer's all-reduce), so adding them up here would count them twice. When the input needs no gradient (and
 so no rank's does: they run the same model), backward skips the collective, as torch.nn.SyncBatchNorm does.
 
+What a pass reads and writes
+----------------------------
+BatchNorm is bound by memory traffic: the arithmetic per value is a handful of flops, so the time is the number
+of times the activation crosses memory. Two implementations of the math above, chosen per call:
+
+- Fused kernels (CUDA; Triton, which PyTorch's CUDA wheel ships), six launches per forward + backward:
+    forward   1. per-channel (mean, M2) of tiles, merged inside each program (Chan's rule, float32) - 1 read
+              2. the splits' partials -> [S1, S2, n_r] in float64                    - C-sized
+              -- all_reduce --
+              3. mu, invstd (float64 from the sums) and y = (x - mu) * invstd * w + b in one pass, running
+                 statistics updated by the same kernel                                - 1 read, 1 write
+    backward  4. per-channel sum(g) and sum(g xhat) (xhat recomputed from x)          - 1 read of x and g
+              5. the splits' partials -> [2C] (float64 adds), and the local affine gradients
+              -- all_reduce --
+              6. dx                                                                   - 1 read of x and g, 1 write
+  Statistics are accumulated in float32 whatever the input's dtype (bf16/fp16 under autocast, float32), with
+  the float64 steps on C-sized vectors only; kept for backward: the input itself (as nn.BatchNorm) plus mu
+  and invstd. The kernels are registered as torch.library custom ops (``syncbn::...``) with fake
+  implementations, so FakeTensorMode and torch.compile see their shapes. Activations are read in their own
+  layout: channels-last (and 2-D (N, C)) as rows of C, contiguous as N planes of C x L; any other strides are
+  made contiguous first. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (numpy; slow), which is
+  how the tests check them on a machine without a GPU.
+- PyTorch operations (the CPU, float64, and CUDA without Triton), each chosen because it writes nothing
+  activation-sized but its result: torch.var_mean (Welford, double accumulators: no temporary) for (m_r, M2_r);
+  an eval-mode batch_norm, which is one fused per-channel affine pass, for y = (x - mu) * invstd * w + b with
+  OUR statistics; in backward the same affine pass recomputes xhat from x, sum(g xhat) is a per-channel dot
+  product done by a batched matrix product over views (bmm / einsum: no temporary), and dx is two passes
+  (addcmul, then addcmul_). In all: 1 activation-sized write forward, 3 backward, against nn.BatchNorm's 1 and 1;
+  kept for backward: the input. PyTorch's CPU reductions copy bf16/fp16 inputs to float32 when asked for a
+  float32 result, so on the CPU half-precision inputs cost float32 temporaries (CPU autocast is rare; the
+  CUDA kernels have no such copies). test_syncbn.py counts all of this.
+
 Precision, devices, collectives
 -------------------------------
-- Statistics are summed in float64 and used in float32 (float64 for float64 inputs); fp16/bf16 inputs get
-  float32 arithmetic, and the output and input gradient come back in the input's dtype.
+- The statistics are float32 or better for every input dtype; mu and invstd are used in float32 (float64 for
+  float64 inputs); the output and input gradient come back in the input's dtype; the affine gradients and
+  running statistics in theirs.
 - No host-device synchronization in forward or backward on CUDA with nccl: no .item(), no masks, no
   branching on tensor values (only on shapes). The global count N stays a device tensor. The one value check,
   "more than 1 value per channel across all ranks" (ValueError, as nn.BatchNorm), needs N only where it can
@@ -64,18 +92,26 @@ Precision, devices, collectives
   forward and backward each run exactly one all_reduce on ``process_group`` (default: the whole world).
   A rank with 0 samples still runs both, so its peers do not hang.
 - momentum=None (cumulative moving average) uses 1 / num_batches_tracked as a device tensor: no sync either.
-- Speed: at the sizes of a small MLP the time goes to the number of PyTorch calls (a few microseconds of
-  Python and dispatch each), not to arithmetic. torch.profiler counts 41 top-level calls in one forward +
-  backward here (the module's and autograd's included), against 4 for nn.BatchNorm1d around its two fused
-  native kernels, which no hand-written Python Function matches. The code keeps the count down where that
-  costs no clarity: one buffer per collective, both running statistics in one torch._foreach_lerp_,
-  broadcast views only for inputs with spatial dimensions. bn_benchmark.py measures what is left.
 """
 from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # PyTorch's CPU wheels and some platforms have no Triton: the PyTorch-ops path serves all
+    triton = None
+
+# TRITON_INTERPRET=1 makes @triton.jit kernels run on CPU tensors; it is read when the kernels are defined.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _checked_count(count: int, world_size: int) -> int:
@@ -86,11 +122,383 @@ def _checked_count(count: int, world_size: int) -> int:
     return count
 
 
-def _local_sums(input: torch.Tensor, reduce_dims: list[int]) -> torch.Tensor:
-    """[sum x, sum x^2, count] over this rank's values of each channel, in float64 (2C + 1 numbers)."""
-    x64 = input.to(torch.float64, copy=True)  # our own copy, squared in place; freed on return
-    local_count = x64.new_full((1,), input.numel() // input.shape[1])
-    return torch.cat([x64.sum(reduce_dims), x64.square_().sum(reduce_dims), local_count])
+def _stat_shape(input: torch.Tensor) -> tuple[int, ...]:
+    """(C, 1, ..., 1): per-channel values broadcast over (N, C, *spatial)."""
+    return (input.shape[1],) + (1,) * (input.dim() - 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The PyTorch-operations path (CPU, float64, CUDA without Triton)
+# ----------------------------------------------------------------------------------------------------------
+def _local_sums(input: torch.Tensor) -> torch.Tensor:
+    """[S1_r, S2_r, n_r] of this rank's values, float64: 2C + 1 numbers, from a Welford (mean, M2)."""
+    num_channels = input.shape[1]
+    local_count = input.numel() // num_channels
+    if local_count == 0:  # var_mean of nothing is NaN; an empty rank adds zeros
+        return input.new_zeros(2 * num_channels + 1, dtype=torch.float64)
+    reduce_dims = [0, *range(2, input.dim())]
+    # var_mean accumulates in double with no temporary, but rounds its results to the input's dtype: fine for
+    # float32/64; a bf16/fp16 mean would be off by |mean| * 2^-9, so those go through a float32 copy.
+    values = input if input.dtype in (torch.float32, torch.float64) else input.float()
+    var, mean = torch.var_mean(values, reduce_dims, correction=0)
+    mean, var = mean.double(), var.double()
+    return torch.cat([mean * local_count, (var + mean * mean) * local_count, mean.new_full((1,), local_count)])
+
+
+def _channel_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b) per channel (dim 1) without an activation-sized temporary: a batched matrix product over views.
+
+    Rows of C (2-D, channels-last): einsum "rc,rc->c", which PyTorch runs as a bmm over strided views.
+    Contiguous planes (N, C, L): one bmm of N*C (1 x L) @ (L x 1) products, then the sum over N.
+    """
+    num_channels = a.shape[1]
+    if a.dtype not in (torch.float32, torch.float64):  # bmm would round every partial dot to bf16/fp16
+        a, b = a.float(), b.float()
+    if a.stride() != b.stride():
+        return (a * b).sum([0, *range(2, a.dim())])
+    if a.dim() == 2 or a.stride(1) == 1:
+        rows_a, rows_b = a.movedim(1, -1).reshape(-1, num_channels), b.movedim(1, -1).reshape(-1, num_channels)
+        return torch.einsum("rc,rc->c", rows_a, rows_b)
+    if a.is_contiguous():
+        planes = a.shape[0] * num_channels
+        length = a.numel() // max(planes, 1)
+        dots = torch.bmm(a.reshape(planes, 1, length), b.reshape(planes, length, 1))
+        return dots.view(a.shape[0], num_channels).sum(0)
+    return (a * b).sum([0, *range(2, a.dim())])
+
+
+def _affine_pass(input, mean, var, eps, weight=None, bias=None):
+    """(x - mean) / sqrt(var + eps) * weight + bias in one fused per-channel pass (eval-mode batch_norm with our
+    statistics: it computes nothing of its own), in the input's dtype and memory format."""
+    return torch.batch_norm(input, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The fused-kernel path: Triton kernels behind torch.library custom ops
+# ----------------------------------------------------------------------------------------------------------
+class _Tiles:
+    """How a kernel walks an activation: `planes` blocks of `rows` x C values, each value at
+    plane * plane_stride + row * row_stride + channel * channel_stride.
+
+    Channels-last and 2-D inputs are one plane of N*H*W rows of C contiguous channels; contiguous inputs are N
+    planes of C channels of H*W contiguous values. A program takes BLOCK_C channels and a run of (plane,
+    row-block) units; the grid is (channel blocks, splits), enough programs to fill the GPU.
+    """
+
+    def __init__(self, x: torch.Tensor):
+        num_channels = x.shape[1]
+        self.channels = num_channels
+        if x.dim() == 2 or (x.stride(1) == 1 and x.movedim(1, -1).is_contiguous()):
+            self.planes, self.rows = 1, x.numel() // max(num_channels, 1)
+            self.plane_stride, self.row_stride, self.channel_stride = 0, num_channels, 1
+            block_c = min(triton.next_power_of_2(num_channels), 64)
+            block_r = max(_TILE // block_c, 1)
+        else:
+            assert x.is_contiguous(), "the caller makes other layouts contiguous"
+            self.planes, self.rows = x.shape[0], x.numel() // max(x.shape[0] * num_channels, 1)
+            self.plane_stride, self.row_stride, self.channel_stride = num_channels * self.rows, 1, self.rows
+            block_r = min(triton.next_power_of_2(max(self.rows, 1)), _TILE)
+            block_c = min(max(_TILE // block_r, 1), triton.next_power_of_2(num_channels))
+        if INTERPRET:  # small tiles on the CPU, so that the tests walk many tiles, splits and masked edges
+            block_c, block_r = min(block_c, 4), min(block_r, 8)
+        self.block_c, self.block_r = block_c, block_r
+        self.row_blocks = triton.cdiv(self.rows, block_r)
+        self.units = self.planes * self.row_blocks
+        self.channel_blocks = triton.cdiv(num_channels, block_c)
+        splits = min(self.units, max(_target_programs(x.device) // self.channel_blocks, 1))
+        self.units_per_split = triton.cdiv(self.units, max(splits, 1))
+        self.splits = triton.cdiv(self.units, self.units_per_split) if self.units else 0
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.channel_blocks, self.splits)
+
+    def args(self) -> tuple[int, ...]:
+        return (self.channels, self.rows, self.row_blocks, self.units, self.units_per_split,
+                self.plane_stride, self.row_stride, self.channel_stride)
+
+
+_TILE = 4096  # values per tile: 16 per thread at 8 warps
+
+
+@functools.lru_cache(maxsize=None)
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 6  # the interpreter: a few splits, to exercise the merge
+
+
+if triton is not None:
+    @triton.jit
+    def _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride, channel_stride,
+              BLOCK_R: tl.constexpr):
+        """Offsets and mask of one (plane, row-block) unit for a block of channels: [BLOCK_R, BLOCK_C]."""
+        plane = unit // row_blocks
+        row = (unit % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = row < rows
+        offsets = (plane.to(tl.int64) * plane_stride + row[:, None].to(tl.int64) * row_stride
+                   + channels[None, :].to(tl.int64) * channel_stride)
+        return offsets, rmask[:, None] & cmask[None, :], tl.sum(rmask.to(tl.int32), 0)
+
+    @triton.jit
+    def _moments_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, rows, row_blocks, units, units_per_split,
+                        plane_stride, row_stride, channel_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Per split and channel: (mean, M2) of the split's values, tile by tile (two-pass inside a tile, Chan's
+        merge across tiles, float32); the split's count, once per split."""
+        split = tl.program_id(1)
+        channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = channels < C
+        count = tl.zeros([BLOCK_C], tl.float32)
+        mean = tl.zeros([BLOCK_C], tl.float32)
+        m2 = tl.zeros([BLOCK_C], tl.float32)
+        total = 0
+        for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
+            offsets, mask, valid_rows = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
+                                              channel_stride, BLOCK_R)
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            tile_count = valid_rows.to(tl.float32)
+            tile_mean = tl.sum(x, 0) / tile_count
+            deviation = tl.where(mask, x - tile_mean[None, :], 0.0)
+            tile_m2 = tl.sum(deviation * deviation, 0)
+            merged = count + tile_count
+            delta = tile_mean - mean
+            mean += delta * (tile_count / merged)
+            m2 += tile_m2 + delta * delta * (count * tile_count / merged)
+            count = merged
+            total += valid_rows
+        tl.store(mean_ptr + split * C + channels, mean, mask=cmask)
+        tl.store(m2_ptr + split * C + channels, m2, mask=cmask)
+        if tl.program_id(0) == 0:
+            tl.store(count_ptr + split, total.to(tl.int64))
+
+    @triton.jit
+    def _moments_to_sums_kernel(mean_ptr, m2_ptr, count_ptr, sums_ptr, C, splits, BLOCK_C: tl.constexpr):
+        """[S1_r, S2_r, n_r] (2C + 1, float64) from the splits' (mean, M2, count): S1 = n m, S2 = M2 + n m^2."""
+        channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = channels < C
+        s1 = tl.zeros([BLOCK_C], tl.float64)
+        s2 = tl.zeros([BLOCK_C], tl.float64)
+        total = tl.zeros([BLOCK_C], tl.float64)
+        for split in range(0, splits):
+            n = tl.load(count_ptr + split).to(tl.float64)
+            mean = tl.load(mean_ptr + split * C + channels, mask=cmask, other=0.0).to(tl.float64)
+            m2 = tl.load(m2_ptr + split * C + channels, mask=cmask, other=0.0).to(tl.float64)
+            s1 += n * mean
+            s2 += m2 + n * mean * mean
+            total += n
+        tl.store(sums_ptr + channels, s1, mask=cmask)
+        tl.store(sums_ptr + C + channels, s2, mask=cmask)
+        tl.store(sums_ptr + 2 * C + channels, total, mask=cmask & (channels == 0))
+
+    @triton.jit
+    def _normalize_kernel(x_ptr, y_ptr, sums_ptr, weight_ptr, bias_ptr, mean_ptr, invstd_ptr, running_mean_ptr,
+                          running_var_ptr, momentum_ptr, momentum, eps, C, rows, row_blocks, units, units_per_split,
+                          plane_stride, row_stride, channel_stride, HAS_WEIGHT: tl.constexpr,
+                          HAS_RUNNING: tl.constexpr, MOMENTUM_TENSOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+        """mu, invstd from the global sums (float64, per program: C-sized), then y = (x - mu) * invstd * w + b.
+        The first split's programs store mu and invstd for backward and update the running statistics."""
+        split = tl.program_id(1)
+        channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = channels < C
+        n = tl.load(sums_ptr + 2 * C).to(tl.float64)
+        mean64 = tl.load(sums_ptr + channels, mask=cmask, other=0.0) / n
+        var64 = tl.maximum(tl.load(sums_ptr + C + channels, mask=cmask, other=0.0) / n - mean64 * mean64, 0.0)
+        invstd64 = 1.0 / tl.sqrt(var64 + eps)
+        mean, invstd = mean64.to(tl.float32), invstd64.to(tl.float32)
+        scale = invstd
+        shift = tl.zeros([BLOCK_C], tl.float32)
+        if HAS_WEIGHT:
+            scale = invstd * tl.load(weight_ptr + channels, mask=cmask, other=1.0)
+            shift = tl.load(bias_ptr + channels, mask=cmask, other=0.0)
+        if split == 0:
+            tl.store(mean_ptr + channels, mean, mask=cmask)
+            tl.store(invstd_ptr + channels, invstd, mask=cmask)
+            if HAS_RUNNING:
+                if MOMENTUM_TENSOR:
+                    factor = tl.load(momentum_ptr).to(tl.float64)
+                else:
+                    factor = momentum
+                unbiased = var64 * (n / (n - 1.0))
+                running_mean = tl.load(running_mean_ptr + channels, mask=cmask, other=0.0).to(tl.float64)
+                running_var = tl.load(running_var_ptr + channels, mask=cmask, other=0.0).to(tl.float64)
+                tl.store(running_mean_ptr + channels, (running_mean + factor * (mean64 - running_mean)).to(tl.float32),
+                         mask=cmask)
+                tl.store(running_var_ptr + channels, (running_var + factor * (unbiased - running_var)).to(tl.float32),
+                         mask=cmask)
+        for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
+            offsets, mask, _ = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
+                                     channel_stride, BLOCK_R)
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean[None, :]) * scale[None, :] + shift[None, :]  # centred first: no cancellation
+            tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _grad_sums_kernel(dy_ptr, x_ptr, mean_ptr, invstd_ptr, partial_ptr, C, rows, row_blocks, units,
+                          units_per_split, plane_stride, row_stride, channel_stride, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+        """Per split and channel: sum(g) and sum(g xhat), xhat recomputed from x (float32). partial: [splits, 2, C]."""
+        split = tl.program_id(1)
+        channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = channels < C
+        mean = tl.load(mean_ptr + channels, mask=cmask, other=0.0)
+        invstd = tl.load(invstd_ptr + channels, mask=cmask, other=0.0)
+        sum_dy = tl.zeros([BLOCK_C], tl.float32)
+        sum_dy_xhat = tl.zeros([BLOCK_C], tl.float32)
+        for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
+            offsets, mask, _ = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
+                                     channel_stride, BLOCK_R)
+            dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            xhat = (x - mean[None, :]) * invstd[None, :]
+            sum_dy += tl.sum(dy, 0)
+            sum_dy_xhat += tl.sum(dy * xhat, 0)
+        tl.store(partial_ptr + split * 2 * C + channels, sum_dy, mask=cmask)
+        tl.store(partial_ptr + (split * 2 + 1) * C + channels, sum_dy_xhat, mask=cmask)
+
+    @triton.jit
+    def _grad_sums_total_kernel(partial_ptr, sums_ptr, local_ptr, C, splits, BLOCK_C: tl.constexpr):
+        """[sum g, sum g xhat] over the splits (float64 adds, stored float32): one copy for the all_reduce, one
+        kept as this rank's affine gradients."""
+        channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = channels < C
+        sum_dy = tl.zeros([BLOCK_C], tl.float64)
+        sum_dy_xhat = tl.zeros([BLOCK_C], tl.float64)
+        for split in range(0, splits):
+            sum_dy += tl.load(partial_ptr + split * 2 * C + channels, mask=cmask, other=0.0).to(tl.float64)
+            sum_dy_xhat += tl.load(partial_ptr + (split * 2 + 1) * C + channels, mask=cmask, other=0.0).to(tl.float64)
+        tl.store(sums_ptr + channels, sum_dy.to(tl.float32), mask=cmask)
+        tl.store(sums_ptr + C + channels, sum_dy_xhat.to(tl.float32), mask=cmask)
+        tl.store(local_ptr + channels, sum_dy.to(tl.float32), mask=cmask)
+        tl.store(local_ptr + C + channels, sum_dy_xhat.to(tl.float32), mask=cmask)
+
+    @triton.jit
+    def _grad_input_kernel(dy_ptr, x_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_ptr, grad_sums_ptr, stat_sums_ptr,
+                           C, rows, row_blocks, units, units_per_split, plane_stride, row_stride, channel_stride,
+                           HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dx = (g - mean(g) - xhat mean(g xhat)) * w invstd, with the global sums and the global count N."""
+        split = tl.program_id(1)
+        channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = channels < C
+        n = tl.load(stat_sums_ptr + 2 * C).to(tl.float32)
+        mean = tl.load(mean_ptr + channels, mask=cmask, other=0.0)
+        invstd = tl.load(invstd_ptr + channels, mask=cmask, other=0.0)
+        mean_dy = tl.load(grad_sums_ptr + channels, mask=cmask, other=0.0) / n
+        mean_dy_xhat = tl.load(grad_sums_ptr + C + channels, mask=cmask, other=0.0) / n
+        scale = invstd
+        if HAS_WEIGHT:
+            scale = invstd * tl.load(weight_ptr + channels, mask=cmask, other=1.0)
+        for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
+            offsets, mask, _ = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
+                                     channel_stride, BLOCK_R)
+            dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            xhat = (x - mean[None, :]) * invstd[None, :]
+            dx = (dy - mean_dy[None, :] - xhat * mean_dy_xhat[None, :]) * scale[None, :]
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@torch.library.custom_op("syncbn::local_sums", mutates_args=())
+def kernel_local_sums(x: torch.Tensor) -> torch.Tensor:
+    """[S1_r, S2_r, n_r] (2C + 1, float64) of this rank's values: kernels 1 and 2."""
+    tiles = _Tiles(x)
+    sums = x.new_zeros(2 * tiles.channels + 1, dtype=torch.float64)
+    if tiles.splits == 0:
+        return sums
+    mean = x.new_empty((tiles.splits, tiles.channels), dtype=torch.float32)
+    m2 = torch.empty_like(mean)
+    counts = x.new_empty(tiles.splits, dtype=torch.int64)
+    _moments_kernel[tiles.grid](x, mean, m2, counts, *tiles.args(), BLOCK_R=tiles.block_r, BLOCK_C=tiles.block_c)
+    _moments_to_sums_kernel[(tiles.channel_blocks,)](mean, m2, counts, sums, tiles.channels, tiles.splits,
+                                                      BLOCK_C=tiles.block_c)
+    return sums
+
+
+@kernel_local_sums.register_fake
+def _(x):
+    return x.new_empty(2 * x.shape[1] + 1, dtype=torch.float64)
+
+
+@torch.library.custom_op("syncbn::normalize", mutates_args=("running_mean", "running_var"))
+def kernel_normalize(x: torch.Tensor, sums: torch.Tensor, weight: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], running_mean: Optional[torch.Tensor],
+                     running_var: Optional[torch.Tensor], momentum_tensor: Optional[torch.Tensor], momentum: float,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mu, invstd) from the global sums, running statistics updated in place: kernel 3."""
+    tiles = _Tiles(x)
+    y = torch.empty_like(x)
+    mean = x.new_empty(tiles.channels, dtype=torch.float32)
+    invstd = torch.empty_like(mean)
+    # No values on this rank: the statistics and running buffers are still the global ones, from one program.
+    grid = tiles.grid if tiles.splits else (tiles.channel_blocks, 1)
+    _normalize_kernel[grid](
+        x, y, sums, weight, bias, mean, invstd, running_mean, running_var, momentum_tensor, momentum, eps,
+        *tiles.args(), HAS_WEIGHT=weight is not None, HAS_RUNNING=running_mean is not None,
+        MOMENTUM_TENSOR=momentum_tensor is not None, BLOCK_R=tiles.block_r, BLOCK_C=tiles.block_c)
+    return y, mean, invstd
+
+
+@kernel_normalize.register_fake
+def _(x, sums, weight, bias, running_mean, running_var, momentum_tensor, momentum, eps):
+    mean = x.new_empty(x.shape[1], dtype=torch.float32)
+    return torch.empty_like(x), mean, torch.empty_like(mean)
+
+
+@torch.library.custom_op("syncbn::grad_sums", mutates_args=())
+def kernel_grad_sums(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
+                     invstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([sum g, sum g xhat] to all_reduce, the same [2C] kept as the local affine gradients): kernels 4 and 5."""
+    tiles = _Tiles(x)
+    sums = x.new_zeros(2 * tiles.channels, dtype=torch.float32)
+    local = torch.zeros_like(sums)
+    if tiles.splits == 0:
+        return sums, local
+    partial = x.new_empty((tiles.splits, 2, tiles.channels), dtype=torch.float32)
+    _grad_sums_kernel[tiles.grid](grad_output, x, mean, invstd, partial, *tiles.args(), BLOCK_R=tiles.block_r,
+                                  BLOCK_C=tiles.block_c)
+    _grad_sums_total_kernel[(tiles.channel_blocks,)](partial, sums, local, tiles.channels, tiles.splits,
+                                                      BLOCK_C=tiles.block_c)
+    return sums, local
+
+
+@kernel_grad_sums.register_fake
+def _(grad_output, x, mean, invstd):
+    sums = x.new_empty(2 * x.shape[1], dtype=torch.float32)
+    return sums, torch.empty_like(sums)
+
+
+@torch.library.custom_op("syncbn::grad_input", mutates_args=())
+def kernel_grad_input(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                      weight: Optional[torch.Tensor], grad_sums: torch.Tensor,
+                      stat_sums: torch.Tensor) -> torch.Tensor:
+    """dx from the global [sum g, sum g xhat] and the global count in stat_sums: kernel 6."""
+    tiles = _Tiles(x)
+    grad_input = torch.empty_like(x)
+    if tiles.splits:
+        _grad_input_kernel[tiles.grid](grad_output, x, grad_input, mean, invstd, weight, grad_sums, stat_sums,
+                                       *tiles.args(), HAS_WEIGHT=weight is not None, BLOCK_R=tiles.block_r,
+                                       BLOCK_C=tiles.block_c)
+    return grad_input
+
+
+@kernel_grad_input.register_fake
+def _(grad_output, x, mean, invstd, weight, grad_sums, stat_sums):
+    return torch.empty_like(x)
+
+
+def _uses_kernels(input, weight, running_mean) -> bool:
+    """The fused kernels take CUDA tensors (CPU ones under TRITON_INTERPRET=1) of the dtypes they were written
+    for, with float32 parameters and buffers (nn.BatchNorm's, also under autocast)."""
+    return (triton is not None and (input.is_cuda or (INTERPRET and input.device.type == "cpu"))
+            and input.dtype in KERNEL_DTYPES and input.dim() >= 2
+            and all(t is None or t.dtype == torch.float32 for t in (weight, running_mean)))
+
+
+def _in_kernel_layout(x: torch.Tensor) -> torch.Tensor:
+    """x itself if it is contiguous, channels-last or 2-D dense; else a contiguous copy."""
+    if x.is_contiguous() or x.dim() == 2 or x.movedim(1, -1).is_contiguous():
+        return x
+    return x.contiguous()
 
 
 class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the design fixes)
@@ -104,11 +512,14 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
     @staticmethod
     def forward(ctx, input, weight, bias, running_mean, running_var, momentum, eps, process_group):
         num_channels = input.shape[1]
-        reduce_dims = [0, *range(2, input.dim())]
-        stat_dtype = torch.promote_types(input.dtype, torch.float32)
-
         local_count = input.numel() // num_channels  # from the shape: known on the host
-        sums = _local_sums(input, reduce_dims)
+        use_kernels = _uses_kernels(input, weight, running_mean)
+        if use_kernels:
+            input = _in_kernel_layout(input)
+            sums = kernel_local_sums(input)
+        else:
+            sums = _local_sums(input)
+
         if process_group is None:
             count = _checked_count(local_count, 1)
         else:
@@ -118,56 +529,72 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
             # if N < 2, every rank has fewer than 2 and reads it, so all of them raise together.
             if count.device.type == "cpu" or local_count < 2:
                 count = _checked_count(int(count), process_group.size())
+
+        ctx.process_group, ctx.eps, ctx.use_kernels = process_group, eps, use_kernels
+        if use_kernels:
+            momentum_tensor = momentum if isinstance(momentum, torch.Tensor) else None
+            output, mean, invstd = kernel_normalize(input, sums, weight, bias, running_mean, running_var,
+                                                    momentum_tensor, 0.0 if momentum_tensor is not None
+                                                    else float(momentum), eps)
+            ctx.save_for_backward(input, mean, invstd, weight, sums)  # sums: the global count N, on device
+            return output
+
+        stat_dtype = torch.promote_types(input.dtype, torch.float32)
         moments = sums / count
         mean, mean_of_squares = moments[:num_channels], moments[num_channels:2 * num_channels]
-        var = torch.addcmul(mean_of_squares, mean, mean, value=-1).to(stat_dtype)  # cancels harmlessly in float64
-        mean = mean.to(stat_dtype)
-        invstd = (var + eps).rsqrt_()
-
+        var = torch.addcmul(mean_of_squares, mean, mean, value=-1).clamp_min_(0)  # float64: harmless cancelling
         # Both buffers in one call. [momentum] * 2: a list of 0-d tensors picks the overload that never reads
         # them on the host (a lone 0-d tensor would become a Python scalar: a sync on CUDA).
         if running_mean is not None:
             unbiased_var = var * (count / (count - 1))
             torch._foreach_lerp_([running_mean, running_var],
                                  [mean.to(running_mean.dtype), unbiased_var.to(running_var.dtype)], [momentum] * 2)
-
-        if input.dim() > 2:  # per-channel values broadcast over (N, C, *spatial) as (C, 1, ..., 1)
-            stat_shape = (num_channels,) + (1,) * (input.dim() - 2)
-            mean, invstd = mean.view(stat_shape), invstd.view(stat_shape)
-        xhat = (input - mean) * invstd
-        if weight is None:
-            output = xhat.to(input.dtype, copy=True)
-        else:
-            output = torch.addcmul(bias.view(invstd.shape), xhat, weight.view(invstd.shape)).to(input.dtype)
-
-        # Keep our own xhat, not the output: an in-place op on the output must not change what backward reads.
+        mean, var = mean.to(stat_dtype), var.to(stat_dtype)
+        # The output is a tensor of its own, and backward keeps the input (as nn.BatchNorm does), never the
+        # output: an in-place op on the output (ReLU(inplace=True)) stays legal.
+        output = _affine_pass(input, mean, var, eps, weight, bias)
         count_on_device = isinstance(count, torch.Tensor)
-        ctx.save_for_backward(xhat.to(input.dtype), invstd, weight, count if count_on_device else None)
+        ctx.save_for_backward(input, mean, var, weight, count if count_on_device else None)
         ctx.count = None if count_on_device else count
-        ctx.process_group, ctx.reduce_dims = process_group, reduce_dims
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        xhat, invstd, weight, count_tensor = ctx.saved_tensors
-        count = ctx.count if count_tensor is None else count_tensor
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        num_channels = invstd.shape[0]
-        dy = grad_output.to(invstd.dtype)
-        sums = torch.cat([dy.sum(ctx.reduce_dims), (dy * xhat).sum(ctx.reduce_dims)])  # [sum g, sum g xhat]
+        if ctx.use_kernels:
+            input, mean, invstd, weight, stat_sums = ctx.saved_tensors
+            if grad_output.stride() != input.stride():  # the kernels index both with the input's strides
+                grad_output = torch.empty_like(input).copy_(grad_output)
+            sums, local = kernel_grad_sums(grad_output, input, mean, invstd)
+        else:
+            input, mean, var, weight, count_tensor = ctx.saved_tensors
+            count = ctx.count if count_tensor is None else count_tensor
+            stat_dtype = mean.dtype
+            xhat = _affine_pass(input, mean, var, ctx.eps)
+            sum_dy = grad_output.sum([0, *range(2, input.dim())], dtype=stat_dtype)
+            sums = torch.cat([sum_dy, _channel_dot(grad_output, xhat).to(stat_dtype)])  # [sum g, sum g xhat]
+            local = sums  # the affine gradients below are copied out before the all_reduce
+        num_channels = input.shape[1]
 
         # Local to this rank: whoever averages parameter gradients (DDP, the trainer) sums them over ranks.
-        grad_weight = sums[num_channels:].to(weight.dtype, copy=True) if need_weight else None
-        grad_bias = sums[:num_channels].to(weight.dtype, copy=True) if need_bias else None
+        grad_weight = local[num_channels:].to(weight.dtype, copy=True) if need_weight else None
+        grad_bias = local[:num_channels].to(weight.dtype, copy=True) if need_bias else None
 
         grad_input = None
         if need_input:
             if ctx.process_group is not None:
                 dist.all_reduce(sums, group=ctx.process_group)  # the one collective of the backward pass
-            mean_dy, mean_dy_xhat = (sums / count).view(2, *invstd.shape)
-            scale = invstd if weight is None else invstd * weight.view(invstd.shape)
-            grad_input = torch.addcmul(dy - mean_dy, xhat, mean_dy_xhat, value=-1).mul_(scale)
-            grad_input = grad_input.to(grad_output.dtype)
+            if ctx.use_kernels:
+                grad_input = kernel_grad_input(grad_output, input, mean, invstd, weight, sums, stat_sums)
+            else:
+                mean_dy, mean_dy_xhat = (sums / count).view(2, num_channels)
+                scale = torch.rsqrt(var + ctx.eps)
+                if weight is not None:
+                    scale = scale * weight
+                stat_shape = _stat_shape(input)
+                grad_input = torch.addcmul((-mean_dy * scale).view(stat_shape), grad_output, scale.view(stat_shape))
+                grad_input.addcmul_(xhat, (-mean_dy_xhat * scale).view(stat_shape))
+                grad_input = grad_input.to(grad_output.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
@@ -210,14 +637,7 @@ class SyncBatchNorm(_BatchNorm):
                 momentum = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
 
         if not self.training and self.running_mean is not None:
-            stat_shape = [1, self.num_features] + [1] * (input.dim() - 2)
-            scale = torch.rsqrt(self.running_var + self.eps)
-            if self.weight is not None:
-                scale = scale * self.weight
-            shift = -self.running_mean * scale
-            if self.bias is not None:
-                shift = shift + self.bias
-            return torch.addcmul(shift.view(stat_shape), input, scale.view(stat_shape)).to(input.dtype)
+            return _affine_pass(input, self.running_mean, self.running_var, self.eps, self.weight, self.bias)
 
         update = self.training and self.track_running_stats
         return sync_batch_norm.apply(
