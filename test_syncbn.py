@@ -80,9 +80,12 @@ class OpLog(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.views = set()  # operations that return a view of their input: they move no data
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls.append((str(func), args))
+        if func.is_view:
+            self.views.add(str(func))
         return func(*args, **(kwargs or {}))
 
 
@@ -155,9 +158,17 @@ def general_worker(rank, world_size, sizes, tail_shape, seed, offset, dtype, aff
     bn = syncbn.SyncBatchNorm(tail_shape[0], affine=affine, momentum=momentum)
     if affine:
         random_affine(bn, seed + 2)
-    y = bn(x)
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y = bn(x)
     y.backward(cotangent)
     return {"y": y.detach(), "grad": x.grad, "state": bn.state_dict(), "strides": (y.stride(), x.grad.stride()),
+            "saved_bytes": sum(saved.values()),
             "input_strides": x.stride(), "kernels": syncbn._uses_kernels(x, bn.weight, bn.running_mean),
             "weight_grad": bn.weight.grad if affine else None, "bias_grad": bn.bias.grad if affine else None}
 
@@ -263,6 +274,8 @@ def test_uneven_batches_zero_size_rank_and_affine_grads_are_local(groups, ndim, 
     # The path asked for ran, and the output and input gradient keep the input's memory format.
     assert all(r["kernels"] == uses_kernels(groups) for r in results)
     assert all(r["strides"] == (r["input_strides"],) * 2 for r in results if r["y"].numel())
+    # Kept for backward: the input, and per-channel vectors (statistics, weight, the 2C + 1 sums).
+    assert all(r["saved_bytes"] <= r["y"].numel() * 4 + 64 * 6 for r in results)
 
     x = global_batch(sizes, tail_shape, seed).requires_grad_()
     cotangent = global_batch(sizes, tail_shape, seed + 1)
@@ -465,6 +478,79 @@ def test_saved_for_backward_bytes_at_most_batchnorm(dtype):
     assert x.numel() * x.element_size() <= ours <= theirs
 
 
+class ActivationWrites(TorchDispatchMode):
+    """The dtype of every activation-sized tensor an operation writes: new outputs (views excluded: they move no
+    data) and tensors it modifies in place."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.dtypes = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        written = [] if func.is_view else [t for t in (out if isinstance(out, (tuple, list)) else [out])]
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                written.append(kwargs.get(argument.name, args[index] if index < len(args) else None))
+        written = {id(t): t for t in written if isinstance(t, torch.Tensor)}  # an in-place op returns its input
+        self.dtypes += [t.dtype for t in written.values() if t.numel() >= self.numel]
+        return out
+
+
+def activation_traffic(module, x, cotangent):
+    """One forward + backward: activation-sized writes seen at the dispatcher (dtypes), activation-sized
+    allocations seen by the profiler (bytes: this also catches temporaries made inside an operation, such as
+    the float32 copy a CPU reduction makes of a bf16 input), and the bytes kept for backward (saved tensors,
+    once per storage)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    x = x.detach().requires_grad_()
+    writes = ActivationWrites(x.numel())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        with writes, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            y = module(x)
+        with writes:
+            y.backward(cotangent)
+    allocations = [event.self_cpu_memory_usage for event in profiler.events()
+                   if event.self_cpu_memory_usage >= x.numel()]  # >= 1 byte per value: activation-sized
+    return {"writes": writes.dtypes, "allocations": allocations, "saved_bytes": sum(saved.values())}
+
+
+@pytest.mark.parametrize("shape,channels_last", [((64, 16), False), ((8, 16, 6, 6), False), ((8, 16, 6, 6), True),
+                                                 ((4, 16, 30), False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_activation_writes_and_saved_bytes_against_batchnorm(shape, channels_last, dtype):
+    """The CPU path's traffic, counted: at most 2 activation-sized writes (and allocations) more than
+    nn.BatchNorm's per forward + backward, none wider than the input, and no more bytes kept for backward.
+    nn.BatchNorm writes the output and the input gradient; ours adds xhat and a second pass over dx."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=generator, dtype=dtype)
+    cotangent = torch.randn(*shape, generator=generator, dtype=dtype)
+    if channels_last:
+        x, cotangent = (t.contiguous(memory_format=torch.channels_last) for t in (x, cotangent))
+    reference = BATCHNORM_BY_NDIM[len(shape)](16, affine=True).to(dtype)
+    ours = syncbn.SyncBatchNorm(16, affine=True).to(dtype)
+    theirs_traffic, ours_traffic = activation_traffic(reference, x, cotangent), activation_traffic(ours, x, cotangent)
+    activation_bytes = x.numel() * x.element_size()
+    print(f"\n{dtype} {shape} {'channels-last' if channels_last else 'contiguous'}: activation-sized writes ours "
+          f"{len(ours_traffic['writes'])} / nn.BatchNorm {len(theirs_traffic['writes'])}, allocations "
+          f"{len(ours_traffic['allocations'])} / {len(theirs_traffic['allocations'])}, bytes kept for backward "
+          f"{ours_traffic['saved_bytes']} / {theirs_traffic['saved_bytes']} (activation {activation_bytes})")
+    assert len(theirs_traffic["writes"]) == 2  # the output and the input gradient
+    assert len(ours_traffic["writes"]) <= len(theirs_traffic["writes"]) + 2
+    assert all(written == dtype for written in ours_traffic["writes"])
+    assert len(ours_traffic["allocations"]) <= len(theirs_traffic["allocations"]) + 2
+    assert all(nbytes <= activation_bytes for nbytes in ours_traffic["allocations"])
+    assert activation_bytes <= ours_traffic["saved_bytes"] <= theirs_traffic["saved_bytes"]
+
+
 def test_no_pytorch_batch_norm_statistics_or_backward(monkeypatch):
     """The statistics and the backward are ours. The one batch-norm kernel used is an eval-mode batch_norm with OUR
     statistics: a fused per-channel affine pass (y = (x - mean) / sqrt(var + eps) * w + b) that computes nothing."""
@@ -526,32 +612,91 @@ class _StandInGroup:
         return 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cuda_path_traced_with_fake_tensors_has_no_host_sync(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,channels_last", [(torch.float32, False), (torch.float16, False),
+                                                 (torch.bfloat16, True)])
+def test_cuda_path_traced_with_fake_tensors_has_no_host_sync(monkeypatch, dtype, channels_last):
     """The CUDA code path on a CPU-only machine: FakeTensorMode tensors claim device "cuda" and raise on any
     read of a value on the host (.item(), int(), a branch on a tensor), which on a GPU would be a sync.
 
     Forward and backward (node.apply: the autograd engine itself would need a real GPU) run the synchronized
-    path with a stand-in all_reduce: exactly one per pass, on CUDA tensors, and nothing read on the host.
+    path with a stand-in all_reduce: exactly one per pass, on CUDA tensors, nothing read on the host, and the
+    work done by the fused kernels' four custom ops (their fake implementations stand in for the launches).
     """
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
+    if syncbn.triton is None:
+        pytest.skip("Triton is not installed: CUDA tensors take the PyTorch-ops path")
     collectives = []
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: collectives.append(tensor.device.type))
     with FakeTensorMode(), torch.device("cuda"):
         bn = syncbn.SyncBatchNorm(8, affine=True, momentum=None)
-        x = torch.empty(16, 8, 4, dtype=dtype, requires_grad=True)
-        y = syncbn.sync_batch_norm.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                                         1.0 / bn.num_batches_tracked.add_(1), bn.eps, _StandInGroup())
-        forward_collectives = list(collectives)
-        grad_input, grad_weight, grad_bias, *_ = y.grad_fn.apply(torch.ones_like(y))
+        x = torch.empty(16, 8, 4, 3, dtype=dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        with OpLog() as log:
+            y = syncbn.sync_batch_norm.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                             1.0 / bn.num_batches_tracked.add_(1), bn.eps, _StandInGroup())
+            forward_collectives = list(collectives)
+            grad_input, grad_weight, grad_bias, *_ = y.grad_fn.apply(torch.ones_like(y))
         assert (y.device.type, y.dtype, grad_input.device.type, grad_input.dtype) == ("cuda", dtype, "cuda", dtype)
+        assert y.stride() == x.stride() and grad_input.stride() == x.stride()
         assert grad_weight.dtype == torch.float32 and bn.running_var.device.type == "cuda"
         # A world of one takes its count from the shape; eval uses the running statistics.
         assert bn(x).device.type == "cuda" and bn.eval()(x).dtype == dtype
         with pytest.raises(DataDependentOutputException):
             int(y.sum())  # the guard works: a host read fails loudly here
     assert forward_collectives == ["cuda"] and collectives == ["cuda", "cuda"]
+    kernel_ops = Counter(name for name, _ in log.calls if name.startswith("syncbn."))
+    assert kernel_ops == {"syncbn.local_sums.default": 1, "syncbn.normalize.default": 1,
+                          "syncbn.grad_sums.default": 1, "syncbn.grad_input.default": 1}
+    # Around them only C-sized work: no other operation makes or fills a tensor of the activation's size.
+    big = [name for name, args in log.calls if not name.startswith(("syncbn.", "prim.")) and name not in log.views
+           and any(isinstance(a, torch.Tensor) and a.numel() >= x.numel() for a in args)]
+    assert big == ["aten.ones_like.default"], big  # the stand-in cotangent
+
+
+@pytest.mark.skipif(syncbn.triton is None, reason="Triton is not installed")
+def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    """Every fused kernel, for every dtype and flag it is launched with, compiles to a Hopper (sm_90) binary here,
+    without a GPU: Triton's compiler and ptxas run on the CPU. The interpreter (above) checks what the kernels
+    compute; this checks that the GPU compiler accepts them, in a fresh cache so nothing is taken on trust."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    tiles = {"C": "i32", "rows": "i32", "row_blocks": "i32", "units": "i32", "units_per_split": "i32",
+             "plane_stride": "i32", "row_stride": "i32", "channel_stride": "i32", "splits": "i32",
+             "momentum": "fp32", "eps": "fp32", "count_ptr": "*i64", "sums_ptr": "*fp64", "stat_sums_ptr": "*fp64"}
+
+    def compile_kernel(kernel, activation_dtype, **constexprs):
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name in ("x_ptr", "y_ptr", "dy_ptr", "dx_ptr"):
+                signature[name] = activation_dtype
+            else:
+                signature[name] = tiles.get(name, "*fp32")
+        if kernel is syncbn._grad_sums_total_kernel:
+            signature["sums_ptr"] = "*fp32"
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], kernel
+
+    import triton
+    blocks = {"BLOCK_R": 64, "BLOCK_C": 64}
+    for activation_dtype in ("*fp32", "*bf16", "*fp16"):
+        compile_kernel(syncbn._moments_kernel, activation_dtype, **blocks)
+        compile_kernel(syncbn._grad_sums_kernel, activation_dtype, **blocks)
+        for affine in (True, False):
+            compile_kernel(syncbn._grad_input_kernel, activation_dtype, HAS_WEIGHT=affine, **blocks)
+            compile_kernel(syncbn._normalize_kernel, activation_dtype, HAS_WEIGHT=affine, HAS_RUNNING=True,
+                           MOMENTUM_TENSOR=affine, **blocks)
+    compile_kernel(syncbn._normalize_kernel, "*bf16", HAS_WEIGHT=False, HAS_RUNNING=False, MOMENTUM_TENSOR=False,
+                   BLOCK_R=1024, BLOCK_C=4)
+    compile_kernel(syncbn._moments_to_sums_kernel, None, BLOCK_C=64)
+    compile_kernel(syncbn._grad_sums_total_kernel, None, BLOCK_C=64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
