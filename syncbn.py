@@ -96,6 +96,7 @@ Precision, devices, collectives
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Optional
 
@@ -130,40 +131,63 @@ def _stat_shape(input: torch.Tensor) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------------------
 # The PyTorch-operations path (CPU, float64, CUDA without Triton)
 # ----------------------------------------------------------------------------------------------------------
-def _local_sums(input: torch.Tensor) -> torch.Tensor:
-    """[S1_r, S2_r, n_r] of this rank's values, float64: 2C + 1 numbers, from a Welford (mean, M2)."""
+def _shifted_and_local_sums(input: torch.Tensor, reduce_dims: list[int]
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x - k, k, [S1_r, S2_r, n_r]): this rank's values shifted by k, one value of each channel (the first
+    sample's first position: a typical value, so x - k is of the size of the spread, not of the mean); k in
+    float64; and the 2C + 1 sums in float64 built from sums of shifted values only:
+
+        S1_r = n k + sum(x - k),    S2_r = sum((x - k)^2) + k (2 sum(x - k) + n k)    (= sum x, sum x^2)
+
+    x - k (float32 for fp16/bf16 inputs) is the forward's one activation-sized write besides the output; backward
+    keeps it, in the input's dtype, in place of x.
+    In float32 nothing cancels: the float32 sums are of shifted values, and the float64 adds that rebuild
+    sum x^2 lose a few units of 2^-53 k^2 (the same argument as the module docstring's)."""
     num_channels = input.shape[1]
     local_count = input.numel() // num_channels
-    if local_count == 0:  # var_mean of nothing is NaN; an empty rank adds zeros
-        return input.new_zeros(2 * num_channels + 1, dtype=torch.float64)
-    reduce_dims = [0, *range(2, input.dim())]
-    # var_mean accumulates in double with no temporary, but rounds its results to the input's dtype: fine for
-    # float32/64; a bf16/fp16 mean would be off by |mean| * 2^-9, so those go through a float32 copy.
+    if local_count == 0:  # an empty rank adds zeros
+        zeros = input.new_zeros(2 * num_channels + 1, dtype=torch.float64)
+        return input, zeros[:num_channels], zeros
+    # PyTorch's CPU reductions copy bf16/fp16 to float32 when asked for a float32 result; do it once, explicitly.
     values = input if input.dtype in (torch.float32, torch.float64) else input.float()
-    var, mean = torch.var_mean(values, reduce_dims, correction=0)
-    mean, var = mean.double(), var.double()
-    return torch.cat([mean * local_count, (var + mean * mean) * local_count, mean.new_full((1,), local_count)])
+    shift = values[(0, slice(None)) + (0,) * (input.dim() - 2)]  # a view: x[0, :, 0, ...]
+    shifted = values - (shift if input.dim() == 2 else shift.view(_stat_shape(input)))
+    shift, shifted_sum, shifted_squares = torch.stack(
+        [shift, shifted.sum(reduce_dims), _channel_dot(shifted, shifted)]).double()
+    sum_x = torch.add(shifted_sum, shift, alpha=local_count)
+    sum_x2 = torch.addcmul(shifted_squares, shift, sum_x + shifted_sum)
+    return shifted, shift, torch.cat([sum_x, sum_x2, sum_x.new_full((1,), local_count)])
+
+
+# Up to this many values (512 KiB of float32: within a core's L2 cache) a per-channel dot product is a multiply
+# and a sum: the temporary never reaches memory, and one call beats the five of the product over views.
+CACHED_VALUES = 2**17
 
 
 def _channel_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum(a * b) per channel (dim 1) without an activation-sized temporary: a batched matrix product over views.
+    """sum(a * b) over everything but dim 1, per channel; above CACHED_VALUES without an activation-sized
+    temporary: a batched matrix product over views of the two tensors (a and b of the same shape and strides).
 
-    Rows of C (2-D, channels-last): einsum "rc,rc->c", which PyTorch runs as a bmm over strided views.
-    Contiguous planes (N, C, L): one bmm of N*C (1 x L) @ (L x 1) products, then the sum over N.
+    Rows of C (2-D, channels-last): channels in groups of g (up to 16, a cache line of float32), each group's
+    (g x R) @ (R x g) product, whose diagonal holds the g dots: every value is read once, g times the minimal
+    flops. Contiguous planes (N, C, L): N*C products (1 x L) @ (L x 1), then the sum over N.
     """
     num_channels = a.shape[1]
+    rows = a.numel() // max(num_channels, 1)
     if a.dtype not in (torch.float32, torch.float64):  # bmm would round every partial dot to bf16/fp16
         a, b = a.float(), b.float()
-    if a.stride() != b.stride():
-        return (a * b).sum([0, *range(2, a.dim())])
-    if a.dim() == 2 or a.stride(1) == 1:
-        rows_a, rows_b = a.movedim(1, -1).reshape(-1, num_channels), b.movedim(1, -1).reshape(-1, num_channels)
-        return torch.einsum("rc,rc->c", rows_a, rows_b)
-    if a.is_contiguous():
-        planes = a.shape[0] * num_channels
-        length = a.numel() // max(planes, 1)
-        dots = torch.bmm(a.reshape(planes, 1, length), b.reshape(planes, length, 1))
-        return dots.view(a.shape[0], num_channels).sum(0)
+    if a.numel() > CACHED_VALUES and a.stride() == b.stride():
+        if a.dim() == 2 or (a.stride(1) == 1 and a.movedim(1, -1).is_contiguous()):
+            group = math.gcd(num_channels, 16)
+            a_groups = a.as_strided((num_channels // group, group, rows), (group, 1, num_channels), a.storage_offset())
+            b_groups = b.as_strided((num_channels // group, rows, group), (group, num_channels, 1), b.storage_offset())
+            return torch.bmm(a_groups, b_groups).diagonal(dim1=1, dim2=2).reshape(num_channels)
+        if a.is_contiguous():
+            planes, length = a.shape[0] * num_channels, rows // a.shape[0]
+            dots = torch.bmm(a.view(planes, 1, length), b.view(planes, length, 1))
+            return dots.view(a.shape[0], num_channels).sum(0)
+    # Small activations (their temporary stays in the cache: one call instead of five), or other strides (an
+    # expanded gradient): a multiply and a sum.
     return (a * b).sum([0, *range(2, a.dim())])
 
 
@@ -489,8 +513,9 @@ def _(grad_output, x, mean, invstd, weight, grad_sums, stat_sums):
 def _uses_kernels(input, weight, running_mean) -> bool:
     """The fused kernels take CUDA tensors (CPU ones under TRITON_INTERPRET=1) of the dtypes they were written
     for, with float32 parameters and buffers (nn.BatchNorm's, also under autocast)."""
-    return (triton is not None and (input.is_cuda or (INTERPRET and input.device.type == "cpu"))
-            and input.dtype in KERNEL_DTYPES and input.dim() >= 2
+    if not (input.is_cuda or INTERPRET) or triton is None:  # the common CPU case, decided at once
+        return False
+    return (input.device.type in ("cuda", "cpu") and input.dtype in KERNEL_DTYPES and input.dim() >= 2
             and all(t is None or t.dtype == torch.float32 for t in (weight, running_mean)))
 
 
@@ -513,12 +538,12 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
     def forward(ctx, input, weight, bias, running_mean, running_var, momentum, eps, process_group):
         num_channels = input.shape[1]
         local_count = input.numel() // num_channels  # from the shape: known on the host
-        use_kernels = _uses_kernels(input, weight, running_mean)
-        if use_kernels:
+        ctx.use_kernels = _uses_kernels(input, weight, running_mean)
+        if ctx.use_kernels:
             input = _in_kernel_layout(input)
             sums = kernel_local_sums(input)
         else:
-            sums = _local_sums(input)
+            shifted, shift, sums = _shifted_and_local_sums(input, [0, *range(2, input.dim())])
 
         if process_group is None:
             count = _checked_count(local_count, 1)
@@ -529,9 +554,11 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
             # if N < 2, every rank has fewer than 2 and reads it, so all of them raise together.
             if count.device.type == "cpu" or local_count < 2:
                 count = _checked_count(int(count), process_group.size())
+        ctx.process_group = process_group
 
-        ctx.process_group, ctx.eps, ctx.use_kernels = process_group, eps, use_kernels
-        if use_kernels:
+        # The output is a tensor of its own, never one kept for backward: an in-place op on the output
+        # (ReLU(inplace=True)) stays legal.
+        if ctx.use_kernels:
             momentum_tensor = momentum if isinstance(momentum, torch.Tensor) else None
             output, mean, invstd = kernel_normalize(input, sums, weight, bias, running_mean, running_var,
                                                     momentum_tensor, 0.0 if momentum_tensor is not None
@@ -539,7 +566,6 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
             ctx.save_for_backward(input, mean, invstd, weight, sums)  # sums: the global count N, on device
             return output
 
-        stat_dtype = torch.promote_types(input.dtype, torch.float32)
         moments = sums / count
         mean, mean_of_squares = moments[:num_channels], moments[num_channels:2 * num_channels]
         var = torch.addcmul(mean_of_squares, mean, mean, value=-1).clamp_min_(0)  # float64: harmless cancelling
@@ -549,53 +575,75 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
             unbiased_var = var * (count / (count - 1))
             torch._foreach_lerp_([running_mean, running_var],
                                  [mean.to(running_mean.dtype), unbiased_var.to(running_var.dtype)], [momentum] * 2)
-        mean, var = mean.to(stat_dtype), var.to(stat_dtype)
-        # The output is a tensor of its own, and backward keeps the input (as nn.BatchNorm does), never the
-        # output: an in-place op on the output (ReLU(inplace=True)) stays legal.
-        output = _affine_pass(input, mean, var, eps, weight, bias)
-        count_on_device = isinstance(count, torch.Tensor)
-        ctx.save_for_backward(input, mean, var, weight, count if count_on_device else None)
-        ctx.count = None if count_on_device else count
-        return output
+        # y = (x - mu) invstd w + b = (x - k) scale - (offset scale - b), offset = mu - k, scale = invstd w: from
+        # the shifted values, of the size of the spread, so nothing cancels; one pass (addcmul).
+        stat_dtype = torch.promote_types(input.dtype, torch.float32)
+        offset, invstd = torch.stack([mean - shift, var.add_(eps).rsqrt_()]).to(stat_dtype)
+        scale = invstd if weight is None else invstd * weight
+        constant = (offset * scale).neg_() if bias is None else torch.addcmul(bias, offset, scale, value=-1)
+        output = torch.addcmul(*_per_channel(input, constant), shifted, *_per_channel(input, scale))
+        shifted = shifted.to(input.dtype)  # kept for backward in the input's dtype (float32 above for fp16/bf16)
+        ctx.save_for_backward(shifted, offset, invstd, scale, weight, count if isinstance(count, torch.Tensor) else None)
+        ctx.count = count
+        return output.to(input.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        if ctx.use_kernels:
-            input, mean, invstd, weight, stat_sums = ctx.saved_tensors
-            if grad_output.stride() != input.stride():  # the kernels index both with the input's strides
-                grad_output = torch.empty_like(input).copy_(grad_output)
-            sums, local = kernel_grad_sums(grad_output, input, mean, invstd)
-        else:
-            input, mean, var, weight, count_tensor = ctx.saved_tensors
-            count = ctx.count if count_tensor is None else count_tensor
-            stat_dtype = mean.dtype
-            xhat = _affine_pass(input, mean, var, ctx.eps)
-            sum_dy = grad_output.sum([0, *range(2, input.dim())], dtype=stat_dtype)
-            sums = torch.cat([sum_dy, _channel_dot(grad_output, xhat).to(stat_dtype)])  # [sum g, sum g xhat]
-            local = sums  # the affine gradients below are copied out before the all_reduce
-        num_channels = input.shape[1]
+        backward_pass = _kernels_backward if ctx.use_kernels else _ops_backward
+        grad_input, grad_weight, grad_bias = backward_pass(ctx, grad_output, need_input)
+        return (grad_input, grad_weight if need_weight else None, grad_bias if need_bias else None,
+                None, None, None, None, None)
 
-        # Local to this rank: whoever averages parameter gradients (DDP, the trainer) sums them over ranks.
-        grad_weight = local[num_channels:].to(weight.dtype, copy=True) if need_weight else None
-        grad_bias = local[:num_channels].to(weight.dtype, copy=True) if need_bias else None
 
-        grad_input = None
-        if need_input:
-            if ctx.process_group is not None:
-                dist.all_reduce(sums, group=ctx.process_group)  # the one collective of the backward pass
-            if ctx.use_kernels:
-                grad_input = kernel_grad_input(grad_output, input, mean, invstd, weight, sums, stat_sums)
-            else:
-                mean_dy, mean_dy_xhat = (sums / count).view(2, num_channels)
-                scale = torch.rsqrt(var + ctx.eps)
-                if weight is not None:
-                    scale = scale * weight
-                stat_shape = _stat_shape(input)
-                grad_input = torch.addcmul((-mean_dy * scale).view(stat_shape), grad_output, scale.view(stat_shape))
-                grad_input.addcmul_(xhat, (-mean_dy_xhat * scale).view(stat_shape))
-                grad_input = grad_input.to(grad_output.dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+def _per_channel(input: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor]:
+    """(values,) shaped to broadcast over input: (C,) for (N, C), (C, 1, ..., 1) with spatial dimensions."""
+    return (values if input.dim() == 2 else values.view(_stat_shape(input)),)
+
+
+def _all_reduce(ctx, sums: torch.Tensor) -> None:
+    if ctx.process_group is not None:
+        dist.all_reduce(sums, group=ctx.process_group)  # the one collective of the backward pass
+
+
+def _kernels_backward(ctx, grad_output, need_input):
+    input, mean, invstd, weight, stat_sums = ctx.saved_tensors
+    if grad_output.stride() != input.stride():  # the kernels index both with the input's strides
+        grad_output = torch.empty_like(input).copy_(grad_output)
+    sums, local = kernel_grad_sums(grad_output, input, mean, invstd)  # local: [sum g, sum g xhat], a copy
+    num_channels = input.shape[1]
+    # Local to this rank: whoever averages parameter gradients (DDP, the trainer) sums them over ranks.
+    grad_weight, grad_bias = local[num_channels:], local[:num_channels]
+    if not need_input:  # no rank needs dx (they run the same model): no collective, as nn.SyncBatchNorm
+        return None, grad_weight, grad_bias
+    _all_reduce(ctx, sums)
+    return kernel_grad_input(grad_output, input, mean, invstd, weight, sums, stat_sums), grad_weight, grad_bias
+
+
+def _ops_backward(ctx, grad_output, need_input):
+    shifted, offset, invstd, scale, weight, count_tensor = ctx.saved_tensors  # shifted: x - k, offset: mu - k
+    count = ctx.count if count_tensor is None else count_tensor
+    num_channels = shifted.shape[1]
+    # This rank's [sum g, sum g xhat], with sum g xhat = invstd (sum g (x - k) - offset sum g) (k is this
+    # rank's own shift); sum g (x - k) is a dot product (over views above CACHED_VALUES: no temporary).
+    sum_dy = grad_output.sum([0, *range(2, shifted.dim())], dtype=invstd.dtype)
+    sum_dy_xhat = torch.addcmul(_channel_dot(grad_output, shifted).to(invstd.dtype), offset, sum_dy, value=-1)
+    sums = torch.cat([sum_dy, sum_dy_xhat.mul_(invstd)])
+    grad_weight = grad_bias = None
+    if weight is not None:  # local to this rank, as above; copies: the all_reduce below adds into sums
+        grad_weight = sums[num_channels:].to(weight.dtype, copy=True)
+        grad_bias = sums[:num_channels].to(weight.dtype, copy=True)
+    if not need_input:
+        return None, grad_weight, grad_bias
+    _all_reduce(ctx, sums)
+    mean_dy, mean_dy_xhat = (sums / count).view(2, num_channels)
+    # dx = (g - mean(g) - xhat mean(g xhat)) scale, with xhat = ((x - k) - offset) invstd:
+    #    = g scale - (x - k) q scale - (mean(g) - offset q) scale,   q = invstd mean(g xhat)
+    q = mean_dy_xhat.mul_(invstd)
+    constant = torch.addcmul(mean_dy, offset, q, value=-1).mul_(scale).neg_()
+    grad_input = torch.addcmul(*_per_channel(shifted, constant), grad_output, *_per_channel(shifted, scale))
+    grad_input.addcmul_(shifted, *_per_channel(shifted, q.mul_(scale)), value=-1)
+    return grad_input.to(grad_output.dtype), grad_weight, grad_bias
 
 
 class SyncBatchNorm(_BatchNorm):
