@@ -578,9 +578,9 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
         # y = (x - mu) invstd w + b = (x - k) scale - (offset scale - b), offset = mu - k, scale = invstd w: from
         # the shifted values, of the size of the spread, so nothing cancels; one pass (addcmul).
         stat_dtype = torch.promote_types(input.dtype, torch.float32)
-        offset, invstd = torch.stack([mean - shift, var.add_(eps).rsqrt_()]).to(stat_dtype)
+        offset, invstd = (mean - shift).to(stat_dtype), var.add_(eps).rsqrt_().to(stat_dtype)
         scale = invstd if weight is None else invstd * weight
-        constant = (offset * scale).neg_() if bias is None else torch.addcmul(bias, offset, scale, value=-1)
+        constant = torch.mul(offset, scale).neg_() if bias is None else torch.addcmul(bias, offset, scale, value=-1)
         output = torch.addcmul(*_per_channel(input, constant), shifted, *_per_channel(input, scale))
         shifted = shifted.to(input.dtype)  # kept for backward in the input's dtype (float32 above for fp16/bf16)
         ctx.save_for_backward(shifted, offset, invstd, scale, weight, count if isinstance(count, torch.Tensor) else None)
