@@ -1,0 +1,77 @@
+"""gradsync.py: the hand-written gradient averaging against DistributedDataParallel, inside the trainer (the
+session's reusable gloo workers, ``local_group``)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddp_cifar100 as trainer
+from test_ddp_cifar100 import TINY, max_difference, train_in_group
+
+
+def count_all_reduces(rank, world_size, argv):
+    """train() with dist.all_reduce counted per training micro-batch, and whether each call came while backward
+    was still running (before the first layer's weight gradient, the last one backward produces, was ready)."""
+    calls = []  # (micro-batch index, first layer's gradient ready yet, dtype)
+    micro_batch = [-1]
+    first_layer_done = [False]
+    real_all_reduce, real_build_model = dist.all_reduce, trainer.build_model
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append((micro_batch[0], first_layer_done[0], tensor.dtype))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def instrumented_build_model(*args, **kwargs):
+        model = real_build_model(*args, **kwargs)
+
+        def on_forward(module, _inputs):
+            if module.training:  # evaluation forwards are not micro-batches
+                micro_batch[0] += 1
+                first_layer_done[0] = False
+
+        model.register_forward_pre_hook(on_forward)
+        # Registered before the trainer's own hooks, so it runs first when that gradient is accumulated.
+        next(model.parameters()).register_post_accumulate_grad_hook(lambda p: first_layer_done.__setitem__(0, True))
+        return model
+
+    dist.all_reduce, trainer.build_model = counting_all_reduce, instrumented_build_model
+    try:
+        metrics = trainer.train(trainer.parse_args(argv))
+    finally:
+        dist.all_reduce, trainer.build_model = real_all_reduce, real_build_model
+    return {"calls": calls, "micro_batches": micro_batch[0] + 1, "optimizer_steps": metrics["optimizer_steps"]}
+
+
+@pytest.mark.parametrize("sync_mode", ["overlap", "after"])
+def test_custom_gradient_sync_matches_ddp(local_group, sync_mode):
+    argv = TINY + ["--grad-accum", "3", "--epochs", "2", "--norm", "custom", "--bucket-mb", "0.02", "--seed", "2"]
+    ours = local_group(2).run(train_in_group, argv + ["--grad-sync", "custom", "--sync-mode", sync_mode])
+    ddp = local_group(2).run(train_in_group, argv + ["--grad-sync", "ddp"])
+    worst = max_difference(ours[0]["state"], ddp[0]["state"])
+    print(f"\ncustom ({sync_mode}) vs DDP, dropout on, 8 steps: max |dw| = {worst:.2e}")
+    assert worst < 1e-6
+    assert ours[0]["metrics"]["val_correct"] == ddp[0]["metrics"]["val_correct"]
+
+
+@pytest.mark.parametrize("sync_mode", ["overlap", "after"])
+def test_no_all_reduce_on_accumulation_micro_batches(local_group, sync_mode):
+    grad_accum, epochs = 3, 2
+    argv = TINY + ["--grad-accum", str(grad_accum), "--epochs", str(epochs), "--norm", "local",
+                   "--grad-sync", "custom", "--sync-mode", sync_mode, "--bucket-mb", "0.5"]
+    result = local_group(2).run(count_all_reduces, argv)[0]
+    per_epoch = 8  # 64 samples per rank / micro-batches of 8
+    assert result["micro_batches"] == epochs * per_epoch
+    stepping = {e * per_epoch + j for e in range(epochs) for j in range(per_epoch)
+                if (j + 1) % grad_accum == 0 or j == per_epoch - 1}
+    training_calls = [c for c in result["calls"] if c[2] == torch.float32]  # the rest: one float64 max at the end
+    assert len(training_calls) == len(result["calls"]) - 1
+    by_micro_batch = {}
+    for micro_batch, _, _ in training_calls:
+        by_micro_batch[micro_batch] = by_micro_batch.get(micro_batch, 0) + 1
+    assert set(by_micro_batch) == stepping  # nothing at all on the K-1 accumulation micro-batches
+    buckets = set(by_micro_batch.values())
+    assert len(buckets) == 1 and buckets.pop() >= 2  # one all_reduce per bucket per step, several buckets
+    during_backward = sum(1 for _, first_layer_done, _ in training_calls if not first_layer_done)
+    if sync_mode == "overlap":
+        assert during_backward >= len(stepping)  # each step starts a bucket before backward is over
+    else:
+        assert during_backward == 0
