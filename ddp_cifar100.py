@@ -68,12 +68,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import utils
 from data import FolderData, MemoryData, derive_seed, load_data
-from gradsync import DDPSync, GradientSync, broadcast_state
+from gradsync import DDPSync, GradientSync, broadcast_state, make_ddp
 from models import TORCHVISION_RESNETS, build_model
 from utils import UsageError
 
@@ -306,9 +305,7 @@ def set_up(args: argparse.Namespace) -> Run:
 
     forward: nn.Module = model
     if args.grad_sync == "ddp":
-        forward = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                          bucket_cap_mb=args.bucket_mb, forward_sync_buffers=False,
-                                          gradient_as_bucket_view=True)
+        forward = make_ddp(model, device, args.bucket_mb)
         sync: GradientSync | DDPSync = DDPSync(forward, optimizer)
     else:
         sync = GradientSync(model, args.bucket_mb, args.sync_mode == "overlap", args.allreduce, args.timeout)

@@ -18,6 +18,7 @@ so it still overlaps backward and never interleaves with SyncBatchNorm's collect
 """
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import Any
 
@@ -110,6 +111,21 @@ class GradientSync:
     def zero_grad(self) -> None:
         for flat in self.flats:
             flat.zero_()
+
+
+def make_ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> DistributedDataParallel:
+    """DistributedDataParallel set up as GradientSync works: gradients as views of its buckets, buckets of at
+    most ``bucket_mb``, and no broadcast of rank 0's buffers before every forward (SyncBatchNorm's running
+    statistics agree on every rank anyway; local BatchNorm keeps each rank's own, as ours does).
+
+    That last keyword changed name: newer torch calls it forward_sync_buffers, older torch (2.11 among them)
+    has only broadcast_buffers, with the same meaning. The installed DDP's signature says which it takes.
+    """
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_buffer_sync = "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+                                   **{no_buffer_sync: False})
 
 
 class DDPSync:

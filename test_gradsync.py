@@ -3,8 +3,10 @@ session's reusable gloo workers, ``local_group``)."""
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import ddp_cifar100 as trainer
+import gradsync
 from test_ddp_cifar100 import TINY, max_difference, train_in_group
 
 
@@ -75,3 +77,37 @@ def test_no_all_reduce_on_accumulation_micro_batches(local_group, sync_mode):
         assert during_backward >= len(stepping)  # each step starts a bucket before backward is over
     else:
         assert during_backward == 0
+
+
+class DDPWithoutForwardSyncBuffers(DistributedDataParallel):
+    """DistributedDataParallel as torch 2.11 and older have it: broadcast_buffers, no forward_sync_buffers."""
+    broadcast_buffers_given = []
+
+    def __init__(self, module, device_ids=None, bucket_cap_mb=None, broadcast_buffers=True,
+                 gradient_as_bucket_view=False):
+        self.broadcast_buffers_given.append(broadcast_buffers)
+        super().__init__(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+                         broadcast_buffers=broadcast_buffers, gradient_as_bucket_view=gradient_as_bucket_view)
+
+
+def train_with_older_ddp(rank, world_size, argv):
+    real = gradsync.DistributedDataParallel
+    gradsync.DistributedDataParallel = DDPWithoutForwardSyncBuffers
+    try:
+        return dict(train_in_group(rank, world_size, argv),
+                    broadcast_buffers=DDPWithoutForwardSyncBuffers.broadcast_buffers_given.pop())
+    finally:
+        gradsync.DistributedDataParallel = real
+
+
+def test_ddp_on_a_torch_without_forward_sync_buffers(local_group):
+    """--grad-sync ddp starts on an older DDP, asks it not to broadcast buffers before each forward (as
+    forward_sync_buffers=False does), and trains to the current DDP's weights on every rank."""
+    argv = TINY + ["--model", "net", "--norm", "local", "--grad-sync", "ddp", "--dropout", "0", "--epochs", "1",
+                   "--max-steps", "3"]
+    older = local_group(2).run(train_with_older_ddp, argv)
+    current = local_group(2).run(train_in_group, argv)
+    for rank in (0, 1):
+        state = current[rank]["state"]
+        assert all(torch.equal(older[rank]["state"][k], state[k]) for k in state), rank
+    assert [r["broadcast_buffers"] for r in older] == [False, False]
