@@ -1,12 +1,19 @@
 """gradsync.py: the hand-written gradient averaging against DistributedDataParallel, inside the trainer (the
 session's reusable gloo workers, ``local_group``)."""
+import contextlib
+import copy
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ddp_cifar100 as trainer
 import gradsync
+from gradsync import GradientSync
+from models import build_model
 from test_ddp_cifar100 import TINY, max_difference, train_in_group
 
 
@@ -111,3 +118,101 @@ def test_ddp_on_a_torch_without_forward_sync_buffers(local_group):
         state = current[rank]["state"]
         assert all(torch.equal(older[rank]["state"][k], state[k]) for k in state), rank
     assert [r["broadcast_buffers"] for r in older] == [False, False]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA buckets on a machine without a GPU: tensors that claim the device, and stand-ins for what needs one
+# ----------------------------------------------------------------------------------------------------------
+class ClaimsCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (``device``, ``is_cuda``), so code that branches on the device
+    takes its CUDA path while the memory stays on the host."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func == torch.Tensor.device.__get__:
+            return torch.device("cuda", 0)
+        if func == torch.Tensor.is_cuda.__get__:
+            return True
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class StandInEvent:
+    def record(self, stream=None):
+        pass
+
+
+class StandInStream:
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def host_only(point_to_point):
+    """gloo's isend/irecv take host memory only; on a CUDA pointer its I/O thread aborts the process."""
+    def call(tensor, *args, **kwargs):
+        if tensor.device.type != "cpu":
+            raise RuntimeError(f"gloo point-to-point got a tensor on {tensor.device}: host memory only")
+        return point_to_point(tensor, *args, **kwargs)
+    return call
+
+
+@contextlib.contextmanager
+def cuda_stand_ins():
+    """Host-only point-to-point, and CUDA events, streams and pinning that do nothing (the memory is the host's)."""
+    saved = (dist.isend, dist.irecv, torch.cuda.Event, torch.cuda.Stream, torch.cuda.stream, torch.Tensor.pin_memory)
+    dist.isend, dist.irecv = host_only(dist.isend), host_only(dist.irecv)
+    torch.cuda.Event, torch.cuda.Stream = StandInEvent, StandInStream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.Tensor.pin_memory = lambda self: self
+    try:
+        yield
+    finally:
+        (dist.isend, dist.irecv, torch.cuda.Event, torch.cuda.Stream, torch.cuda.stream,
+         torch.Tensor.pin_memory) = saved
+
+
+def one_step_gradients(rank, world_size, allreduce, memory_format, claim_cuda=False):
+    """Rank-specific data through a small ResNet, averaged by GradientSync (buckets claiming CUDA on request),
+    beside the same model's plain gradients averaged with all_reduce. Returns both, and every warning raised."""
+    torch.manual_seed(0)
+    model = build_model("resnet", 0.0, "local").to(memory_format=memory_format)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught, cuda_stand_ins():
+        warnings.simplefilter("always")
+        sync = GradientSync(model, bucket_mb=0.02, overlap=True, allreduce=allreduce)
+        if claim_cuda:
+            sync.flats = [flat.as_subclass(ClaimsCuda) for flat in sync.flats]  # the .grad views share them
+        try:
+            generator = torch.Generator().manual_seed(1 + rank)
+            images = torch.randn(4, 3, 32, 32, generator=generator).contiguous(memory_format=memory_format)
+            labels = torch.randint(0, 100, (4,), generator=generator)
+            sync.prepare(sync=True)
+            F.cross_entropy(model(images), labels).backward()
+            sync.finish()
+        finally:
+            if sync.averager is not None:
+                sync.averager.close()
+    F.cross_entropy(reference(images), labels).backward()
+    expected = []
+    for p in reference.parameters():
+        dist.all_reduce(p.grad)
+        expected.append(p.grad / world_size)
+    return {"grads": [p.grad.clone() for p in model.parameters()], "expected": expected,
+            "grad_strides": [p.grad.stride() for p in model.parameters()],
+            "param_strides": [p.stride() for p in model.parameters()],
+            "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.parametrize("allreduce", ["ring", "butterfly"])
+def test_ring_and_butterfly_on_cuda_buckets_send_host_memory_only(local_group, allreduce):
+    """--allreduce ring|butterfly with CUDA gradients over gloo: what reaches isend/irecv is host memory (the
+    buckets go through host buffers), and the average is the all_reduce's, to the bit (2 ranks: (a + b) / 2
+    either way)."""
+    for result in local_group(2).run(one_step_gradients, allreduce, torch.contiguous_format, True):
+        assert all(torch.equal(g, e) for g, e in zip(result["grads"], result["expected"]))
+
