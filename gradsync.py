@@ -28,6 +28,22 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 
+def gradient_view(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s slice of a flat bucket, viewed with ``param``'s strides.
+
+    A channels-last weight wants a channels-last gradient: autograd's layout contract. A contiguous view would
+    make every step warn ("grad and param do not obey the gradient layout contract") and copy each such
+    gradient into the view. A dense parameter's strides are a permutation of contiguous ones, so they address
+    exactly its numel() elements of the slice.
+    """
+    expected = 1
+    for size, stride in sorted(zip(param.shape, param.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:  # not dense (overlapping or with gaps): keep the plain layout
+            return piece.view_as(param)
+        expected *= size
+    return piece.as_strided(param.shape, param.stride())
+
+
 class GradientSync:
     """Averages gradients over the process group in flat buckets, one all_reduce per bucket (see the module
     docstring). Call ``prepare(sync)`` before each backward, ``finish()`` before the optimizer step of a window
@@ -65,7 +81,7 @@ class GradientSync:
             flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             offset = 0
             for p in bucket:
-                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                p.grad = gradient_view(flat[offset:offset + p.numel()], p)
                 offset += p.numel()
                 if overlap:
                     p.register_post_accumulate_grad_hook(partial(self._grad_ready, index))

@@ -216,3 +216,11 @@ def test_ring_and_butterfly_on_cuda_buckets_send_host_memory_only(local_group, a
     for result in local_group(2).run(one_step_gradients, allreduce, torch.contiguous_format, True):
         assert all(torch.equal(g, e) for g, e in zip(result["grads"], result["expected"]))
 
+
+def test_channels_last_gradients_have_their_parameters_strides(local_group):
+    """--channels-last: each bucket view handed out as .grad has its parameter's strides, so autograd neither
+    warns about the gradient layout contract nor copies, and the average is still the all_reduce's."""
+    for result in local_group(2).run(one_step_gradients, "torch", torch.channels_last):
+        assert result["grad_strides"] == result["param_strides"]
+        assert not [w for w in result["warnings"] if "gradient layout contract" in w], result["warnings"]
+        assert all(torch.equal(g, e) for g, e in zip(result["grads"], result["expected"]))
