@@ -354,9 +354,12 @@ class FolderData:
         self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
         self.loaders = {}
         for name, samples in (("train", self.train), ("val", self.val)):
+            # A generator of its own: without one, every iter() of a DataLoader draws its base seed from the
+            # global RNG, which the trainer reseeds for dropout at each step, so the step that opens an epoch's
+            # stream (the first of an epoch, or the first after a resume) would see other dropout masks.
             self.loaders[name] = torch.utils.data.DataLoader(
                 samples, batch_sampler=Batches(), num_workers=workers, persistent_workers=workers > 0,
-                pin_memory=device.type == "cuda")
+                pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
 
     @property
     def val_size(self) -> int:

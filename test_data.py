@@ -88,3 +88,17 @@ def test_an_unreadable_folder_is_one_clear_error(image_folder, monkeypatch):
     monkeypatch.setattr(os, "scandir", refusing_scandir)
     with pytest.raises(data.UsageError, match="cannot read .*class003: Permission denied"):
         data.scan_image_folder(str(image_folder / "train"))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_image_folder_batches_draw_nothing_from_the_global_rng(image_folder, workers):
+    """The trainer reseeds the global RNG for dropout before every step; streaming a folder's batches (opening
+    the DataLoader's iterator included) must leave it as it was, or resumed runs see other dropout masks."""
+    folder = data.FolderData(str(image_folder), "imagenet", 16, workers, 5, 4, torch.device("cpu"),
+                             torch.contiguous_format, None)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    for epoch in (0, 1):  # the persistent workers' second pass too
+        assert len(list(folder._stream("train", [[0, 1, 2, 3], [4, 5]], epoch))) == 2
+        assert torch.equal(torch.get_rng_state(), before)
+    folder.close()

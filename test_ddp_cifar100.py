@@ -501,9 +501,11 @@ def test_image_folder_validation_counts_every_file_once(local_group, image_folde
     assert results[1]["val_loss"] == pytest.approx(results[0]["val_loss"], rel=1e-6)
 
 
-@pytest.fixture(scope="module")
-def folder_resumed_runs(local_group, image_folder, tmp_path_factory):
-    base = FOLDER + ["--data-dir", str(image_folder), "--epochs", "2", "--seed", "6"]
+@pytest.fixture(scope="module", params=["resnet", "net"])
+def folder_resumed_runs(request, local_group, image_folder, tmp_path_factory):
+    """Uninterrupted, stopped by --max-steps, resumed; net has dropout, drawn from the global RNG that the
+    trainer reseeds every step (and that nothing else, the loader included, may draw from)."""
+    base = FOLDER + ["--data-dir", str(image_folder), "--epochs", "2", "--seed", "6", "--model", request.param]
     group = local_group(2)
     whole_dir, resumed_dir = tmp_path_factory.mktemp("fwhole"), tmp_path_factory.mktemp("fresumed")
     whole = group.run(train_in_group, base + ["--checkpoint-dir", str(whole_dir)])
