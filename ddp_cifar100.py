@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -610,6 +611,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.allreduce != "torch" and args.grad_sync == "ddp":
         raise UsageError(f"--allreduce {args.allreduce} is for --grad-sync custom (DDP uses its own all-reduce)")
+    if args.log_dir and importlib.util.find_spec("tensorboard") is None:  # every rank, before any collective
+        raise UsageError("--log-dir needs the tensorboard package (pip install tensorboard)")
     return resolve_data_flags(args)
 
 
