@@ -28,7 +28,9 @@ def write_image_folder(root: str, classes: int = 10, train_size: int = 2000, val
         missing = sorted(set(range(classes)) - set(images.labels.tolist()))
         if split == "train" and missing:
             raise ValueError(f"class {missing[0]} got no training image: raise --train-size or lower --classes")
-        for c in range(classes):
+        # Every class has a training folder; a small validation split may lack a class, and an empty folder
+        # would be refused by the trainer, so validation gets the folders of the classes it has.
+        for c in range(classes) if split == "train" else sorted(set(images.labels.tolist())):
             os.makedirs(os.path.join(root, split, f"class{c:03d}"), exist_ok=True)
         pixels = images.images.permute(0, 2, 3, 1).numpy()  # (N, H, W, 3) uint8, as PIL wants
         for i in tqdm(range(len(images)), desc=f"{split} images", disable=not sys.stderr.isatty(), leave=False):
