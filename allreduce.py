@@ -129,6 +129,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -365,11 +366,19 @@ class AllreduceThread:
     """Averages tensors with one of ALGORITHMS on a background thread, over a process group of its own.
 
     ``submit(tensor)`` queues an in-place average and returns a concurrent.futures.Future (``.result()`` waits
-    and re-raises the thread's exception). Jobs run one at a time in submission order, so every rank that
-    submits the same sequence runs the same sequence of messages. The group is made here with dist.new_group,
-    which every rank of the default group must call at the same point: the thread's messages then cannot mix
-    with collectives the caller's thread issues on the default group meanwhile (gloo requires one order of
-    operations per group, and ours is on another thread). ``close()`` stops the thread and destroys the group.
+    and re-raises the thread's exception; once it returns, ``tensor`` holds the average for any stream). Jobs
+    run one at a time in submission order, so every rank that submits the same sequence runs the same sequence
+    of messages. The group is made here with dist.new_group, which every rank of the default group must call at
+    the same point: the thread's messages then cannot mix with collectives the caller's thread issues on the
+    default group meanwhile (gloo requires one order of operations per group, and ours is on another thread).
+    ``close()`` stops the thread and destroys the group.
+
+    CUDA tensors: ``submit`` records an event on the caller's stream (the kernels that wrote the tensor), and the
+    thread works on a CUDA stream of its own that waits for it, so the caller's stream runs on meanwhile. gloo's
+    point-to-point calls take host memory only (a CUDA pointer makes gloo's I/O thread abort the process), so
+    over gloo the tensor travels through a pinned host buffer: a non-blocking copy to the host, a wait for it on
+    this thread only, the algorithm on the host copy, a non-blocking copy back. Over nccl the algorithm runs on
+    the CUDA tensor itself, its messages ordered after the thread's stream.
     """
 
     def __init__(self, algorithm: str, timeout_s: float | None = None, segment_elements: int | None = None):
@@ -381,9 +390,41 @@ class AllreduceThread:
         self.group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"allreduce-{algorithm}")
+        self._host_only = dist.get_backend(self.group) == "gloo"
+        self._stream: Any = None  # the thread's CUDA stream, made with the first CUDA tensor
+        self._pinned: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
     def submit(self, tensor: torch.Tensor) -> Future:
-        return self._executor.submit(self._algorithm, tensor, self.rank, self.size, self.group, self._segment)
+        if tensor.device.type != "cuda":
+            return self._executor.submit(self._algorithm, tensor, self.rank, self.size, self.group, self._segment)
+        written = torch.cuda.Event()
+        written.record()  # on the caller's current stream, after the kernels that wrote ``tensor``
+        return self._executor.submit(self._average_cuda, tensor, written)
+
+    def _average_cuda(self, tensor: torch.Tensor, written: Any) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(tensor.device)
+        stream = self._stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(written)
+            if self._host_only:
+                host = self._pinned_like(tensor)
+                host.copy_(tensor, non_blocking=True)
+                stream.synchronize()  # the host copy has landed (this thread waits, nothing else does)
+                self._algorithm(host, self.rank, self.size, self.group, self._segment)
+                tensor.copy_(host, non_blocking=True)
+            else:
+                self._algorithm(tensor, self.rank, self.size, self.group, self._segment)
+        # The result is in ``tensor`` before result() returns. It also keeps a pinned buffer from being refilled
+        # by the next job while its copy back may still be reading it.
+        stream.synchronize()
+
+    def _pinned_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A pinned host buffer of ``tensor``'s shape and dtype, made once and reused (jobs run one at a time)."""
+        key = (tensor.dtype, tuple(tensor.shape))
+        if key not in self._pinned:
+            self._pinned[key] = torch.empty(tensor.shape, dtype=tensor.dtype).pin_memory()
+        return self._pinned[key]
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

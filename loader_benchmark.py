@@ -4,7 +4,7 @@
 
 Writes two folders of the synthetic set as JPEG files (make_image_folder.py; --size pixels), one with
 --train-size training images and one ten times larger, and measures, for each --workers value:
-- loader: samples/s that ddp_cifar100's FolderData delivers (decoded, RandomResizedCrop + flip, collated and
+- loader: samples/s that data.py's FolderData delivers (decoded, RandomResizedCrop + flip, collated and
   normalized, bad-file agreement included) in this process (one intra-op thread) with nothing else running;
 - training: samples/s of ``python ddp_cifar100.py --dataset imagefolder --model resnet18`` (a world of one,
   OMP_NUM_THREADS=1 so that a loader worker can have the other core), from the trainer's median step time
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import ddp_cifar100 as trainer
 import utils
+from data import FolderData, folder_transforms, normalize
 from make_image_folder import write_image_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,8 +65,8 @@ def process_memory() -> dict[str, dict[str, float]]:
     return {("main" if pid == os.getpid() else f"worker {i}"): memory_mb(pid) for i, pid in enumerate(pids)}
 
 
-def folder_data(root: str, size: int, workers: int, batch_size: int) -> trainer.FolderData:
-    return trainer.FolderData(root, "imagenet", size, workers, 0, batch_size, torch.device("cpu"),
+def folder_data(root: str, size: int, workers: int, batch_size: int) -> FolderData:
+    return FolderData(root, "imagenet", size, workers, 0, batch_size, torch.device("cpu"),
                               torch.contiguous_format, None)
 
 
@@ -89,7 +90,7 @@ def torchvision_imagefolder_memory(root: str, size: int, workers: int, batch_siz
     """The same pass through torchvision's ImageFolder (samples: a Python list of tuples), for comparison."""
     import torchvision
 
-    train_transform, _ = trainer.folder_transforms("imagenet", size)
+    train_transform, _ = folder_transforms("imagenet", size)
     dataset = torchvision.datasets.ImageFolder(os.path.join(root, "train"), train_transform)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
     iterator = iter(loader)
@@ -116,12 +117,12 @@ def where_the_time_goes(root: str, size: int, samples: int) -> dict:
         decode.append((t1 - t0) * 1e3)
         transform.append((t2 - t1) * 1e3)
     batch = torch.stack([data.train[(0, i)][0] for i in range(32)])
-    normalize = utils.time_calls_ms(lambda: trainer.normalize(batch, data.mean, data.std, torch.contiguous_format),
-                                    torch.device("cpu"), iters=50)
+    normalize_ms = utils.time_calls_ms(lambda: normalize(batch, data.mean, data.std, torch.contiguous_format),
+                                       torch.device("cpu"), iters=50)
     data.close()
     return {"decode_ms_per_sample": statistics.median(decode),
             "transform_ms_per_sample": statistics.median(transform),
-            "normalize_ms_per_batch_of_32": statistics.median(normalize)}
+            "normalize_ms_per_batch_of_32": statistics.median(normalize_ms)}
 
 
 def agreement_cost(rank: int, world_size: int) -> float:

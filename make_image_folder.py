@@ -3,7 +3,7 @@
     python make_image_folder.py DIR [--classes 10] [--train-size 2000] [--val-size 500] [--size 32] [--format png]
 
 gives DIR/train/class000/000017.png ... and DIR/val/..., torchvision's ImageFolder layout. The images are
-ddp_cifar100.make_synthetic's (the same seed gives the same files), with labels drawn from --classes classes,
+data.make_synthetic's (the same seed gives the same files), with labels drawn from --classes classes,
 upscaled (bicubic) to --size pixels when asked, and saved losslessly (png) or as JPEG (quality 90, like most
 photo collections). Every class gets at least one training image, or the command says which sizes to raise.
 """
@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from ddp_cifar100 import make_synthetic
+from data import make_synthetic
 
 
 def write_image_folder(root: str, classes: int = 10, train_size: int = 2000, val_size: int = 500, size: int = 32,
@@ -28,7 +28,9 @@ def write_image_folder(root: str, classes: int = 10, train_size: int = 2000, val
         missing = sorted(set(range(classes)) - set(images.labels.tolist()))
         if split == "train" and missing:
             raise ValueError(f"class {missing[0]} got no training image: raise --train-size or lower --classes")
-        for c in range(classes):
+        # Every class has a training folder; a small validation split may lack a class, and an empty folder
+        # would be refused by the trainer, so validation gets the folders of the classes it has.
+        for c in range(classes) if split == "train" else sorted(set(images.labels.tolist())):
             os.makedirs(os.path.join(root, split, f"class{c:03d}"), exist_ok=True)
         pixels = images.images.permute(0, 2, 3, 1).numpy()  # (N, H, W, 3) uint8, as PIL wants
         for i in tqdm(range(len(images)), desc=f"{split} images", disable=not sys.stderr.isatty(), leave=False):

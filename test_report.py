@@ -1,20 +1,28 @@
-"""report.ipynb re-runs cleanly (reading mode) and shows what the committed results hold."""
+"""report.ipynb re-runs cleanly (reading mode) and shows what the committed results hold.
+
+Executing it needs nbformat, nbclient and a Jupyter kernel, which a machine may lack (GPU images often do):
+the report's tests then skip with the reason, and the rest of the suite is collected and runs as usual.
+"""
 import glob
 import os
+import subprocess
+import sys
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def executed_report():
+    nbformat = pytest.importorskip("nbformat", reason="executing report.ipynb needs nbformat")
+    nbclient = pytest.importorskip("nbclient", reason="executing report.ipynb needs nbclient")
     nb = nbformat.read(os.path.join(HERE, "report.ipynb"), as_version=4)
     env_before = os.environ.get("REPORT_RERUN")
     os.environ["REPORT_RERUN"] = "0"  # reading mode: CI never re-runs the benchmarks
     try:
-        NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": HERE}}).execute()
+        client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                         resources={"metadata": {"path": HERE}})
+        client.execute()
     finally:
         if env_before is None:
             os.environ.pop("REPORT_RERUN", None)
@@ -54,3 +62,31 @@ def test_every_results_file_is_listed_and_read(report):
     plots = sum(1 for c in report.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {}))
     bench_files = [p for p in glob.glob(os.path.join(HERE, "results", "*.json")) if "test-errors" not in p]
     assert plots >= len(bench_files)
+
+
+# Makes ``import nbformat`` and ``import nbclient`` fail in a Python started with this file's folder on its path.
+BLOCK_NOTEBOOK_PACKAGES = """
+import sys
+
+
+class BlockNotebookPackages:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("nbformat", "nbclient"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, BlockNotebookPackages())
+"""
+
+
+def test_without_the_notebook_packages_the_report_tests_skip(tmp_path):
+    """pytest on a machine without nbformat/nbclient: collection goes on, and the report's tests skip with the
+    reason (they used to stop the whole run at collection)."""
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_NOTEBOOK_PACKAGES)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "test_report.py", "-k",
+                           "not without_the_notebook_packages"], cwd=HERE, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 skipped" in proc.stdout and "needs nbformat" in proc.stdout, proc.stdout[-3000:]

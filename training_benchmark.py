@@ -1,6 +1,7 @@
 """Trainer speed, memory and quality: our pipeline against PyTorch's, on the same data, seed and schedule.
 
     python training_benchmark.py [--quick] [--device cpu|cuda] [--nproc 2] [--grad-accum 2] [--json FILE]
+    python training_benchmark.py --imagenet [--device cuda] [--data-dir DIR] [--steps 40] [--json FILE]
 
 Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run whose rank 0 writes
 the trainer's metrics JSON; this script reads those files, prints one table and writes
@@ -19,6 +20,15 @@ Configurations, all with the same seed, data order and initial weights:
 communication thread) at ``--grad-accum K``, compared against ``--allreduce torch``, and writes
 ``results/trainer-allreduce-<machine>.json``.
 
+``--imagenet`` measures instead where a step goes at ImageNet scale: an image folder of 224-pixel JPEGs
+(``--data-dir``, or a synthetic one written first by make_image_folder.py), ResNet-50, bf16 autocast,
+channels-last, one process per GPU; every ``--norm custom|torch|local`` x ``--grad-sync custom|ddp`` pair
+(``--norms``, ``--grad-syncs``; nn.SyncBatchNorm needs CUDA, so the CPU leaves ``torch`` out), and a plain PyTorch
+loop on random tensors already on the device (no data, no synchronization: the compute ceiling). Each row gives
+the median step time, the trainer's median wait for data per step, and peak memory; the JSON goes to
+``results/imagenet-<machine>.json``. ``--image-size 32 --model resnet18 --batch-size 4 --steps 2`` runs it in
+seconds on a CPU.
+
 The headline figure is the optimizer-step time (median over steps after warm-up, all K micro-batches, the
 gradient sync and the step included), measured by the trainer itself. This machine is shared and noisy, so
 ``--repeats R`` runs the whole list R times, in alternating order, and keeps each configuration's median run.
@@ -34,7 +44,11 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 
+import utils
+from ddp_cifar100 import WARMUP_STEPS  # the plain loop leaves out as many steps as the trainer
+from models import TORCHVISION_RESNETS, build_model
 from utils import machine_info, machine_tag, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,6 +75,12 @@ def allreduce_configurations(grad_accum: int) -> list[dict]:
              "allreduce": name} for name in ("torch", "ring", "butterfly")]
 
 
+def imagenet_configurations(norms: list[str], grad_syncs: list[str]) -> list[dict]:
+    return [{"name": f"{grad_sync}/{norm}", "grad_sync": grad_sync, "norm": norm,
+             "sync_mode": "overlap" if grad_sync == "custom" else None, "grad_accum": 1}
+            for norm in norms for grad_sync in grad_syncs]
+
+
 def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            os.path.join(HERE, "ddp_cifar100.py"),
@@ -72,6 +92,9 @@ def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -
         cmd += ["--train-size", str(args.train_size), "--val-size", str(args.val_size)]
     if args.data_dir:
         cmd += ["--data-dir", args.data_dir]
+    if args.imagenet:
+        cmd += ["--image-size", str(args.image_size), "--workers", str(args.workers), "--channels-last",
+                "--max-steps", str(args.steps + WARMUP_STEPS)]
     if config["sync_mode"]:
         cmd += ["--sync-mode", config["sync_mode"]]
     if config.get("allreduce"):
@@ -108,6 +131,7 @@ def summarize(config: dict, metrics: dict) -> dict:
         "config": config,
         "step_time_ms_median": metrics["step_time_ms_median"],
         "samples_per_s": metrics["samples_per_s"],
+        "data_wait_ms_median": metrics["data_wait_ms_median"],
         "peak_memory_mb": metrics["peak_memory_mb"],
         "val_acc": metrics["val_acc"],
         "val_loss": metrics["val_loss"],
@@ -136,20 +160,83 @@ def print_table(rows: list[dict], baseline_prefix: str = "pytorch/") -> None:
               f"{row['peak_memory_mb']:>10.0f}{row['val_acc']:>9.4f}")
 
 
+def plain_loop(args: argparse.Namespace) -> dict:
+    """The compute ceiling: the benchmark's model, batch, autocast and channels-last in this process, on random
+    tensors already on the device; no loader, no gradient sync, plain BatchNorm; SGD as the trainer's defaults."""
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads_per_process)  # as the trainer's processes get
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, 0.0, "local", args.classes, args.image_size)
+    model = model.to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    images = images.contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, args.classes, (args.batch_size,), device=device)
+    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    utils.reset_peak_memory(device)
+    times = utils.time_calls_ms(step, device, iters=args.steps, warmup=WARMUP_STEPS)
+    return {"name": "plain", "config": {"name": "plain", "grad_sync": None, "norm": "local"},
+            "step_time_ms_median": utils.median(times), "samples_per_s": args.batch_size / utils.median(times) * 1e3,
+            "data_wait_ms_median": None, "peak_memory_mb": utils.peak_memory_mb(device),
+            "step_times_ms": [round(v, 4) for v in times]}
+
+
+def write_imagenet_folder(args: argparse.Namespace, root: str) -> None:
+    """A synthetic folder with enough training images for every process's steps (warm-up included), stored at
+    256/224 of the crop size as JPEGs, as ImageNet's recipe resizes before cropping."""
+    from make_image_folder import write_image_folder
+
+    train_size = args.nproc * args.batch_size * (args.steps + WARMUP_STEPS)
+    size = round(args.image_size * 256 / 224)
+    print(f"writing {train_size} + {args.val_size} synthetic {size}-pixel JPEGs to {root} ...", file=sys.stderr,
+          flush=True)
+    write_image_folder(root, args.classes, train_size, args.val_size, size, "jpg", args.seed)
+
+
+def print_imagenet_table(rows: list[dict]) -> None:
+    ceiling = rows[0]["step_time_ms_median"]
+    header = f"{'configuration':<16}{'step ms':>10}{'vs plain':>10}{'data wait ms':>14}{'peak MB':>10}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        wait = "-" if row["data_wait_ms_median"] is None else f"{row['data_wait_ms_median']:.1f}"
+        print(f"{row['name']:<16}{row['step_time_ms_median']:>10.1f}{row['step_time_ms_median'] / ceiling:>9.2f}x"
+              f"{wait:>14}{row['peak_memory_mb']:>10.0f}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few minutes on a 2-core CPU: small synthetic set")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--nproc", type=int, default=2, help="processes per run (at least 2)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes per run: default 2 (at least 2); with --imagenet one per GPU (1 on a CPU)")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step (at least 2)")
     parser.add_argument("--dataset", choices=["synthetic", "cifar100"], default="synthetic")
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--model", choices=["net", "resnet"], default="net")
+    parser.add_argument("--model", choices=["net", "resnet", *TORCHVISION_RESNETS], default=None,
+                        help="default net; resnet50 with --imagenet")
     parser.add_argument("--batch-size", type=int, default=None, help="per-process micro-batch")
+    parser.add_argument("--imagenet", action="store_true",
+                        help="the ImageNet-scale decomposition instead (see above); its flags follow")
+    parser.add_argument("--image-size", type=int, default=224, help="--imagenet: side of the crops")
+    parser.add_argument("--steps", type=int, default=40, help="--imagenet: timed steps per run (after the warm-up)")
+    parser.add_argument("--workers", type=int, default=None, help="--imagenet: loader workers per process")
+    parser.add_argument("--classes", type=int, default=100, help="--imagenet: classes of the synthetic folder")
+    parser.add_argument("--norms", default=None, help="--imagenet: comma-separated, default custom,torch,local "
+                                                      "(custom,local on the CPU)")
+    parser.add_argument("--grad-syncs", default="custom,ddp", help="--imagenet: comma-separated")
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--train-size", type=int, default=None)
     parser.add_argument("--val-size", type=int, default=None)
-    parser.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off")
+    parser.add_argument("--amp", choices=["off", "bf16", "fp16"], default=None, help="default off; bf16 with --imagenet")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="run the list this many times; keep medians")
     parser.add_argument("--threads-per-process", type=int, default=1)
@@ -159,6 +246,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="default: results/training-<machine>.json, or "
                                                      "results/trainer-allreduce-<machine>.json")
     args = parser.parse_args(argv)
+    if args.imagenet:
+        return resolve_imagenet_args(parser, args)
+    args.model, args.amp, args.nproc = args.model or "net", args.amp or "off", args.nproc or 2
+    if args.model not in ("net", "resnet"):
+        parser.error("--model resnet18 ... is for --imagenet (the synthetic set is 32 pixels: net or resnet)")
     if args.nproc < 2:
         parser.error("--nproc must be at least 2: the point is to compare distributed pipelines")
     if args.grad_accum < 2:
@@ -180,8 +272,69 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def resolve_imagenet_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    if args.compare_allreduce:
+        parser.error("--imagenet and --compare-allreduce are separate benchmarks: pick one")
+    args.dataset, args.epochs, args.train_size = "imagefolder", 1, None
+    args.model, args.amp = args.model or "resnet50", args.amp or "bf16"
+    args.nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 1)
+    args.batch_size = args.batch_size or 128
+    args.val_size = args.val_size or args.nproc * args.batch_size
+    if args.workers is None:  # the cores left beside one main process per rank, at most 12
+        args.workers = max(1, min(12, (os.cpu_count() or 2) // args.nproc - 1))
+    args.norms = (args.norms or ("custom,torch,local" if args.device == "cuda" else "custom,local")).split(",")
+    args.grad_syncs = args.grad_syncs.split(",")
+    for flag, values, allowed in (("--norms", args.norms, ("custom", "torch", "local")),
+                                  ("--grad-syncs", args.grad_syncs, ("custom", "ddp"))):
+        if not values or any(v not in allowed for v in values):
+            parser.error(f"{flag} takes a comma-separated list of {', '.join(allowed)}, got {','.join(values)}")
+    if "torch" in args.norms and args.device != "cuda":
+        parser.error("--norms torch (nn.SyncBatchNorm) needs --device cuda")
+    for flag, value in (("--nproc", args.nproc), ("--batch-size", args.batch_size), ("--steps", args.steps),
+                        ("--image-size", args.image_size), ("--classes", args.classes), ("--repeats", args.repeats),
+                        ("--val-size", args.val_size)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.json is None:
+        args.json = os.path.join(HERE, "results", f"imagenet-{machine_tag(args.device)}.json")
+    return args
+
+
+def main_imagenet(args: argparse.Namespace, argv) -> None:
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="imagenet-folder-") as tmp:
+        if args.data_dir is None:
+            args.data_dir = os.path.join(tmp, "folder")
+            write_imagenet_folder(args, args.data_dir)
+        configs = imagenet_configurations(args.norms, args.grad_syncs)
+        print("[plain] the compute ceiling ...", file=sys.stderr, flush=True)
+        rows = [plain_loop(args)]
+        runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
+        for repeat in range(args.repeats):
+            for config in configs if repeat % 2 == 0 else configs[::-1]:
+                print(f"[{config['name']}] repeat {repeat + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
+                runs[config["name"]].append(run_trainer(config, args))
+        synthetic_folder = args.data_dir.startswith(tmp)
+    for config in configs:
+        by_step_time = sorted(runs[config["name"]], key=lambda m: m["step_time_ms_median"])
+        rows.append(summarize(config, by_step_time[len(by_step_time) // 2]))
+    print_imagenet_table(rows)
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    settings["data_dir"] = "a synthetic folder (make_image_folder.py)" if synthetic_folder else args.data_dir
+    write_json(args.json, {
+        "benchmark": "imagenet-throughput", "machine": machine_info(args.device),
+        "machine_tag": machine_tag(args.device),
+        "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "settings": settings, "nproc": args.nproc, "wall_time_s": time.time() - started,
+        "step_time_spread_ms": {name: [m["step_time_ms_median"] for m in ms] for name, ms in runs.items()},
+        "rows": rows})
+    print(f"wrote {os.path.relpath(args.json, HERE)}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.imagenet:
+        return main_imagenet(args, argv)
     if args.compare_allreduce:
         configs = allreduce_configurations(args.grad_accum)
     else:

@@ -4,6 +4,7 @@
   process, the device from LOCAL_RANK); plain ``python script.py`` is a world of 1.
 - ``LocalGroup``: N local worker processes joined in one gloo group over a FileStore (no guessed ports),
   started once and reused for many calls, for tests and benchmarks.
+- ``UsageError``: bad flags or inputs, reported by rank 0 in one line.
 - ``print0``: rank-0 printing.
 - timing, memory, machine description and JSON helpers for the benchmarks.
 """
@@ -36,6 +37,10 @@ import torch.distributed as dist
 # finished collective's tensors needs the GIL, is ended by pthread_exit and aborts the process ("terminate called
 # without an active exception"). test_teardown.py checks that the group's threads end at cleanup_distributed.
 import torch.distributed.nn  # noqa: F401
+
+
+class UsageError(Exception):
+    """Bad flags or inputs: rank 0 reports it in one line and every rank exits with status 2."""
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,446 @@
+"""The trainer's data: in-memory sets (CIFAR-100, a synthetic set) and image folders streamed from disk, behind
+one interface (micro-batch sizes of an epoch, the micro-batches from a given one on, validation batches of an
+index shard), and the per-rank epoch order they share.
+
+CIFAR-100 and the synthetic set sit in memory as uint8 tensors on the training device and are gathered, cropped
+and flipped there; an image folder (torchvision's ImageFolder layout DIR/train/<class>/*, DIR/val/<class>/*) is
+streamed: DataLoader worker processes decode with PIL and augment with torchvision's transforms, the sample list
+is two numpy arrays (paths, labels) so it costs the workers no copy.
+
+Nothing random is carried from one batch to the next: the order comes from DistributedSampler seeded with
+(seed, epoch), in-memory augmentation from (seed, epoch, rank, micro-batch), image-folder augmentation from
+(seed, epoch, sample index), so batches do not depend on --workers and a resumed run needs only its position.
+Nor does loading draw from the caller's global RNG (which the trainer reseeds for dropout): the DataLoaders
+have generators of their own.
+
+A file that cannot be decoded is marked, not raised, by whoever decodes it; the ranks agree on such marks with
+one small all_reduce per micro-batch (before any collective of the forward pass), so every rank stops at the
+same point and rank 0 names the file.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
+
+import utils
+from utils import UsageError
+
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+NUM_CLASSES = 100  # CIFAR-100 and the synthetic set
+
+
+def derive_seed(a: int, b: int, c: int) -> int:
+    """A seed from three integers (seed, rank or epoch, step or index): nothing that would need saving."""
+    return ((a * 1_000_003 + b) * 1_000_003 + c) % (2**63)
+
+
+def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+              memory_format: torch.memory_format) -> torch.Tensor:
+    """uint8 (N, 3, H, W) -> normalized floats of mean's dtype, laid out as the model wants."""
+    return ((images.to(mean.dtype) / 255 - mean) / std).contiguous(memory_format=memory_format)
+
+
+def micro_batch_sizes(dataset_size: int, world_size: int, batch_size: int) -> list[int]:
+    """Sizes of one rank's micro-batches in an epoch: DistributedSampler pads every shard to ceil(N / W)."""
+    per_rank = math.ceil(dataset_size / world_size)
+    return [min(batch_size, per_rank - start) for start in range(0, per_rank, batch_size)]
+
+
+def epoch_order(dataset_size: int, rank: int, world_size: int, seed: int, epoch: int) -> torch.Tensor:
+    """This rank's sample indices for ``epoch``: DistributedSampler's shuffled, padded, strided shard."""
+    sampler = DistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=seed, drop_last=False)
+    sampler.set_epoch(epoch)
+    return torch.tensor(list(sampler), dtype=torch.int64)
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data in memory: uint8 images on the training device, batches gathered, cropped and flipped there
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class ImageSet:
+    images: torch.Tensor  # (N, 3, 32, 32) uint8
+    labels: torch.Tensor  # (N,) int64
+    augment: bool  # random crop (padding 4) + horizontal flip, as torchvision's CIFAR recipe
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def to(self, device: torch.device) -> "ImageSet":
+        return ImageSet(self.images.to(device), self.labels.to(device), self.augment)
+
+    def batch(self, indices: torch.Tensor, generator: torch.Generator | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 images and labels of ``indices`` (CPU int64), augmented with draws from ``generator``.
+
+        The indices and the crop/flip draws travel to the device as one tensor, pinned and non-blocking on CUDA:
+        nothing here waits for the device, and the draws (made on the CPU) are the same on every device.
+        """
+        host = indices[None] if not self.augment else torch.cat([indices[None], crop_flip_draws(len(indices),
+                                                                                                generator)])
+        if self.images.is_cuda:
+            host = host.pin_memory()
+        moved = host.to(self.images.device, non_blocking=True)  # (1 or 4, n): indices, then top, left, flip
+        images = self.images[moved[0]]
+        if self.augment:
+            images = crop_flip(images, moved[1:])
+        return images, self.labels[moved[0]]
+
+
+def crop_flip_draws(n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """(3, n) int64: crop top, crop left (0..8) and flip (0/1) per image, in torchvision's order of draws."""
+    top = torch.randint(0, 9, (n,), generator=generator)
+    left = torch.randint(0, 9, (n,), generator=generator)
+    flip = (torch.rand(n, generator=generator) < 0.5).long()
+    return torch.stack([top, left, flip])
+
+
+def crop_flip(images: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """RandomCrop(32, padding=4) then RandomHorizontalFlip on a uint8 batch, with ``draws`` (crop_flip_draws)."""
+    n, _, h, w = images.shape
+    device = images.device
+    padded = F.pad(images, (4, 4, 4, 4))  # zero padding, as RandomCrop(padding=4)
+    top, left, flip = draws[0], draws[1], draws[2].bool()
+    rows = (top[:, None] + torch.arange(h, device=device))[:, None, :, None]
+    cols = (left[:, None] + torch.arange(w, device=device))[:, None, None, :]
+    cols = torch.where(flip[:, None, None, None], cols.flip(-1), cols)
+    channels = torch.arange(3, device=device)[None, :, None, None]
+    batch = torch.arange(n, device=device)[:, None, None, None]
+    return padded[batch, channels, rows, cols]
+
+
+def make_synthetic(train_size: int, val_size: int, seed: int, num_classes: int = NUM_CLASSES
+                   ) -> tuple[ImageSet, ImageSet]:
+    """A deterministic CIFAR-100-shaped set: each class a smooth random prototype image (a common background
+    plus its own fainter pattern); each sample its class's prototype shifted by up to 4 pixels, blended with
+    another class's (weaker) prototype, colour-jittered per channel and noisy.
+
+    Learnable (the prototypes are fixed) but not at once: shifts, distractors, colour and noise keep accuracy
+    rising for several epochs. Labels are uniform over the classes; train and validation come from separate
+    streams.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    # A shared background plus a fainter class-specific pattern: classes resemble one another.
+    coarse = 0.6 * torch.rand(1, 3, 8, 8, generator=generator) + 0.4 * torch.rand(num_classes, 3, 8, 8,
+                                                                                 generator=generator)
+    prototypes = F.interpolate(coarse, size=(40, 40), mode="bicubic", align_corners=False).clamp(0, 1)
+
+    def sample(size: int, stream: int) -> ImageSet:
+        g = torch.Generator().manual_seed(seed * 1000 + stream)
+        labels = torch.randint(0, num_classes, (size,), generator=g)
+        images = torch.empty(size, 3, 32, 32, dtype=torch.uint8)
+        for start in range(0, size, 4096):  # bounded temporary memory for large sets
+            y = labels[start:start + 4096]
+            n = len(y)
+            top = torch.randint(0, 9, (n,), generator=g)
+            left = torch.randint(0, 9, (n,), generator=g)
+            rows = (top[:, None] + torch.arange(32))[:, None, :, None]
+            cols = (left[:, None] + torch.arange(32))[:, None, None, :]
+            idx = torch.arange(n)[:, None, None, None]
+            ch = torch.arange(3)[None, :, None, None]
+            own = prototypes[y][idx, ch, rows, cols]
+            other = prototypes[torch.randint(0, num_classes, (n,), generator=g)][idx, ch, rows, cols]
+            mix = 0.3 + 0.2 * torch.rand(n, 1, 1, 1, generator=g)
+            colour = 0.7 + 0.6 * torch.rand(n, 3, 1, 1, generator=g)
+            noise = 0.25 * torch.randn(n, 3, 32, 32, generator=g)
+            x = ((1 - mix) * own + mix * other) * colour + noise
+            images[start:start + n] = (x.clamp(0, 1) * 255).round().to(torch.uint8)
+        return ImageSet(images, labels, augment=False)
+
+    return sample(train_size, 1), sample(val_size, 2)
+
+
+def load_cifar100(data_dir: str, ctx: utils.DistContext, comm_device: torch.device) -> tuple[ImageSet, ImageSet]:
+    """torchvision's CIFAR-100: local rank 0 of each node downloads while the others wait; the test split validates."""
+    import torchvision
+
+    failure = ""
+    if ctx.local_rank == 0:
+        quiet = contextlib.redirect_stdout(io.StringIO()) if ctx.rank != 0 else contextlib.nullcontext()
+        previous_timeout = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(30)  # torchvision's download sets none: an unreachable mirror must not hang
+        try:
+            with quiet:
+                for train in (True, False):
+                    torchvision.datasets.CIFAR100(data_dir, train=train, download=True)
+        except Exception as exc:  # no network, bad folder, corrupt archive: all end in the same advice
+            failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            socket.setdefaulttimeout(previous_timeout)
+    failed = torch.tensor([1 if failure else 0], device=comm_device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # also the barrier the other local ranks wait at
+    if failed.item():
+        raise UsageError(f"CIFAR-100 is not in --data-dir {data_dir!r} and could not be downloaded"
+                         f"{' (' + failure + ')' if failure else ' on another node'}; put it there or use "
+                         f"--dataset synthetic")
+    sets = []
+    for train in (True, False):
+        raw = torchvision.datasets.CIFAR100(data_dir, train=train, download=False)
+        images = torch.from_numpy(raw.data).permute(0, 3, 1, 2).contiguous()
+        sets.append(ImageSet(images, torch.tensor(raw.targets, dtype=torch.int64), augment=train))
+    return sets[0], sets[1]
+
+
+@dataclass
+class MemoryData:
+    """CIFAR-100 or the synthetic set on the training device, behind the data interface the trainer uses."""
+    train: ImageSet
+    val: ImageSet
+    num_classes: int
+    seed: int
+    batch_size: int
+    memory_format: torch.memory_format = torch.contiguous_format
+    mean: torch.Tensor = field(init=False)
+    std: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        device = self.train.images.device  # constants made once, on the device
+        self.mean = torch.tensor(CIFAR100_MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(CIFAR100_STD, device=device).view(1, 3, 1, 1)
+
+    def batch_sizes(self) -> list[int]:
+        return micro_batch_sizes(len(self.train), dist.get_world_size(), self.batch_size)
+
+    def train_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Micro-batches ``start``, ``start + 1``, ... of ``epoch``: normalized images and labels on the device."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        batches = torch.split(epoch_order(len(self.train), rank, world_size, self.seed, epoch), self.batch_size)
+        for j in range(start, len(batches)):
+            augment = torch.Generator().manual_seed(derive_seed(self.seed + epoch, rank, j))
+            images, labels = self.train.batch(batches[j], augment)
+            yield normalize(images, self.mean, self.std, self.memory_format), labels
+
+    def val_batches(self, shard: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, len(shard), batch_size):
+            images, labels = self.val.batch(shard[start:start + batch_size])
+            yield normalize(images, self.mean, self.std, self.memory_format), labels
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def val_size(self) -> int:
+        return len(self.val)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Image folders: decoded and augmented in DataLoader workers, streamed from disk
+# ----------------------------------------------------------------------------------------------------------
+def scan_image_folder(root: str, classes: list[str] | None = None) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Class names, relative paths (numpy bytes) and labels (numpy int64) of an ImageFolder tree, sorted.
+
+    Files are kept by extension as torchvision's ImageFolder does (other files are skipped). Numpy arrays, not a
+    list of tuples: DataLoader workers share them without the reference-count writes that copy Python objects
+    page by page into every worker. ``classes`` (train's) makes a validation class absent from them an error.
+    """
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
+
+    if not os.path.isdir(root):
+        raise UsageError(f"{root} is not a folder: --data-dir must hold train/<class>/* and val/<class>/*")
+
+    def refuse(error: OSError) -> None:
+        raise error  # os.walk (and so torchvision's make_dataset) would skip an unreadable folder silently
+
+    paths: list[bytes] = []
+    labels: list[int] = []
+    try:
+        found, class_to_index = find_classes(root)
+        unknown = sorted(set(found) - set(classes)) if classes is not None else []
+        if unknown:
+            raise UsageError(f"{root} has classes that train/ lacks: {', '.join(unknown[:5])}"
+                             f"{' ...' if len(unknown) > 5 else ''}")
+        for name in found:
+            before = len(paths)
+            for folder, _, files in sorted(os.walk(os.path.join(root, name), onerror=refuse, followlinks=True)):
+                paths += [os.fsencode(os.path.relpath(os.path.join(folder, f), root)) for f in sorted(files)
+                          if f.lower().endswith(IMG_EXTENSIONS)]
+            if len(paths) == before:
+                raise UsageError(f"{root}: class folder {name!r} has no images ({', '.join(IMG_EXTENSIONS)})")
+            labels += [classes.index(name) if classes is not None else class_to_index[name]] * (len(paths) - before)
+    except FileNotFoundError as exc:  # find_classes: no class folder at all
+        raise UsageError(f"{root}: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:  # unreadable folder (permissions, I/O)
+        raise UsageError(f"cannot read {exc.filename or root}: {exc.strerror or exc}") from None
+    return (classes if classes is not None else found), np.array(paths), np.array(labels, dtype=np.int64)
+
+
+def folder_transforms(augment: str, size: int) -> tuple[Any, Any]:
+    """torchvision transforms (PIL in, uint8 tensor out) for training and validation at ``size`` pixels."""
+    from torchvision.transforms import v2
+
+    resized = round(size * 256 / 224) if augment == "imagenet" else size  # ImageNet: Resize(256), crop 224
+    evaluation = [v2.Resize(resized), v2.CenterCrop(size)]
+    training = {"imagenet": [v2.RandomResizedCrop(size), v2.RandomHorizontalFlip()],
+                "cifar": [v2.Resize(size), v2.CenterCrop(size), v2.RandomCrop(size, padding=size // 8),
+                          v2.RandomHorizontalFlip()],
+                "none": evaluation}[augment]
+    return v2.Compose([*training, v2.PILToTensor()]), v2.Compose([*evaluation, v2.PILToTensor()])
+
+
+class FolderSamples(torch.utils.data.Dataset):
+    """The samples of one split. An item is keyed by (epoch, index): its augmentation draws from the torch RNG
+    seeded with (seed, epoch, index), so it is the same in any worker, with any --workers. A file that cannot be
+    decoded gives a zero image and label -1 (marked, not raised: the trainer stops every rank together)."""
+
+    def __init__(self, root: str, paths: np.ndarray, labels: np.ndarray, transform: Any, size: int, seed: int):
+        self.root, self.paths, self.labels = root, paths, labels
+        self.transform, self.size, self.seed = transform, size, seed
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.root, os.fsdecode(self.paths[index]))
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        epoch, index = key
+        try:
+            with open(self.path(index), "rb") as f, Image.open(f) as image:
+                image = image.convert("RGB")  # decodes; truncated or corrupt files raise here
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+            return torch.zeros(3, self.size, self.size, dtype=torch.uint8), -1
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG (dropout, with --workers 0) stays untouched
+            torch.manual_seed(derive_seed(self.seed, epoch, index))
+            return self.transform(image), int(self.labels[index])
+
+
+class Batches:
+    """A DataLoader batch_sampler whose batches are set before each pass (persistent workers keep the loader)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, int]]] = []
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class FolderData:
+    """An image folder streamed through DataLoader workers, behind the data interface the trainer uses."""
+
+    def __init__(self, root: str, augment: str, size: int, workers: int, seed: int, batch_size: int,
+                 device: torch.device, memory_format: torch.memory_format, check_group: Any):
+        classes, train_paths, train_labels = scan_image_folder(os.path.join(root, "train"))
+        _, val_paths, val_labels = scan_image_folder(os.path.join(root, "val"), classes)
+        train_transform, val_transform = folder_transforms(augment, size)
+        self.classes, self.num_classes = classes, len(classes)
+        self.train = FolderSamples(os.path.join(root, "train"), train_paths, train_labels, train_transform, size,
+                                   seed)
+        self.val = FolderSamples(os.path.join(root, "val"), val_paths, val_labels, val_transform, size, seed)
+        self.seed, self.batch_size, self.device, self.memory_format = seed, batch_size, device, memory_format
+        self.check_group = check_group  # gloo: agreeing on bad files never waits for the GPU
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        self.loaders = {}
+        for name, samples in (("train", self.train), ("val", self.val)):
+            # A generator of its own: without one, every iter() of a DataLoader draws its base seed from the
+            # global RNG, which the trainer reseeds for dropout at each step, so the step that opens an epoch's
+            # stream (the first of an epoch, or the first after a resume) would see other dropout masks.
+            self.loaders[name] = torch.utils.data.DataLoader(
+                samples, batch_sampler=Batches(), num_workers=workers, persistent_workers=workers > 0,
+                pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
+
+    @property
+    def val_size(self) -> int:
+        return len(self.val)
+
+    def batch_sizes(self) -> list[int]:
+        return micro_batch_sizes(len(self.train), dist.get_world_size(), self.batch_size)
+
+    def signature(self) -> list[int]:
+        """What every rank must see alike: sample and class counts, and a hash of the file lists."""
+        digest = hashlib.sha256(b"".join(self.train.paths) + b"".join(self.val.paths)).digest()
+        return [len(self.train), len(self.val), self.num_classes, int.from_bytes(digest[:7], "little")]
+
+    def _stream(self, name: str, batches: list[list[int]], epoch: int
+                ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        loader = self.loaders[name]
+        loader.batch_sampler.batches = [[(epoch, index) for index in batch] for batch in batches]
+        for indices, (images, labels) in zip(batches, loader):
+            images = normalize(images.to(self.device, non_blocking=True), self.mean, self.std, self.memory_format)
+            yield indices, images, labels
+
+    def _agree_on_bad_file(self, samples: FolderSamples, bad_index: int) -> None:
+        """All ranks learn the largest bad sample index any of them found (-1: none) and stop together."""
+        flag = torch.tensor([bad_index], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.check_group)
+        if flag.item() >= 0:
+            raise UsageError(f"cannot decode {samples.path(flag.item())}: corrupt, truncated or not an image; "
+                             f"remove or replace it")
+
+    def train_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Micro-batches ``start``, ``start + 1``, ... of ``epoch`` (the ones before are not decoded)."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        order = epoch_order(len(self.train), rank, world_size, self.seed, epoch)
+        batches = [b.tolist() for b in torch.split(order, self.batch_size)][start:]
+        for indices, images, labels in self._stream("train", batches, epoch):
+            bad = (labels < 0).nonzero()
+            # Before the forward pass and its collectives, so a bad file anywhere stops every rank here.
+            self._agree_on_bad_file(self.train, indices[int(bad[0])] if len(bad) else -1)
+            yield images, labels.to(self.device, non_blocking=True)
+
+    def val_batches(self, shard: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches of the shard; shards differ in length, so bad files are agreed on once, at the end."""
+        bad_index = -1
+        batches = [b.tolist() for b in torch.split(shard, batch_size)]
+        for indices, images, labels in self._stream("val", batches, epoch=0):
+            good = labels >= 0
+            if not good.all():
+                bad_index = max(bad_index, indices[int((~good).nonzero()[0])])
+                images, labels = images[good.to(self.device)], labels[good]
+            yield images, labels.to(self.device, non_blocking=True)
+        self._agree_on_bad_file(self.val, bad_index)
+
+    def close(self) -> None:
+        """Stop the persistent workers now rather than at interpreter exit."""
+        self.loaders = {}
+
+
+def load_data(args: argparse.Namespace, ctx: utils.DistContext, comm_device: torch.device
+              ) -> MemoryData | FolderData:
+    """The data ``args`` name, agreed on by every rank (a rank that fails to read it stops them all)."""
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    if args.dataset == "imagefolder":
+        check_group = dist.new_group(backend="gloo") if ctx.backend == "nccl" else None  # every rank calls it
+        failure, data = "", None
+        try:
+            data = FolderData(args.data_dir, args.augment, args.image_size, args.workers, args.seed, args.batch_size,
+                              ctx.device, memory_format, check_group)
+        except UsageError as exc:
+            failure = str(exc)
+        views: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(views, (failure, data.signature() if data else None))
+        failures = [f for f, _ in views if f]
+        if failures:
+            raise UsageError(failures[0])
+        if any(signature != views[0][1] for _, signature in views):
+            raise UsageError(f"--data-dir {args.data_dir} holds different files on different ranks")
+        return data
+    if args.dataset == "synthetic":
+        train_set, val_set = make_synthetic(args.train_size, args.val_size, args.seed)
+    else:
+        train_set, val_set = load_cifar100(args.data_dir, ctx, comm_device)
+    train_set.augment = args.augment == "cifar"
+    return MemoryData(train_set.to(ctx.device), val_set.to(ctx.device), NUM_CLASSES, args.seed, args.batch_size,
+                      memory_format)
