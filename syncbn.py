@@ -548,7 +548,7 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
         if process_group is None:
             count = _checked_count(local_count, 1)
         else:
-            dist.all_reduce(sums, group=process_group)  # the one collective of the forward pass
+            _named_all_reduce(sums, process_group, "syncbn.forward.all_reduce")  # the forward's one collective
             count = sums[-1]  # 2C, 2C, 1 -> the last number is the global count N
             # Reading N on CUDA waits for the GPU. A rank with 2+ values of its own knows N >= 2 and skips it;
             # if N < 2, every rank has fewer than 2 and reads it, so all of them raise together.
@@ -596,14 +596,23 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
                 None, None, None, None, None)
 
 
+def _named_all_reduce(sums: torch.Tensor, group: dist.ProcessGroup, name: str) -> None:
+    """all_reduce(SUM), shown as a range called ``name`` in torch.profiler traces (nothing when not profiling)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            dist.all_reduce(sums, group=group)
+    else:
+        dist.all_reduce(sums, group=group)
+
+
 def _per_channel(input: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor]:
     """(values,) shaped to broadcast over input: (C,) for (N, C), (C, 1, ..., 1) with spatial dimensions."""
     return (values if input.dim() == 2 else values.view(_stat_shape(input)),)
 
 
 def _all_reduce(ctx, sums: torch.Tensor) -> None:
-    if ctx.process_group is not None:
-        dist.all_reduce(sums, group=ctx.process_group)  # the one collective of the backward pass
+    if ctx.process_group is not None:  # the backward's one collective
+        _named_all_reduce(sums, ctx.process_group, "syncbn.backward.all_reduce")
 
 
 def _kernels_backward(ctx, grad_output, need_input):
