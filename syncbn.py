@@ -65,15 +65,28 @@ of times the activation crosses memory. Two implementations of the math above, c
   layout: channels-last (and 2-D (N, C)) as rows of C, contiguous as N planes of C x L; any other strides are
   made contiguous first. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (numpy; slow), which is
   how the tests check them on a machine without a GPU.
-- PyTorch operations (the CPU, float64, and CUDA without Triton), each chosen because it writes nothing
-  activation-sized but its result: torch.var_mean (Welford, double accumulators: no temporary) for (m_r, M2_r);
-  an eval-mode batch_norm, which is one fused per-channel affine pass, for y = (x - mu) * invstd * w + b with
-  OUR statistics; in backward the same affine pass recomputes xhat from x, sum(g xhat) is a per-channel dot
-  product done by a batched matrix product over views (bmm / einsum: no temporary), and dx is two passes
-  (addcmul, then addcmul_). In all: 1 activation-sized write forward, 3 backward, against nn.BatchNorm's 1 and 1;
-  kept for backward: the input. PyTorch's CPU reductions copy bf16/fp16 inputs to float32 when asked for a
-  float32 result, so on the CPU half-precision inputs cost float32 temporaries (CPU autocast is rare; the
-  CUDA kernels have no such copies). test_syncbn.py counts all of this.
+- PyTorch operations (the CPU, float64, and CUDA without Triton). Each rank shifts its values by k, one value
+  of each channel (x[0, :, 0, ...]: a typical value, so x - k is of the size of the spread), and writes
+  x - k once; everything else reads it:
+    forward   sum(x - k) and sum((x - k)^2) per channel (reductions: no temporary), turned into [S1, S2, n_r]
+              in float64 as S1 = n k + sum(x - k), S2 = sum((x - k)^2) + k (2 sum(x - k) + n k): the float32
+              sums are of shifted values, so nothing cancels in float32;
+              -- all_reduce --
+              y = (x - k) scale - (offset scale - b), offset = mu - k, scale = invstd w: one addcmul
+    backward  sum(g) and sum(g (x - k)) per channel, the second a dot product done as a batched matrix
+              product over views of g and x - k (no temporary);  sum(g xhat) = invstd (sum(g (x - k)) -
+              offset sum(g)) on this rank
+              -- all_reduce --
+              dx = g scale - (x - k) q scale - (mean(g) - offset q) scale, q = invstd mean(g xhat): two
+              passes (addcmul, addcmul_)
+  In all: 2 activation-sized writes forward (x - k, y) and 2 backward (dx, twice), against nn.BatchNorm's 1
+  and 1; kept for backward: x - k, the input's bytes, in place of the input that nn.BatchNorm keeps. Up to
+  CACHED_VALUES values (512 KiB of float32) the dot products are a multiply and a sum instead: the temporary
+  stays in the cache, and one call costs less than the five of the product over views. PyTorch's CPU
+  reductions copy bf16/fp16 inputs to float32 when asked for a float32 result, so on the CPU half-precision
+  inputs go through float32 copies (CPU autocast is rare; the CUDA kernels have no such copies).
+  test_syncbn.py counts all of this at PyTorch's dispatcher, with the profiler's allocations and with
+  saved-tensor hooks.
 
 Precision, devices, collectives
 -------------------------------
@@ -177,7 +190,7 @@ def _channel_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype not in (torch.float32, torch.float64):  # bmm would round every partial dot to bf16/fp16
         a, b = a.float(), b.float()
     if a.numel() > CACHED_VALUES and a.stride() == b.stride():
-        if a.dim() == 2 or (a.stride(1) == 1 and a.movedim(1, -1).is_contiguous()):
+        if a.movedim(1, -1).is_contiguous():  # rows of C: 2-D (N, C), channels-last
             group = math.gcd(num_channels, 16)
             a_groups = a.as_strided((num_channels // group, group, rows), (group, 1, num_channels), a.storage_offset())
             b_groups = b.as_strided((num_channels // group, rows, group), (group, num_channels, 1), b.storage_offset())
@@ -189,12 +202,6 @@ def _channel_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # Small activations (their temporary stays in the cache: one call instead of five), or other strides (an
     # expanded gradient): a multiply and a sum.
     return (a * b).sum([0, *range(2, a.dim())])
-
-
-def _affine_pass(input, mean, var, eps, weight=None, bias=None):
-    """(x - mean) / sqrt(var + eps) * weight + bias in one fused per-channel pass (eval-mode batch_norm with our
-    statistics: it computes nothing of its own), in the input's dtype and memory format."""
-    return torch.batch_norm(input, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -694,7 +701,10 @@ class SyncBatchNorm(_BatchNorm):
                 momentum = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
 
         if not self.training and self.running_mean is not None:
-            return _affine_pass(input, self.running_mean, self.running_var, self.eps, self.weight, self.bias)
+            # (x - running_mean) / sqrt(running_var + eps) * w + b: eval-mode batch_norm is exactly that, one
+            # fused per-channel affine pass in the input's dtype and memory format, computing nothing of its own.
+            return torch.batch_norm(input, self.weight, self.bias, self.running_mean, self.running_var, False, 0.0,
+                                    self.eps, torch.backends.cudnn.enabled)
 
         update = self.training and self.track_running_stats
         return sync_batch_norm.apply(

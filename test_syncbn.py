@@ -717,6 +717,40 @@ def test_no_host_device_sync_on_cuda():
     assert y.dtype == torch.float16 and x.grad.dtype == torch.float16
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or syncbn.triton is None, reason="needs a CUDA GPU and Triton")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.float16, 4e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("shape,channels_last", [((8, 64, 14, 14), True), ((8, 64, 14, 14), False),
+                                                 ((16, 2048, 7, 7), True), ((33, 100), False)])
+def test_fused_kernels_on_cuda_match_float64_batchnorm(dtype, tolerance, shape, channels_last):
+    """The Triton kernels on a GPU, world of one: output, input and affine gradients and running statistics
+    against nn.BatchNorm in float64 on the same values (fp16/bf16: within about an output ulp)."""
+    generator = torch.Generator().manual_seed(11)
+    x = (torch.randn(*shape, generator=generator, dtype=torch.float64) * 2 + 5).to(dtype)
+    cotangent = torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+    if channels_last:
+        x, cotangent = (t.contiguous(memory_format=torch.channels_last) for t in (x, cotangent))
+    reference = BATCHNORM_BY_NDIM[len(shape)](shape[1]).double()
+    random_affine(reference, 12)
+    ours = syncbn.SyncBatchNorm(shape[1], affine=True).cuda()
+    ours.load_state_dict(reference.state_dict())
+    x_ours = x.cuda().requires_grad_()
+    y = ours(x_ours)
+    y.backward(cotangent.cuda())
+    assert syncbn._uses_kernels(x_ours, ours.weight, ours.running_mean)
+    assert y.dtype == dtype and y.stride() == x_ours.stride() and x_ours.grad.stride() == x_ours.stride()
+    x_ref = x.double().requires_grad_()
+    y_ref = reference(x_ref)
+    y_ref.backward(cotangent.double())
+    errors = {"output": (y.double().cpu() - y_ref).abs().max().item(),
+              "input_grad": (x_ours.grad.double().cpu() - x_ref.grad).abs().max().item(),
+              "weight_grad": ((ours.weight.grad.double().cpu() - reference.weight.grad).abs().max()
+                              / reference.weight.grad.abs().max()).item(),
+              "running_var": (ours.running_var.double().cpu() - reference.running_var).abs().max().item()}
+    record(f"test_fused_kernels_on_cuda[{dtype}-{shape}-{channels_last}]", **errors)
+    assert errors["output"] <= tolerance and errors["input_grad"] <= tolerance
+    assert errors["weight_grad"] <= max(tolerance, 1e-4) and errors["running_var"] <= 1e-5
+
+
 def cuda_worker(rank, world_size, sizes, tail_shape, seed):
     """Ours and nn.SyncBatchNorm on this rank's slice, on the GPU (several ranks share it over gloo)."""
     torch.cuda.set_device(0)
