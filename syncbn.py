@@ -73,18 +73,18 @@ of times the activation crosses memory. Two implementations of the math above, c
               sums are of shifted values, so nothing cancels in float32;
               -- all_reduce --
               y = (x - k) scale - (offset scale - b), offset = mu - k, scale = invstd w: one addcmul
-    backward  sum(g) and sum(g (x - k)) per channel, the second a dot product done as a batched matrix
-              product over views of g and x - k (no temporary);  sum(g xhat) = invstd (sum(g (x - k)) -
-              offset sum(g)) on this rank
+    backward  sum(g) and sum(g (x - k)) per channel, the second a dot product taken a block of samples
+              at a time, each block's product summed while it is in the cache (no activation-sized
+              temporary);  sum(g xhat) = invstd (sum(g (x - k)) - offset sum(g)) on this rank
               -- all_reduce --
               dx = g scale - (x - k) q scale - (mean(g) - offset q) scale, q = invstd mean(g xhat): two
               passes (addcmul, addcmul_)
   In all: 2 activation-sized writes forward (x - k, y) and 2 backward (dx, twice), against nn.BatchNorm's 1
-  and 1; kept for backward: x - k, the input's bytes, in place of the input that nn.BatchNorm keeps. Up to
-  CACHED_VALUES values (512 KiB of float32) the dot products are a multiply and a sum instead: the temporary
-  stays in the cache, and one call costs less than the five of the product over views. PyTorch's CPU
-  reductions copy bf16/fp16 inputs to float32 when asked for a float32 result, so on the CPU half-precision
-  inputs go through float32 copies (CPU autocast is rare; the CUDA kernels have no such copies).
+  and 1; kept for backward: x - k, the input's bytes, in place of the input that nn.BatchNorm keeps. (Up to
+  CACHED_VALUES values (512 KiB of float32) the whole activation is one block: its product is one more
+  activation-sized temporary per dot product, in the cache.) PyTorch's CPU reductions copy bf16/fp16 inputs to
+  float32 when asked for a float32 result, so on the CPU half-precision inputs go through float32 copies for
+  the statistics (CPU autocast is rare; the CUDA kernels have no such copies).
   test_syncbn.py counts all of this at PyTorch's dispatcher, with the profiler's allocations and with
   saved-tensor hooks.
 
@@ -109,7 +109,6 @@ Precision, devices, collectives
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Optional
 
@@ -172,36 +171,26 @@ def _shifted_and_local_sums(input: torch.Tensor, reduce_dims: list[int]
     return shifted, shift, torch.cat([sum_x, sum_x2, sum_x.new_full((1,), local_count)])
 
 
-# Up to this many values (512 KiB of float32: within a core's L2 cache) a per-channel dot product is a multiply
-# and a sum: the temporary never reaches memory, and one call beats the five of the product over views.
+# Per-channel dot products multiply blocks of at most this many values (512 KiB of float32, within a core's L2
+# cache): the product never reaches memory, and no activation-sized temporary exists.
 CACHED_VALUES = 2**17
 
 
 def _channel_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum(a * b) over everything but dim 1, per channel; above CACHED_VALUES without an activation-sized
-    temporary: a batched matrix product over views of the two tensors (a and b of the same shape and strides).
-
-    Rows of C (2-D, channels-last): channels in groups of g (up to 16, a cache line of float32), each group's
-    (g x R) @ (R x g) product, whose diagonal holds the g dots: every value is read once, g times the minimal
-    flops. Contiguous planes (N, C, L): N*C products (1 x L) @ (L x 1), then the sum over N.
-    """
-    num_channels = a.shape[1]
-    rows = a.numel() // max(num_channels, 1)
-    if a.dtype not in (torch.float32, torch.float64):  # bmm would round every partial dot to bf16/fp16
-        a, b = a.float(), b.float()
-    if a.numel() > CACHED_VALUES and a.stride() == b.stride():
-        if a.movedim(1, -1).is_contiguous():  # rows of C: 2-D (N, C), channels-last
-            group = math.gcd(num_channels, 16)
-            a_groups = a.as_strided((num_channels // group, group, rows), (group, 1, num_channels), a.storage_offset())
-            b_groups = b.as_strided((num_channels // group, rows, group), (group, num_channels, 1), b.storage_offset())
-            return torch.bmm(a_groups, b_groups).diagonal(dim1=1, dim2=2).reshape(num_channels)
-        if a.is_contiguous():
-            planes, length = a.shape[0] * num_channels, rows // a.shape[0]
-            dots = torch.bmm(a.view(planes, 1, length), b.view(planes, length, 1))
-            return dots.view(a.shape[0], num_channels).sum(0)
-    # Small activations (their temporary stays in the cache: one call instead of five), or other strides (an
-    # expanded gradient): a multiply and a sum.
-    return (a * b).sum([0, *range(2, a.dim())])
+    """sum(a * b) over everything but dim 1, per channel, in float32 or wider, a block of samples at a time: each
+    block's product (at most CACHED_VALUES values, or one sample) is summed while it is still in the cache."""
+    reduce_dims = [0, *range(2, a.dim())]
+    block = max(CACHED_VALUES // max(a[0].numel(), 1), 1) if a.shape[0] else 1
+    total = None
+    for start in range(0, a.shape[0], block):
+        a_block, b_block = a[start:start + block], b[start:start + block]
+        if a.dtype not in (torch.float32, torch.float64):  # bf16/fp16: a float32 block, not a float32 copy
+            a_block, b_block = a_block.float(), b_block.float()
+        part = (a_block * b_block).sum(reduce_dims)
+        total = part if total is None else total.add_(part)
+    if total is None:  # no samples on this rank
+        return a.new_zeros(a.shape[1], dtype=torch.promote_types(a.dtype, torch.float32))
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -641,7 +630,7 @@ def _ops_backward(ctx, grad_output, need_input):
     count = ctx.count if count_tensor is None else count_tensor
     num_channels = shifted.shape[1]
     # This rank's [sum g, sum g xhat], with sum g xhat = invstd (sum g (x - k) - offset sum g) (k is this
-    # rank's own shift); sum g (x - k) is a dot product (over views above CACHED_VALUES: no temporary).
+    # rank's own shift, so this is taken before the all_reduce); sum g (x - k) in cache-sized blocks.
     sum_dy = grad_output.sum([0, *range(2, shifted.dim())], dtype=invstd.dtype)
     sum_dy_xhat = torch.addcmul(_channel_dot(grad_output, shifted).to(invstd.dtype), offset, sum_dy, value=-1)
     sums = torch.cat([sum_dy, sum_dy_xhat.mul_(invstd)])
