@@ -235,12 +235,17 @@ class _Tiles:
     def grid(self) -> tuple[int, int]:
         return (self.channel_blocks, self.splits)
 
+    @property
+    def blocks(self) -> dict[str, int]:
+        """The tile's constexprs and the launch's warps (a tile of _TILE values: 16 per thread at 8 warps)."""
+        return {"BLOCK_R": self.block_r, "BLOCK_C": self.block_c, "num_warps": 8 if not INTERPRET else 1}
+
     def args(self) -> tuple[int, ...]:
         return (self.channels, self.rows, self.row_blocks, self.units, self.units_per_split,
                 self.plane_stride, self.row_stride, self.channel_stride)
 
 
-_TILE = 4096  # values per tile: 16 per thread at 8 warps
+_TILE = 4096  # values per tile
 
 
 @functools.lru_cache(maxsize=None)
@@ -430,7 +435,7 @@ def kernel_local_sums(x: torch.Tensor) -> torch.Tensor:
     mean = x.new_empty((tiles.splits, tiles.channels), dtype=torch.float32)
     m2 = torch.empty_like(mean)
     counts = x.new_empty(tiles.splits, dtype=torch.int64)
-    _moments_kernel[tiles.grid](x, mean, m2, counts, *tiles.args(), BLOCK_R=tiles.block_r, BLOCK_C=tiles.block_c)
+    _moments_kernel[tiles.grid](x, mean, m2, counts, *tiles.args(), **tiles.blocks)
     _moments_to_sums_kernel[(tiles.channel_blocks,)](mean, m2, counts, sums, tiles.channels, tiles.splits,
                                                       BLOCK_C=tiles.block_c)
     return sums
@@ -456,7 +461,7 @@ def kernel_normalize(x: torch.Tensor, sums: torch.Tensor, weight: Optional[torch
     _normalize_kernel[grid](
         x, y, sums, weight, bias, mean, invstd, running_mean, running_var, momentum_tensor, momentum, eps,
         *tiles.args(), HAS_WEIGHT=weight is not None, HAS_RUNNING=running_mean is not None,
-        MOMENTUM_TENSOR=momentum_tensor is not None, BLOCK_R=tiles.block_r, BLOCK_C=tiles.block_c)
+        MOMENTUM_TENSOR=momentum_tensor is not None, **tiles.blocks)
     return y, mean, invstd
 
 
@@ -476,8 +481,7 @@ def kernel_grad_sums(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     if tiles.splits == 0:
         return sums, local
     partial = x.new_empty((tiles.splits, 2, tiles.channels), dtype=torch.float32)
-    _grad_sums_kernel[tiles.grid](grad_output, x, mean, invstd, partial, *tiles.args(), BLOCK_R=tiles.block_r,
-                                  BLOCK_C=tiles.block_c)
+    _grad_sums_kernel[tiles.grid](grad_output, x, mean, invstd, partial, *tiles.args(), **tiles.blocks)
     _grad_sums_total_kernel[(tiles.channel_blocks,)](partial, sums, local, tiles.channels, tiles.splits,
                                                       BLOCK_C=tiles.block_c)
     return sums, local
@@ -498,8 +502,7 @@ def kernel_grad_input(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Te
     grad_input = torch.empty_like(x)
     if tiles.splits:
         _grad_input_kernel[tiles.grid](grad_output, x, grad_input, mean, invstd, weight, grad_sums, stat_sums,
-                                       *tiles.args(), HAS_WEIGHT=weight is not None, BLOCK_R=tiles.block_r,
-                                       BLOCK_C=tiles.block_c)
+                                       *tiles.args(), HAS_WEIGHT=weight is not None, **tiles.blocks)
     return grad_input
 
 
