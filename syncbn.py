@@ -246,6 +246,7 @@ class _Tiles:
 
 
 _TILE = 4096  # values per tile
+_SPLITS_AT_ONCE = 2 if INTERPRET else 16  # partials a finishing kernel reads per step (per channel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -299,23 +300,31 @@ if triton is not None:
             tl.store(count_ptr + split, total.to(tl.int64))
 
     @triton.jit
-    def _moments_to_sums_kernel(mean_ptr, m2_ptr, count_ptr, sums_ptr, C, splits, BLOCK_C: tl.constexpr):
-        """[S1_r, S2_r, n_r] (2C + 1, float64) from the splits' (mean, M2, count): S1 = n m, S2 = M2 + n m^2."""
+    def _moments_to_sums_kernel(mean_ptr, m2_ptr, count_ptr, sums_ptr, C, splits, BLOCK_C: tl.constexpr,
+                                BLOCK_S: tl.constexpr):
+        """[S1_r, S2_r, n_r] (2C + 1, float64) from the splits' (mean, M2, count): S1 = n m, S2 = M2 + n m^2,
+        BLOCK_S splits at a time."""
         channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = channels < C
         s1 = tl.zeros([BLOCK_C], tl.float64)
         s2 = tl.zeros([BLOCK_C], tl.float64)
-        total = tl.zeros([BLOCK_C], tl.float64)
-        for split in range(0, splits):
-            n = tl.load(count_ptr + split).to(tl.float64)
-            mean = tl.load(mean_ptr + split * C + channels, mask=cmask, other=0.0).to(tl.float64)
-            m2 = tl.load(m2_ptr + split * C + channels, mask=cmask, other=0.0).to(tl.float64)
-            s1 += n * mean
-            s2 += m2 + n * mean * mean
-            total += n
+        total = tl.zeros([BLOCK_S], tl.int64)
+        for first in range(0, splits, BLOCK_S):
+            split = first + tl.arange(0, BLOCK_S)
+            smask = split < splits
+            mask = smask[:, None] & cmask[None, :]
+            count = tl.load(count_ptr + split, mask=smask, other=0)
+            n = count.to(tl.float64)[:, None]
+            offsets = split[:, None] * C + channels[None, :]
+            mean = tl.load(mean_ptr + offsets, mask=mask, other=0.0).to(tl.float64)
+            m2 = tl.load(m2_ptr + offsets, mask=mask, other=0.0).to(tl.float64)
+            s1 += tl.sum(n * mean, 0)
+            s2 += tl.sum(m2 + n * mean * mean, 0)
+            total += count
         tl.store(sums_ptr + channels, s1, mask=cmask)
         tl.store(sums_ptr + C + channels, s2, mask=cmask)
-        tl.store(sums_ptr + 2 * C + channels, total, mask=cmask & (channels == 0))
+        if tl.program_id(0) == 0:
+            tl.store(sums_ptr + 2 * C, tl.sum(total, 0).to(tl.float64))
 
     @triton.jit
     def _normalize_kernel(x_ptr, y_ptr, sums_ptr, weight_ptr, bias_ptr, mean_ptr, invstd_ptr, running_mean_ptr,
@@ -384,16 +393,20 @@ if triton is not None:
         tl.store(partial_ptr + (split * 2 + 1) * C + channels, sum_dy_xhat, mask=cmask)
 
     @triton.jit
-    def _grad_sums_total_kernel(partial_ptr, sums_ptr, local_ptr, C, splits, BLOCK_C: tl.constexpr):
-        """[sum g, sum g xhat] over the splits (float64 adds, stored float32): one copy for the all_reduce, one
-        kept as this rank's affine gradients."""
+    def _grad_sums_total_kernel(partial_ptr, sums_ptr, local_ptr, C, splits, BLOCK_C: tl.constexpr,
+                                BLOCK_S: tl.constexpr):
+        """[sum g, sum g xhat] over the splits (float64 adds, BLOCK_S splits at a time; stored float32): one copy
+        for the all_reduce, one kept as this rank's affine gradients."""
         channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = channels < C
         sum_dy = tl.zeros([BLOCK_C], tl.float64)
         sum_dy_xhat = tl.zeros([BLOCK_C], tl.float64)
-        for split in range(0, splits):
-            sum_dy += tl.load(partial_ptr + split * 2 * C + channels, mask=cmask, other=0.0).to(tl.float64)
-            sum_dy_xhat += tl.load(partial_ptr + (split * 2 + 1) * C + channels, mask=cmask, other=0.0).to(tl.float64)
+        for first in range(0, splits, BLOCK_S):
+            split = first + tl.arange(0, BLOCK_S)
+            mask = (split < splits)[:, None] & cmask[None, :]
+            offsets = split[:, None] * 2 * C + channels[None, :]
+            sum_dy += tl.sum(tl.load(partial_ptr + offsets, mask=mask, other=0.0).to(tl.float64), 0)
+            sum_dy_xhat += tl.sum(tl.load(partial_ptr + offsets + C, mask=mask, other=0.0).to(tl.float64), 0)
         tl.store(sums_ptr + channels, sum_dy.to(tl.float32), mask=cmask)
         tl.store(sums_ptr + C + channels, sum_dy_xhat.to(tl.float32), mask=cmask)
         tl.store(local_ptr + channels, sum_dy.to(tl.float32), mask=cmask)
@@ -437,7 +450,7 @@ def kernel_local_sums(x: torch.Tensor) -> torch.Tensor:
     counts = x.new_empty(tiles.splits, dtype=torch.int64)
     _moments_kernel[tiles.grid](x, mean, m2, counts, *tiles.args(), **tiles.blocks)
     _moments_to_sums_kernel[(tiles.channel_blocks,)](mean, m2, counts, sums, tiles.channels, tiles.splits,
-                                                      BLOCK_C=tiles.block_c)
+                                                      BLOCK_C=tiles.block_c, BLOCK_S=_SPLITS_AT_ONCE)
     return sums
 
 
@@ -483,7 +496,7 @@ def kernel_grad_sums(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     partial = x.new_empty((tiles.splits, 2, tiles.channels), dtype=torch.float32)
     _grad_sums_kernel[tiles.grid](grad_output, x, mean, invstd, partial, *tiles.args(), **tiles.blocks)
     _grad_sums_total_kernel[(tiles.channel_blocks,)](partial, sums, local, tiles.channels, tiles.splits,
-                                                      BLOCK_C=tiles.block_c)
+                                                      BLOCK_C=tiles.block_c, BLOCK_S=_SPLITS_AT_ONCE)
     return sums, local
 
 

@@ -700,8 +700,8 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
                            MOMENTUM_TENSOR=affine, **blocks)
     compile_kernel(syncbn._normalize_kernel, "*bf16", HAS_WEIGHT=False, HAS_RUNNING=False, MOMENTUM_TENSOR=False,
                    BLOCK_R=1024, BLOCK_C=4)
-    compile_kernel(syncbn._moments_to_sums_kernel, None, BLOCK_C=64)
-    compile_kernel(syncbn._grad_sums_total_kernel, None, BLOCK_C=64)
+    compile_kernel(syncbn._moments_to_sums_kernel, None, BLOCK_C=64, BLOCK_S=16)
+    compile_kernel(syncbn._grad_sums_total_kernel, None, BLOCK_C=64, BLOCK_S=16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
