@@ -10,23 +10,27 @@ invstd = 1 / sqrt(var + eps), xhat = (x - mu) * invstd, y = w * xhat + b (w = 1,
 
 Forward: stable statistics with one collective
 ----------------------------------------------
-Each rank takes its own mean m_r and sum of squared deviations M2_r = sum_i (x_ri - m_r)^2, both stable
-(no cancellation: deviations are taken from the rank's own mean, never x^2 summed and a square subtracted).
-Sums of values can be added across ranks, means and M2s cannot, so each rank turns its pair into sums, in
-float64 on C-sized vectors only:
+Sums of x and x^2 can be added across ranks, but summed as they are, in float32, E[x^2] - E[x]^2 cancels
+catastrophically when |mean| >> std: for 1000 + N(0, 1), E[x^2] ~ 1e6 carries a rounding error near 0.1, ten
+percent of the variance. So each rank sums its values shifted by k, one value of each channel (its first
+sample's first position: a typical value, so x - k is of the size of the spread, not of the mean), in float32:
 
-    S1_r = n_r m_r,    S2_r = M2_r + n_r m_r^2        (the sum of x and of x^2 over rank r's values)
+    s_r = sum_i (x_ri - k),    q_r = sum_i (x_ri - k)^2
 
-and one all_reduce(SUM) of one buffer [S1 (C values), S2 (C values), n_r] gives every rank (S1, S2, N):
+and rebuilds the plain sums in float64, on C-sized vectors only:
+
+    S1_r = n_r k + s_r,    S2_r = q_r + k (2 s_r + n_r k)        (= sum x, sum x^2 over rank r's values)
+
+One all_reduce(SUM) of one buffer [S1 (C values), S2 (C values), n_r] gives every rank (S1, S2, N):
 
     mu = S1 / N,    var = S2 / N - mu^2    (float64),    unbiased var = var * N / (N - 1)
 
-The subtraction cancels, but in float64 and harmlessly: with one rank it returns M2_r / n_r up to a few units
-of 2^-53 * mu^2 (m_r is a float32, so m_r^2 is exact in float64); with several it adds the spread of the m_r
-around mu, which is the between-rank part of the variance, again up to 2^-53 * mu^2. For 1000 + N(0, 1)
-that is about 1e-10 of the variance; the float32 formula E[x^2] - E[x]^2 on the same data is off by more
-than the variance itself. The buffer holds 2C + 1 numbers, the fewest that carry the statistics; the counts
-travel in it, so per-rank batch sizes may differ and may be 0 (a rank with no values adds zeros).
+That subtraction cancels too, but in float64 and harmlessly: k is a float32 (or narrower) value, so k^2 is exact
+in float64, and the float64 adds lose a few units of 2^-53 * mu^2, about 1e-10 of the variance for 1000 + N(0, 1).
+The float32 sums are of shifted values, so their rounding is relative to the spread, not to the mean. (k is per
+rank and never needs to agree: each rank's S1, S2 are plain sums.) The buffer holds 2C + 1 numbers, the fewest
+that carry the statistics; the counts travel in it, so per-rank batch sizes may differ and may be 0 (a rank
+with no values adds zeros).
 
 Backward, derived by hand (one collective)
 ------------------------------------------
@@ -49,7 +53,7 @@ BatchNorm is bound by memory traffic: the arithmetic per value is a handful of f
 of times the activation crosses memory. Two implementations of the math above, chosen per call:
 
 - Fused kernels (CUDA; Triton, which PyTorch's CUDA wheel ships), six launches per forward + backward:
-    forward   1. per-channel (mean, M2) of tiles, merged inside each program (Chan's rule, float32) - 1 read
+    forward   1. per-channel s = sum(x - k), q = sum((x - k)^2) of each split, float32 - 1 read
               2. the splits' partials -> [S1, S2, n_r] in float64                    - C-sized
               -- all_reduce --
               3. mu, invstd (float64 from the sums) and y = (x - mu) * invstd * w + b in one pass, running
@@ -65,12 +69,9 @@ of times the activation crosses memory. Two implementations of the math above, c
   layout: channels-last (and 2-D (N, C)) as rows of C, contiguous as N planes of C x L; any other strides are
   made contiguous first. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (numpy; slow), which is
   how the tests check them on a machine without a GPU.
-- PyTorch operations (the CPU, float64, and CUDA without Triton). Each rank shifts its values by k, one value
-  of each channel (x[0, :, 0, ...]: a typical value, so x - k is of the size of the spread), and writes
-  x - k once; everything else reads it:
-    forward   sum(x - k) and sum((x - k)^2) per channel (reductions: no temporary), turned into [S1, S2, n_r]
-              in float64 as S1 = n k + sum(x - k), S2 = sum((x - k)^2) + k (2 sum(x - k) + n k): the float32
-              sums are of shifted values, so nothing cancels in float32;
+- PyTorch operations (the CPU, float64, and CUDA without Triton). Each rank writes x - k once; everything
+  else reads it:
+    forward   s and q per channel (reductions: no temporary), turned into [S1, S2, n_r] in float64;
               -- all_reduce --
               y = (x - k) scale - (offset scale - b), offset = mu - k, scale = invstd w: one addcmul
     backward  sum(g) and sum(g (x - k)) per channel, the second a dot product taken a block of samples
@@ -266,65 +267,51 @@ if triton is not None:
         rmask = row < rows
         offsets = (plane.to(tl.int64) * plane_stride + row[:, None].to(tl.int64) * row_stride
                    + channels[None, :].to(tl.int64) * channel_stride)
-        return offsets, rmask[:, None] & cmask[None, :], tl.sum(rmask.to(tl.int32), 0)
+        return offsets, rmask[:, None] & cmask[None, :]
 
     @triton.jit
-    def _moments_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, rows, row_blocks, units, units_per_split,
-                        plane_stride, row_stride, channel_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Per split and channel: (mean, M2) of the split's values, tile by tile (two-pass inside a tile, Chan's
-        merge across tiles, float32); the split's count, once per split."""
+    def _shifted_sums_kernel(x_ptr, partial_ptr, C, rows, row_blocks, units, units_per_split, plane_stride,
+                             row_stride, channel_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Per split and channel: sum(x - k) and sum((x - k)^2) of the split's values, in float32, with k each
+        channel's first value (the same k in every program). partial: [splits, 2, C]."""
         split = tl.program_id(1)
         channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = channels < C
-        count = tl.zeros([BLOCK_C], tl.float32)
-        mean = tl.zeros([BLOCK_C], tl.float32)
-        m2 = tl.zeros([BLOCK_C], tl.float32)
-        total = 0
+        shift = tl.load(x_ptr + channels.to(tl.int64) * channel_stride, mask=cmask, other=0.0).to(tl.float32)
+        shifted_sum = tl.zeros([BLOCK_C], tl.float32)
+        shifted_squares = tl.zeros([BLOCK_C], tl.float32)
         for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
-            offsets, mask, valid_rows = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
-                                              channel_stride, BLOCK_R)
+            offsets, mask = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
+                                  channel_stride, BLOCK_R)
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            tile_count = valid_rows.to(tl.float32)
-            tile_mean = tl.sum(x, 0) / tile_count
-            deviation = tl.where(mask, x - tile_mean[None, :], 0.0)
-            tile_m2 = tl.sum(deviation * deviation, 0)
-            merged = count + tile_count
-            delta = tile_mean - mean
-            mean += delta * (tile_count / merged)
-            m2 += tile_m2 + delta * delta * (count * tile_count / merged)
-            count = merged
-            total += valid_rows
-        tl.store(mean_ptr + split * C + channels, mean, mask=cmask)
-        tl.store(m2_ptr + split * C + channels, m2, mask=cmask)
-        if tl.program_id(0) == 0:
-            tl.store(count_ptr + split, total.to(tl.int64))
+            shifted = tl.where(mask, x - shift[None, :], 0.0)
+            shifted_sum += tl.sum(shifted, 0)
+            shifted_squares += tl.sum(shifted * shifted, 0)
+        tl.store(partial_ptr + split * 2 * C + channels, shifted_sum, mask=cmask)
+        tl.store(partial_ptr + (split * 2 + 1) * C + channels, shifted_squares, mask=cmask)
 
     @triton.jit
-    def _moments_to_sums_kernel(mean_ptr, m2_ptr, count_ptr, sums_ptr, C, splits, BLOCK_C: tl.constexpr,
-                                BLOCK_S: tl.constexpr):
-        """[S1_r, S2_r, n_r] (2C + 1, float64) from the splits' (mean, M2, count): S1 = n m, S2 = M2 + n m^2,
-        BLOCK_S splits at a time."""
+    def _local_sums_kernel(x_ptr, partial_ptr, sums_ptr, C, count, splits, channel_stride, BLOCK_C: tl.constexpr,
+                           BLOCK_S: tl.constexpr):
+        """[S1_r, S2_r, n_r] (2C + 1, float64) from the splits' shifted sums, BLOCK_S splits at a time:
+        S1 = n k + sum(x - k), S2 = sum((x - k)^2) + k (2 sum(x - k) + n k)."""
         channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = channels < C
-        s1 = tl.zeros([BLOCK_C], tl.float64)
-        s2 = tl.zeros([BLOCK_C], tl.float64)
-        total = tl.zeros([BLOCK_S], tl.int64)
+        shift = tl.load(x_ptr + channels.to(tl.int64) * channel_stride, mask=cmask, other=0.0).to(tl.float64)
+        shifted_sum = tl.zeros([BLOCK_C], tl.float64)
+        shifted_squares = tl.zeros([BLOCK_C], tl.float64)
         for first in range(0, splits, BLOCK_S):
             split = first + tl.arange(0, BLOCK_S)
-            smask = split < splits
-            mask = smask[:, None] & cmask[None, :]
-            count = tl.load(count_ptr + split, mask=smask, other=0)
-            n = count.to(tl.float64)[:, None]
-            offsets = split[:, None] * C + channels[None, :]
-            mean = tl.load(mean_ptr + offsets, mask=mask, other=0.0).to(tl.float64)
-            m2 = tl.load(m2_ptr + offsets, mask=mask, other=0.0).to(tl.float64)
-            s1 += tl.sum(n * mean, 0)
-            s2 += tl.sum(m2 + n * mean * mean, 0)
-            total += count
-        tl.store(sums_ptr + channels, s1, mask=cmask)
-        tl.store(sums_ptr + C + channels, s2, mask=cmask)
+            mask = (split < splits)[:, None] & cmask[None, :]
+            offsets = split[:, None] * 2 * C + channels[None, :]
+            shifted_sum += tl.sum(tl.load(partial_ptr + offsets, mask=mask, other=0.0).to(tl.float64), 0)
+            shifted_squares += tl.sum(tl.load(partial_ptr + offsets + C, mask=mask, other=0.0).to(tl.float64), 0)
+        n = count.to(tl.float64)
+        sum_x = shifted_sum + n * shift
+        tl.store(sums_ptr + channels, sum_x, mask=cmask)
+        tl.store(sums_ptr + C + channels, shifted_squares + shift * (sum_x + shifted_sum), mask=cmask)
         if tl.program_id(0) == 0:
-            tl.store(sums_ptr + 2 * C, tl.sum(total, 0).to(tl.float64))
+            tl.store(sums_ptr + 2 * C, n)
 
     @triton.jit
     def _normalize_kernel(x_ptr, y_ptr, sums_ptr, weight_ptr, bias_ptr, mean_ptr, invstd_ptr, running_mean_ptr,
@@ -363,8 +350,8 @@ if triton is not None:
                 tl.store(running_var_ptr + channels, (running_var + factor * (unbiased - running_var)).to(tl.float32),
                          mask=cmask)
         for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
-            offsets, mask, _ = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
-                                     channel_stride, BLOCK_R)
+            offsets, mask = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
+                                  channel_stride, BLOCK_R)
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             y = (x - mean[None, :]) * scale[None, :] + shift[None, :]  # centred first: no cancellation
             tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -382,8 +369,8 @@ if triton is not None:
         sum_dy = tl.zeros([BLOCK_C], tl.float32)
         sum_dy_xhat = tl.zeros([BLOCK_C], tl.float32)
         for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
-            offsets, mask, _ = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
-                                     channel_stride, BLOCK_R)
+            offsets, mask = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
+                                  channel_stride, BLOCK_R)
             dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             xhat = (x - mean[None, :]) * invstd[None, :]
@@ -429,8 +416,8 @@ if triton is not None:
         if HAS_WEIGHT:
             scale = invstd * tl.load(weight_ptr + channels, mask=cmask, other=1.0)
         for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
-            offsets, mask, _ = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
-                                     channel_stride, BLOCK_R)
+            offsets, mask = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
+                                  channel_stride, BLOCK_R)
             dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             xhat = (x - mean[None, :]) * invstd[None, :]
@@ -445,12 +432,11 @@ def kernel_local_sums(x: torch.Tensor) -> torch.Tensor:
     sums = x.new_zeros(2 * tiles.channels + 1, dtype=torch.float64)
     if tiles.splits == 0:
         return sums
-    mean = x.new_empty((tiles.splits, tiles.channels), dtype=torch.float32)
-    m2 = torch.empty_like(mean)
-    counts = x.new_empty(tiles.splits, dtype=torch.int64)
-    _moments_kernel[tiles.grid](x, mean, m2, counts, *tiles.args(), **tiles.blocks)
-    _moments_to_sums_kernel[(tiles.channel_blocks,)](mean, m2, counts, sums, tiles.channels, tiles.splits,
-                                                      BLOCK_C=tiles.block_c, BLOCK_S=_SPLITS_AT_ONCE)
+    partial = x.new_empty((tiles.splits, 2, tiles.channels), dtype=torch.float32)
+    _shifted_sums_kernel[tiles.grid](x, partial, *tiles.args(), **tiles.blocks)
+    _local_sums_kernel[(tiles.channel_blocks,)](x, partial, sums, tiles.channels, x.numel() // tiles.channels,
+                                                tiles.splits, tiles.channel_stride, BLOCK_C=tiles.block_c,
+                                                BLOCK_S=_SPLITS_AT_ONCE)
     return sums
 
 

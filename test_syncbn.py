@@ -671,7 +671,7 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     tiles = {"C": "i32", "rows": "i32", "row_blocks": "i32", "units": "i32", "units_per_split": "i32",
              "plane_stride": "i32", "row_stride": "i32", "channel_stride": "i32", "splits": "i32",
-             "momentum": "fp32", "eps": "fp32", "count_ptr": "*i64", "sums_ptr": "*fp64", "stat_sums_ptr": "*fp64"}
+             "momentum": "fp32", "eps": "fp32", "count": "i32", "sums_ptr": "*fp64", "stat_sums_ptr": "*fp64"}
 
     def compile_kernel(kernel, activation_dtype, **constexprs):
         signature = {}
@@ -692,7 +692,7 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     import triton
     blocks = {"BLOCK_R": 64, "BLOCK_C": 64}
     for activation_dtype in ("*fp32", "*bf16", "*fp16"):
-        compile_kernel(syncbn._moments_kernel, activation_dtype, **blocks)
+        compile_kernel(syncbn._shifted_sums_kernel, activation_dtype, **blocks)
         compile_kernel(syncbn._grad_sums_kernel, activation_dtype, **blocks)
         for affine in (True, False):
             compile_kernel(syncbn._grad_input_kernel, activation_dtype, HAS_WEIGHT=affine, **blocks)
@@ -700,7 +700,7 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
                            MOMENTUM_TENSOR=affine, **blocks)
     compile_kernel(syncbn._normalize_kernel, "*bf16", HAS_WEIGHT=False, HAS_RUNNING=False, MOMENTUM_TENSOR=False,
                    BLOCK_R=1024, BLOCK_C=4)
-    compile_kernel(syncbn._moments_to_sums_kernel, None, BLOCK_C=64, BLOCK_S=16)
+    compile_kernel(syncbn._local_sums_kernel, "*fp32", BLOCK_C=64, BLOCK_S=16)
     compile_kernel(syncbn._grad_sums_total_kernel, None, BLOCK_C=64, BLOCK_S=16)
 
 
