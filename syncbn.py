@@ -181,7 +181,7 @@ def _channel_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """sum(a * b) over everything but dim 1, per channel, in float32 or wider, a block of samples at a time: each
     block's product (at most CACHED_VALUES values, or one sample) is summed while it is still in the cache."""
     reduce_dims = [0, *range(2, a.dim())]
-    block = max(CACHED_VALUES // max(a[0].numel(), 1), 1) if a.shape[0] else 1
+    block = max(CACHED_VALUES // max(a.numel() // a.shape[0], 1), 1) if a.shape[0] else 1
     if a.shape[0] <= block and a.dtype in (torch.float32, torch.float64):  # one block: the activation itself
         return (a * b).sum(reduce_dims)
     total = None
