@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 2 bn_benchmark.py [--device cpu|cuda] [--json results/bn-<machine>.json]
     torchrun --nproc_per_node 1 bn_benchmark.py --shapes resnet50 --device cuda [--batch 128] [--dtype bf16]
 
-``--shapes grid`` (the default), the assignment's grid: for hid_dim in {128, 256, 512, 1024} x per-rank batch in {32, 64}: an (batch, hid_dim) float32 input, one
-forward and one backward (with a fixed random output gradient) per timed call. Time: the median over many calls
+``--shapes grid`` (the default), the assignment's grid: for hid_dim in {128, 256, 512, 1024} x per-rank batch
+in {32, 64}: an (batch, hid_dim) float32 input, one forward and one backward (with a fixed random output
+gradient) per timed call. Time: the median over many calls
 (each started after a barrier, see utils.time_calls_ms), then the max across ranks. The two implementations
 are timed in alternating rounds, so a burst of load from elsewhere on the machine hits both alike.
 

@@ -345,10 +345,10 @@ if triton is not None:
                 unbiased = var64 * (n / (n - 1.0))
                 running_mean = tl.load(running_mean_ptr + channels, mask=cmask, other=0.0).to(tl.float64)
                 running_var = tl.load(running_var_ptr + channels, mask=cmask, other=0.0).to(tl.float64)
-                tl.store(running_mean_ptr + channels, (running_mean + factor * (mean64 - running_mean)).to(tl.float32),
-                         mask=cmask)
-                tl.store(running_var_ptr + channels, (running_var + factor * (unbiased - running_var)).to(tl.float32),
-                         mask=cmask)
+                running_mean += factor * (mean64 - running_mean)
+                running_var += factor * (unbiased - running_var)
+                tl.store(running_mean_ptr + channels, running_mean.to(tl.float32), mask=cmask)
+                tl.store(running_var_ptr + channels, running_var.to(tl.float32), mask=cmask)
         for unit in range(split * units_per_split, tl.minimum((split + 1) * units_per_split, units)):
             offsets, mask = _tile(unit, channels, cmask, rows, row_blocks, plane_stride, row_stride,
                                   channel_stride, BLOCK_R)
@@ -360,7 +360,8 @@ if triton is not None:
     def _grad_sums_kernel(dy_ptr, x_ptr, mean_ptr, invstd_ptr, partial_ptr, C, rows, row_blocks, units,
                           units_per_split, plane_stride, row_stride, channel_stride, BLOCK_R: tl.constexpr,
                           BLOCK_C: tl.constexpr):
-        """Per split and channel: sum(g) and sum(g xhat), xhat recomputed from x (float32). partial: [splits, 2, C]."""
+        """Per split and channel: sum(g) and sum(g xhat), xhat recomputed from x (float32).
+        partial: [splits, 2, C]."""
         split = tl.program_id(1)
         channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = channels < C
@@ -580,10 +581,14 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
         stat_dtype = torch.promote_types(input.dtype, torch.float32)
         offset, invstd = (mean - shift).to(stat_dtype), var.add_(eps).rsqrt_().to(stat_dtype)
         scale = invstd if weight is None else invstd * weight
-        constant = torch.mul(offset, scale).neg_() if bias is None else torch.addcmul(bias, offset, scale, value=-1)
+        if bias is None:
+            constant = torch.mul(offset, scale).neg_()
+        else:
+            constant = torch.addcmul(bias, offset, scale, value=-1)
         output = torch.addcmul(*_per_channel(input, constant), shifted, *_per_channel(input, scale))
         shifted = shifted.to(input.dtype)  # kept for backward in the input's dtype (float32 above for fp16/bf16)
-        ctx.save_for_backward(shifted, offset, invstd, scale, weight, count if isinstance(count, torch.Tensor) else None)
+        count_tensor = count if isinstance(count, torch.Tensor) else None
+        ctx.save_for_backward(shifted, offset, invstd, scale, weight, count_tensor)
         ctx.count = count
         return output.to(input.dtype)
 

@@ -301,7 +301,8 @@ def test_uneven_batches_zero_size_rank_and_affine_grads_are_local(groups, ndim, 
     summed_weight_grad = sum(r["weight_grad"] for r in results)
     param_error = max(param_error, (summed_weight_grad - reference.weight.grad).abs().max().item())
     layout = "channels_last" if channels_last else "contiguous"
-    record(f"test_uneven_batches[{path(groups)}-{ndim}d-{layout}]", output=output_error, input_grad=grad_error, affine_grad=param_error,
+    record(f"test_uneven_batches[{path(groups)}-{ndim}d-{layout}]", output=output_error, input_grad=grad_error,
+           affine_grad=param_error,
            running_stats=stats_error)
     assert output_error <= 1e-5 and grad_error <= 1e-5 and param_error <= 1e-4 and stats_error <= 1e-6
     assert all(torch.equal(r["state"]["running_var"], results[0]["state"]["running_var"]) for r in results)
@@ -331,7 +332,8 @@ def test_large_offset_matches_float64_reference(groups):
     y_local = syncbn.SyncBatchNorm(64)(x_local)
     y_local.backward(global_batch(sizes, tail_shape, seed + 1))
     local_error = max((y_local.double() - y64).abs().max().item(), (x_local.grad.double() - x64.grad).abs().max().item())
-    record(f"test_large_offset[{path(groups)}]", output=output_error, input_grad=grad_error, running_var_relative=var_rel_error,
+    record(f"test_large_offset[{path(groups)}]", output=output_error, input_grad=grad_error,
+           running_var_relative=var_rel_error,
            world_of_one=local_error, naive_fp32_formula=naive_error)
     assert naive_error > 1e-3
     assert output_error <= 1e-3 and grad_error <= 1e-3 and local_error <= 1e-3 and var_rel_error <= 1e-4
