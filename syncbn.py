@@ -211,7 +211,7 @@ class _Tiles:
     def __init__(self, x: torch.Tensor):
         num_channels = x.shape[1]
         self.channels = num_channels
-        if x.dim() == 2 or (x.stride(1) == 1 and x.movedim(1, -1).is_contiguous()):
+        if x.movedim(1, -1).is_contiguous():  # channels-last, or 2-D (N, C)
             self.planes, self.rows = 1, x.numel() // max(num_channels, 1)
             self.plane_stride, self.row_stride, self.channel_stride = 0, num_channels, 1
             block_c = min(triton.next_power_of_2(num_channels), 64)
@@ -521,8 +521,8 @@ def _uses_kernels(input, weight, running_mean) -> bool:
 
 
 def _in_kernel_layout(x: torch.Tensor) -> torch.Tensor:
-    """x itself if it is contiguous, channels-last or 2-D dense; else a contiguous copy."""
-    if x.is_contiguous() or x.dim() == 2 or x.movedim(1, -1).is_contiguous():
+    """x itself if it is contiguous or channels-last; else a contiguous copy."""
+    if x.is_contiguous() or x.movedim(1, -1).is_contiguous():
         return x
     return x.contiguous()
 
