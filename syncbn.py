@@ -270,6 +270,20 @@ if triton is not None:
         return offsets, rmask[:, None] & cmask[None, :]
 
     @triton.jit
+    def _add_up_splits(partial_ptr, channels, cmask, C, splits, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Both rows of the splits' partials [splits, 2, C] added up over the splits in float64, BLOCK_S splits
+        at a time (a handful of steps, where one split per step would be hundreds of dependent loads)."""
+        first_sum = tl.zeros([BLOCK_C], tl.float64)
+        second_sum = tl.zeros([BLOCK_C], tl.float64)
+        for first in range(0, splits, BLOCK_S):
+            split = first + tl.arange(0, BLOCK_S)
+            mask = (split < splits)[:, None] & cmask[None, :]
+            offsets = split[:, None] * 2 * C + channels[None, :]
+            first_sum += tl.sum(tl.load(partial_ptr + offsets, mask=mask, other=0.0).to(tl.float64), 0)
+            second_sum += tl.sum(tl.load(partial_ptr + offsets + C, mask=mask, other=0.0).to(tl.float64), 0)
+        return first_sum, second_sum
+
+    @triton.jit
     def _shifted_sums_kernel(x_ptr, partial_ptr, C, rows, row_blocks, units, units_per_split, plane_stride,
                              row_stride, channel_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """Per split and channel: sum(x - k) and sum((x - k)^2) of the split's values, in float32, with k each
@@ -298,14 +312,7 @@ if triton is not None:
         channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = channels < C
         shift = tl.load(x_ptr + channels.to(tl.int64) * channel_stride, mask=cmask, other=0.0).to(tl.float64)
-        shifted_sum = tl.zeros([BLOCK_C], tl.float64)
-        shifted_squares = tl.zeros([BLOCK_C], tl.float64)
-        for first in range(0, splits, BLOCK_S):
-            split = first + tl.arange(0, BLOCK_S)
-            mask = (split < splits)[:, None] & cmask[None, :]
-            offsets = split[:, None] * 2 * C + channels[None, :]
-            shifted_sum += tl.sum(tl.load(partial_ptr + offsets, mask=mask, other=0.0).to(tl.float64), 0)
-            shifted_squares += tl.sum(tl.load(partial_ptr + offsets + C, mask=mask, other=0.0).to(tl.float64), 0)
+        shifted_sum, shifted_squares = _add_up_splits(partial_ptr, channels, cmask, C, splits, BLOCK_C, BLOCK_S)
         n = count.to(tl.float64)
         sum_x = shifted_sum + n * shift
         tl.store(sums_ptr + channels, sum_x, mask=cmask)
@@ -387,14 +394,7 @@ if triton is not None:
         for the all_reduce, one kept as this rank's affine gradients."""
         channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = channels < C
-        sum_dy = tl.zeros([BLOCK_C], tl.float64)
-        sum_dy_xhat = tl.zeros([BLOCK_C], tl.float64)
-        for first in range(0, splits, BLOCK_S):
-            split = first + tl.arange(0, BLOCK_S)
-            mask = (split < splits)[:, None] & cmask[None, :]
-            offsets = split[:, None] * 2 * C + channels[None, :]
-            sum_dy += tl.sum(tl.load(partial_ptr + offsets, mask=mask, other=0.0).to(tl.float64), 0)
-            sum_dy_xhat += tl.sum(tl.load(partial_ptr + offsets + C, mask=mask, other=0.0).to(tl.float64), 0)
+        sum_dy, sum_dy_xhat = _add_up_splits(partial_ptr, channels, cmask, C, splits, BLOCK_C, BLOCK_S)
         tl.store(sums_ptr + channels, sum_dy.to(tl.float32), mask=cmask)
         tl.store(sums_ptr + C + channels, sum_dy_xhat.to(tl.float32), mask=cmask)
         tl.store(local_ptr + channels, sum_dy.to(tl.float32), mask=cmask)
