@@ -304,7 +304,7 @@ if triton is not None:
         tl.store(partial_ptr + split * 2 * C + channels, shifted_sum, mask=cmask)
         tl.store(partial_ptr + (split * 2 + 1) * C + channels, shifted_squares, mask=cmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["count"])  # a count of 1 would become a constant, without .to()
     def _local_sums_kernel(x_ptr, partial_ptr, sums_ptr, C, count, splits, channel_stride, BLOCK_C: tl.constexpr,
                            BLOCK_S: tl.constexpr):
         """[S1_r, S2_r, n_r] (2C + 1, float64) from the splits' shifted sums, BLOCK_S splits at a time:

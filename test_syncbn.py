@@ -690,6 +690,13 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
                 signature[name] = tiles.get(name, "*fp32")
         if kernel is syncbn._grad_sums_total_kernel:
             signature["sums_ptr"] = "*fp32"
+        # Triton's JIT turns an integer argument equal to 1 into a constant (C = 1, a split of one unit, ...):
+        # compile each kernel that way too, every such argument at once, but those it keeps from that.
+        if constexprs.pop("ones", False):
+            keep = {param.name for param in kernel.params if param.do_not_specialize}
+            for name, kind in signature.items():
+                if kind == "i32" and name not in keep:
+                    signature[name], constexprs[name] = "constexpr", 1
         warps = 8 if "BLOCK_R" in constexprs else 4  # as syncbn launches them
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -697,7 +704,15 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
     import triton
     blocks = {"BLOCK_R": 64, "BLOCK_C": 64}
-    for activation_dtype in ("*fp32", "*bf16", "*fp16"):
+    for ones in (False, True):
+        compile_kernel(syncbn._shifted_sums_kernel, "*bf16", ones=ones, **blocks)
+        compile_kernel(syncbn._grad_sums_kernel, "*bf16", ones=ones, **blocks)
+        compile_kernel(syncbn._grad_input_kernel, "*bf16", HAS_WEIGHT=True, ones=ones, **blocks)
+        compile_kernel(syncbn._normalize_kernel, "*bf16", HAS_WEIGHT=True, HAS_RUNNING=True, MOMENTUM_TENSOR=True,
+                       ones=ones, **blocks)
+        compile_kernel(syncbn._local_sums_kernel, "*fp32", BLOCK_C=64, BLOCK_S=16, ones=ones)
+        compile_kernel(syncbn._grad_sums_total_kernel, None, BLOCK_C=64, BLOCK_S=16, ones=ones)
+    for activation_dtype in ("*fp32", "*fp16"):
         compile_kernel(syncbn._shifted_sums_kernel, activation_dtype, **blocks)
         compile_kernel(syncbn._grad_sums_kernel, activation_dtype, **blocks)
         for affine in (True, False):
@@ -706,8 +721,6 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
                            MOMENTUM_TENSOR=affine, **blocks)
     compile_kernel(syncbn._normalize_kernel, "*bf16", HAS_WEIGHT=False, HAS_RUNNING=False, MOMENTUM_TENSOR=False,
                    BLOCK_R=1024, BLOCK_C=4)
-    compile_kernel(syncbn._local_sums_kernel, "*fp32", BLOCK_C=64, BLOCK_S=16)
-    compile_kernel(syncbn._grad_sums_total_kernel, None, BLOCK_C=64, BLOCK_S=16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
