@@ -186,6 +186,7 @@ def main_trace(args: argparse.Namespace, argv) -> None:
                   "grad_accum": args.grad_accum, "bucket_mb": TRACE_BUCKET_MB, "max_steps": TRACE_STEPS}
         print(f"[{config['name']}] profiling steps {WARMUP_STEPS} to {TRACE_STEPS - 1} ...", file=sys.stderr,
               flush=True)
+        load_before = os.getloadavg()
         metrics = run_trainer(config, args, profile=True)
         path = os.path.join(HERE, "results", f"trace-{mode}-{machine_tag(args.device)}.json")
         write_json(path, {
@@ -194,7 +195,8 @@ def main_trace(args: argparse.Namespace, argv) -> None:
             "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
             "trainer_command": metrics["command"].replace(HERE + os.sep, ""),
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
-            "config": config, "nproc": args.nproc, "profiled_steps": [WARMUP_STEPS, TRACE_STEPS]})
+            "config": config, "nproc": args.nproc, "profiled_steps": [WARMUP_STEPS, TRACE_STEPS],
+            "load_average_before": load_before, "load_average_after": os.getloadavg()})
         print(f"wrote {os.path.relpath(path, HERE)}")
 
 
