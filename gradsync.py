@@ -18,7 +18,8 @@ so it still overlaps backward and never interleaves with SyncBatchNorm's collect
 
 Under torch.profiler (the trainer's --profile) each bucket's average is a range "allreduce bucket I (S)" that
 opens when the bucket is launched (inside backward, with overlap) and closes when the average has landed,
-whichever thread finishes it; waiting for them is "allreduce wait".
+whichever thread finishes it (over NCCL: once it is queued on its stream, which is when c10d's future completes;
+the kernel's time is in the trace's CUDA rows); waiting for them is "allreduce wait".
 """
 from __future__ import annotations
 
