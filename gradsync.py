@@ -131,7 +131,8 @@ class GradientSync:
             else:
                 flat.div_(self.world_size)
                 handle = dist.all_reduce(flat, async_op=True)
-            if span is not None:  # the range ends when the average lands, not when the launch returns
+            if span is not None:  # the range ends when the average lands, not when the launch returns:
+                # record_function's hand-over to a future (what torch.distributed.rpc's profiling uses)
                 span._call_end_callbacks_on_future(self._landed(handle))
         self.handles.append(handle)
         self.launched += 1
