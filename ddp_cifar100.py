@@ -46,6 +46,13 @@ torch.use_deterministic_algorithms (warn_only: ops without a deterministic CUDA 
 pooling's backward in the ResNets, warn instead of stopping, and break the claim where they warn), turns off
 cuDNN benchmarking and sets CUBLAS_WORKSPACE_CONFIG.
 
+Seeing inside a step: every --log-every N optimizer steps rank 0 writes the means of those steps (train/loss over
+its own samples, train/lr, train/step_ms, train/data_wait_ms, train/samples_per_s) to TensorBoard and the bar,
+reading the device's loss sum once per N steps. --profile DIR runs torch.profiler over --profile-steps A:B on
+every rank (DIR/rank<R>.pt.trace.json) with named ranges: micro-batch i/K (sync or no sync), forward, backward,
+gradsync.py's "allreduce bucket I (S)" and "allreduce wait", syncbn's collectives, optimizer step. Without
+--profile no profiler exists and no range is made.
+
 Fault injection, for tests of elastic restarts: DDP_CIFAR100_FAULT="RANK:STEP" makes that rank SIGKILL itself
 right after optimizer step STEP, but only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT
 unset or 0), so that the restarted group runs through.
@@ -62,6 +69,7 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -78,6 +86,7 @@ from models import TORCHVISION_RESNETS, build_model
 from utils import UsageError
 
 WARMUP_STEPS = 3  # optimizer steps left out of the step-time statistics (allocator and autograd warm-up)
+PROFILE_STEPS = f"{WARMUP_STEPS}:{WARMUP_STEPS + 3}"  # --profile's default window: 3 steps after the warm-up
 FAULT_ENV = "DDP_CIFAR100_FAULT"
 NORM_TORCH_ON_CPU = ("--norm torch (nn.SyncBatchNorm) needs CUDA: use --device cuda (with a GPU), or --norm custom "
                      "or --norm local on the CPU")
@@ -228,10 +237,13 @@ class EpochSums:
         return cls(*(torch.tensor(v, dtype=torch.float64, device=device) for v in values))
 
     @torch.no_grad()
-    def add(self, per_sample_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self.loss += per_sample_loss.detach().double().sum()
+    def add(self, per_sample_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Adds a micro-batch; returns its loss sum (float64, on the device)."""
+        loss = per_sample_loss.detach().double().sum()
+        self.loss += loss
         self.correct += (logits.argmax(1) == labels).sum()
         self.seen += len(labels)
+        return loss
 
     def gather(self, comm_device: torch.device) -> list[list[float]]:
         """Every rank's [loss, correct, seen]: what a checkpoint keeps, and what the epoch's figures sum."""
@@ -239,6 +251,31 @@ class EpochSums:
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         return [t.tolist() for t in everyone]
+
+
+@dataclass
+class RecentSteps:
+    """--log-every's window on rank 0: the optimizer steps since the last log. The loss is summed on the device
+    and read once per window, so logging adds no host-device sync per step."""
+    loss: torch.Tensor
+    samples: int = 0  # rank 0's samples in the window: the loss's denominator
+    global_samples: int = 0  # every rank's
+    steps: int = 0
+    lr: float = 0.0  # the last step's
+
+    def add_step(self, samples: int, world_size: int, lr: float) -> None:
+        self.samples, self.global_samples = self.samples + samples, self.global_samples + samples * world_size
+        self.steps, self.lr = self.steps + 1, lr
+
+    def figures(self, step_ms: list[float], data_wait_ms: list[float]) -> dict[str, float]:
+        """The window's means (the TensorBoard scalars train/<name>); reads the device's loss sum once."""
+        return {"loss": float(self.loss) / max(self.samples, 1), "lr": self.lr,
+                "step_ms": statistics.fmean(step_ms), "data_wait_ms": statistics.fmean(data_wait_ms),
+                "samples_per_s": self.global_samples / max(sum(step_ms) / 1e3, 1e-9)}
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.samples = self.global_samples = self.steps = 0
 
 
 @dataclass
@@ -261,6 +298,8 @@ class Run:
     writer: Any = None
     timer: utils.IntervalTimer = None  # type: ignore[assignment]
     data_wait_ms: list[float] = field(default_factory=list)  # per optimizer step, host time waiting for batches
+    recent: RecentSteps | None = None  # rank 0, when something shows --log-every's figures
+    profiler: Any = None  # torch.profiler.profile with --profile
 
     @property
     def device(self) -> torch.device:
@@ -314,11 +353,14 @@ def set_up(args: argparse.Namespace) -> Run:
     if ctx.rank == 0 and args.log_dir:
         from torch.utils.tensorboard import SummaryWriter  # slow to import; only when asked for
         writer = SummaryWriter(args.log_dir)
+    recent = None
+    if ctx.rank == 0 and (writer is not None or sys.stderr.isatty()):  # someone will see the figures
+        recent = RecentSteps(torch.zeros((), dtype=torch.float64, device=device))
     return Run(args, ctx, comm_device, data, model, forward, sync, optimizer, scheduler, scaler,
                {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp], steps_per_epoch,
                trajectory_config(args, ctx.world_size, schedule_steps, data),
                os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None, writer,
-               utils.IntervalTimer(device))
+               utils.IntervalTimer(device), recent=recent)
 
 
 def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
@@ -371,29 +413,39 @@ def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.T
     torch.manual_seed(derive_seed(args.seed, run.ctx.rank, position.optimizer_steps))  # dropout
     run.timer.start()
     waited = 0.0
-    for j in window:
+    for count, j in enumerate(window, 1):
         # next micro-batch (already being decoded by the loader's workers on the streaming path)
         start = time.perf_counter()
         images, labels = next(batches)
         waited += time.perf_counter() - start
         # forward and backward; the gradient average starts on the window's last micro-batch only
-        run.sync.prepare(sync=j == window[-1])
-        with torch.autocast(run.device.type, dtype=run.amp_dtype or torch.float32,
-                            enabled=run.amp_dtype is not None):
-            logits = run.forward(images)
-            per_sample = F.cross_entropy(logits.float() if run.amp_dtype else logits, labels, reduction="none")
-        run.scaler.scale(per_sample.sum() / window_samples).backward()
-        sums.add(per_sample, logits, labels)
+        sync = j == window[-1]
+        run.sync.prepare(sync=sync)
+        with utils.profiled(f"micro-batch {count}/{len(window)} ({'sync' if sync else 'no sync'})"):
+            with utils.profiled("forward"), torch.autocast(run.device.type, enabled=run.amp_dtype is not None,
+                                                           dtype=run.amp_dtype or torch.float32):
+                logits = run.forward(images)
+                per_sample = F.cross_entropy(logits.float() if run.amp_dtype else logits, labels,
+                                             reduction="none")
+            with utils.profiled("backward"):
+                run.scaler.scale(per_sample.sum() / window_samples).backward()
+        loss = sums.add(per_sample, logits, labels)
+        if run.recent is not None:
+            run.recent.loss += loss
     # wait for the average, then update
     run.sync.finish()
-    run.scaler.unscale_(run.optimizer)  # after the sync: every rank unscales (and inf-checks) the same gradients
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    if run.scheduler is not None:
-        run.scheduler.step()
-    run.sync.zero_grad()
+    lr = run.optimizer.param_groups[0]["lr"]  # this step's: the scheduler sets the next one's below
+    with utils.profiled("optimizer step"):
+        run.scaler.unscale_(run.optimizer)  # after the sync: every rank unscales (and inf-checks) the same grads
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        if run.scheduler is not None:
+            run.scheduler.step()
+        run.sync.zero_grad()
     run.timer.stop()
     run.data_wait_ms.append(waited * 1e3)
+    if run.recent is not None:
+        run.recent.add_step(window_samples, run.ctx.world_size, lr)
     position.optimizer_steps += 1
     position.micro_batches += len(window)
     position.micro_batch = window[-1] + 1
@@ -420,10 +472,12 @@ def train_epoch(run: Run, position: Position, history: list[dict[str, Any]], sum
         # one optimizer step
         samples += optimizer_step(run, position, batches, sizes, sums)
         steps += 1
-        # progress
+        # progress: the profiler's window, the bar and --log-every's figures
+        if run.profiler is not None:
+            run.profiler.step()
         bar.update(1)
-        if not bar.disable and bar.n % 10 == 0:
-            bar.set_postfix(loss=f"{float(sums.loss / sums.seen):.3f}")
+        if run.recent is not None and position.optimizer_steps % args.log_every == 0:
+            log_recent_steps(run, position.optimizer_steps, bar)
         # checkpoint inside the epoch (its end is checkpointed after evaluation)
         at_interval = args.checkpoint_every and position.optimizer_steps % args.checkpoint_every == 0
         if (stop_requested(args, position) or at_interval) and position.micro_batch < len(sizes):
@@ -436,6 +490,45 @@ def train_epoch(run: Run, position: Position, history: list[dict[str, Any]], sum
     bar.close()
     run.timer.collect()
     return steps, samples
+
+
+def log_recent_steps(run: Run, step: int, bar: tqdm) -> None:
+    """--log-every: rank 0's means over the steps since the last log, to TensorBoard and the bar."""
+    recent = run.recent
+    figures = recent.figures(run.timer.collect()[-recent.steps:], run.data_wait_ms[-recent.steps:])
+    if run.writer is not None:
+        for name, value in figures.items():
+            run.writer.add_scalar(f"train/{name}", value, step)
+    bar.set_postfix(loss=f"{figures['loss']:.3f}", lr=f"{figures['lr']:.3g}",
+                    step_ms=f"{figures['step_ms']:.1f}", wait_ms=f"{figures['data_wait_ms']:.1f}",
+                    samples_s=f"{figures['samples_per_s']:.0f}")
+    recent.reset()
+
+
+def start_profiler(run: Run, position: Position) -> Any:
+    """--profile: torch.profiler over this run's optimizer steps A..B-1 (--profile-steps) on every rank, written
+    as DIR/rank<R>.pt.trace.json (Chrome trace format) when the window closes or the run ends inside it."""
+    args = run.args
+    if args.profile is None:
+        return None
+    first, end = args.profile_steps
+    total = args.epochs * run.steps_per_epoch if not args.eval_only else 0
+    left = max(0, min(total, args.max_steps or total) - position.optimizer_steps)
+    if first >= left:
+        raise UsageError(f"--profile-steps {first}:{end} starts past this run's {left} optimizer steps")
+    os.makedirs(args.profile, exist_ok=True)
+    path = os.path.join(args.profile, f"rank{run.ctx.rank}.pt.trace.json")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if run.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    warmup = min(first, 1)  # a step recorded and dropped, so the profiler's own start-up stays out of the trace
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Profiler won't be using warmup")  # A = 0: no step before the window
+        schedule = torch.profiler.schedule(wait=first - warmup, warmup=warmup, active=end - first, repeat=1)
+    profiler = torch.profiler.profile(activities=activities, schedule=schedule,
+                                      on_trace_ready=lambda p: p.export_chrome_trace(path))
+    profiler.start()
+    return profiler
 
 
 def validate(run: Run) -> dict[str, Any]:
@@ -484,6 +577,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                      f"norm {args.norm}, {args.batch_size} x {args.grad_accum} x {run.ctx.world_size} samples "
                      f"per step, {run.steps_per_epoch} steps per epoch")
         utils.reset_peak_memory(run.device)
+        run.profiler = start_profiler(run, position)
         train_time, samples_trained, run_steps, final = 0.0, 0, 0, None
         while not args.eval_only and final is None and position.epoch < args.epochs \
                 and not stop_requested(args, position):
@@ -497,6 +591,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             # evaluate, log, checkpoint
             entry = end_epoch(run, position, history, sums, samples, epoch_time, epoch_start)
             final = entry if entry.get("complete") is False else None
+        if run.profiler is not None:  # a window that the run's end cut short is written now
+            run.profiler.stop()
+            run.profiler = None
         # the final figures: the last epoch's, or one evaluation when nothing was trained
         if run.writer is not None:
             run.writer.close()
@@ -509,6 +606,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                          f"{100 * val['val_acc5']:.2f}% ({val['val_correct']}/{val['val_total']})")
         metrics = summarize(run, position, history, final, trainable, train_time, samples_trained, wall_start)
     finally:
+        if run.profiler is not None:  # stopped by an error: leave no profiler running in this process
+            run.profiler.stop()
         run.data.close()
     if run.ctx.rank == 0 and args.metrics_out:
         utils.write_json(args.metrics_out, metrics)
@@ -594,12 +693,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--checkpoint-every", type=int, default=0, help="also checkpoint every N optimizer steps (0: epoch ends)")
     add("--eval-only", action="store_true", help="evaluate DIR/last.pt (or the fresh model) and exit")
     add("--log-dir", default=None, help="TensorBoard scalars from rank 0")
+    add("--log-every", type=int, default=10, metavar="N",
+        help="every N optimizer steps rank 0 shows train/loss (over its samples), train/lr, train/step_ms, "
+             "train/data_wait_ms and train/samples_per_s, means over those steps: TensorBoard and the bar")
+    add("--profile", default=None, metavar="DIR",
+        help="torch.profiler on every rank over --profile-steps: DIR/rank<R>.pt.trace.json, a Chrome trace "
+             "(ui.perfetto.dev, chrome://tracing) with named ranges for forward, backward, each bucket's "
+             "all-reduce, SyncBatchNorm's collectives and the optimizer step")
+    add("--profile-steps", default=None, metavar="A:B",
+        help=f"with --profile: this run's optimizer steps A to B-1, counted from 0 (default {PROFILE_STEPS}: "
+             f"after the warm-up)")
     add("--metrics-out", default=None, help="JSON summary from rank 0")
     add("--timeout", type=float, default=1800.0, help="seconds, for process-group set-up and collectives")
     args = parser.parse_args(argv)
     positive = {"--grad-accum": args.grad_accum, "--batch-size": args.batch_size, "--epochs": args.epochs,
                 "--train-size": args.train_size, "--val-size": args.val_size, "--lr": args.lr,
-                "--bucket-mb": args.bucket_mb, "--timeout": args.timeout}
+                "--bucket-mb": args.bucket_mb, "--timeout": args.timeout, "--log-every": args.log_every}
     for flag, value in positive.items():
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
@@ -613,7 +722,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--allreduce {args.allreduce} is for --grad-sync custom (DDP uses its own all-reduce)")
     if args.log_dir and importlib.util.find_spec("tensorboard") is None:  # every rank, before any collective
         raise UsageError("--log-dir needs the tensorboard package (pip install tensorboard)")
+    args.profile_steps = parse_profile_steps(args.profile_steps, args.profile)
     return resolve_data_flags(args)
+
+
+def parse_profile_steps(text: str | None, profile_dir: str | None) -> tuple[int, int]:
+    """--profile-steps A:B -> (A, B), 0 <= A < B."""
+    if text is not None and profile_dir is None:
+        raise UsageError("--profile-steps is for --profile DIR")
+    first, colon, end = (text or PROFILE_STEPS).partition(":")
+    try:
+        steps = int(first), int(end)
+    except ValueError:
+        steps = (-1, -1)
+    if not colon or not 0 <= steps[0] < steps[1]:
+        raise UsageError(f"--profile-steps takes A:B, optimizer steps with 0 <= A < B, got {text!r}")
+    return steps
 
 
 def resolve_data_flags(args: argparse.Namespace) -> argparse.Namespace:

@@ -15,6 +15,11 @@ caller's gradient scaler unscales the synchronized gradients. The K-1 other micr
 all. ``allreduce`` "ring" or "butterfly" hands each complete bucket instead to allreduce.py's own algorithm
 (which averages, so there is no division first), run by a thread of its own over a process group of its own,
 so it still overlaps backward and never interleaves with SyncBatchNorm's collectives on the default group.
+
+Under torch.profiler (the trainer's --profile) each bucket's average is a range "allreduce bucket I (S)" that
+opens when the bucket is launched (inside backward, with overlap) and closes when the average has landed,
+whichever thread finishes it (over NCCL: once it is queued on its stream, which is when c10d's future completes;
+the kernel's time is in the trace's CUDA rows); waiting for them is "allreduce wait".
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+
+import utils
 
 
 def gradient_view(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -42,6 +49,14 @@ def gradient_view(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             return piece.view_as(param)
         expected *= size
     return piece.as_strided(param.shape, param.stride())
+
+
+def size_text(nbytes: int) -> str:
+    """1234567 -> '1.2 MB', 20480 -> '20.5 kB', 400 -> '400 B' (decimal units, as profilers print them)."""
+    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 class GradientSync:
@@ -86,6 +101,8 @@ class GradientSync:
                 if overlap:
                     p.register_post_accumulate_grad_hook(partial(self._grad_ready, index))
             self.flats.append(flat)
+        self.range_names = [f"allreduce bucket {index} ({size_text(flat.numel() * flat.element_size())})"
+                            for index, flat in enumerate(self.flats)]
         self.sync = False
         self.pending: list[int] = []
         self.launched = 0
@@ -108,19 +125,34 @@ class GradientSync:
 
     def _launch(self) -> None:
         flat = self.flats[self.launched]
-        if self.averager is not None:
-            self.handles.append(self.averager.submit(flat))  # averages: no division here
-        else:
-            flat.div_(self.world_size)
-            self.handles.append(dist.all_reduce(flat, async_op=True))
+        with utils.profiled(self.range_names[self.launched]) as span:
+            if self.averager is not None:
+                handle = self.averager.submit(flat)  # averages: no division here
+            else:
+                flat.div_(self.world_size)
+                handle = dist.all_reduce(flat, async_op=True)
+            if span is not None:  # the range ends when the average lands, not when the launch returns:
+                # record_function's hand-over to a future (what torch.distributed.rpc's profiling uses)
+                span._call_end_callbacks_on_future(self._landed(handle))
+        self.handles.append(handle)
         self.launched += 1
+
+    def _landed(self, handle: Any) -> torch.futures.Future:
+        """A torch Future that completes with ``handle``: c10d's Work has one; the averager's
+        concurrent.futures.Future is bridged to one from its thread."""
+        if self.averager is None:
+            return handle.get_future()
+        landed: torch.futures.Future = torch.futures.Future()
+        handle.add_done_callback(lambda _: landed.set_result(None))
+        return landed
 
     def finish(self) -> None:
         """Launch what the hooks have not (all of it in after-backward mode) and wait for every bucket."""
         while self.launched < len(self.flats):
             self._launch()
-        for handle in self.handles:
-            handle.wait() if self.averager is None else handle.result()  # a Future re-raises the thread's error
+        with utils.profiled("allreduce wait"):
+            for handle in self.handles:
+                handle.wait() if self.averager is None else handle.result()  # re-raises the thread's error
         self.handles = []
         self.sync = False
 

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
 import ddp_cifar100 as trainer
+from training_benchmark import named_ranges
 from data import CIFAR100_MEAN, CIFAR100_STD, FolderSamples, MemoryData, make_synthetic, normalize
+from gradsync import GradientSync
 from models import build_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -606,3 +608,176 @@ def test_image_folder_results_do_not_depend_on_workers(folder_torchrun_runs):
 def test_a_truncated_image_stops_every_rank_with_one_line_naming_it(folder_torchrun_runs):
     proc = folder_torchrun_runs["runs"]["truncated"]
     assert_one_clear_line(proc, "cannot decode", str(folder_torchrun_runs["bad_file"]))  # from rank 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inside a step: --log-every's per-step scalars, and --profile's traces
+# ----------------------------------------------------------------------------------------------------------
+def train_counting_profiler_objects(rank, world_size, argv):
+    """train_in_group with every torch.profiler.record_function and torch.profiler.profile counted."""
+    made = {"record_function": 0, "profile": 0}
+    real = {name: getattr(torch.profiler, name) for name in made}
+
+    def counted(name):
+        def make(*args, **kwargs):
+            made[name] += 1
+            return real[name](*args, **kwargs)
+        return make
+
+    for name in made:
+        setattr(torch.profiler, name, counted(name))
+    try:
+        return dict(train_in_group(rank, world_size, argv), made=made)
+    finally:
+        for name, function in real.items():
+            setattr(torch.profiler, name, function)
+
+
+def tensorboard_scalars(log_dir):
+    """{tag: [(step, value), ...]} from the event file(s) in ``log_dir``, read with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def onecycle_lrs(steps):
+    """The learning rate of each of ``steps`` optimizer steps under the trainer's OneCycleLR (TINY's lr)."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("log_every", [1, 4])
+def test_log_every_writes_the_means_of_its_steps(local_group, tmp_path, log_every):
+    """One process (so rank 0's samples are all of them): 16 steps of 8 samples, logged every 1 or 4 steps.
+    The windows' mean losses average to the epoch's train_loss, the learning rates are OneCycleLR's, and without
+    --profile no profiler object is made at all."""
+    pytest.importorskip("tensorboard", reason="--log-dir needs tensorboard")
+    argv = TINY + ["--epochs", "1", "--scheduler", "onecycle", "--log-dir", str(tmp_path),
+                   "--log-every", str(log_every)]
+    result = local_group(1).run(train_counting_profiler_objects, argv)[0]
+    assert result["made"] == {"record_function": 0, "profile": 0}
+    metrics, scalars = result["metrics"], tensorboard_scalars(tmp_path)
+    steps = list(range(log_every, 17, log_every))
+    for name in ("loss", "lr", "step_ms", "data_wait_ms", "samples_per_s"):
+        assert [step for step, _ in scalars[f"train/{name}"]] == steps, name
+    assert "train_loss" in scalars and "val_acc" in scalars  # the per-epoch scalars stay
+    losses = [value for _, value in scalars["train/loss"]]
+    assert sum(losses) / len(losses) == pytest.approx(metrics["train_loss"], rel=1e-5)  # float32 in the file
+    assert [value for _, value in scalars["train/lr"]] == pytest.approx(onecycle_lrs(16)[log_every - 1::log_every])
+    times = metrics["step_time_warmup_steps"] * [None] + metrics["step_times_ms"]
+    for (step, ms), (_, wait), (_, rate) in zip(scalars["train/step_ms"], scalars["train/data_wait_ms"],
+                                               scalars["train/samples_per_s"]):
+        assert 0 <= wait < ms and rate == pytest.approx(8 * 1e3 / ms, rel=1e-5)
+        if log_every == 1 and times[step - 1] is not None:
+            assert ms == pytest.approx(times[step - 1], rel=1e-5)  # the trainer's own step time
+
+
+@pytest.mark.parametrize("flags,phrase", [
+    (["--profile", "p", "--profile-steps", "5:3"],
+     "--profile-steps takes A:B, optimizer steps with 0 <= A < B, got '5:3'"),
+    (["--profile", "p", "--profile-steps", "a:b"], "--profile-steps takes A:B"),
+    (["--profile", "p", "--profile-steps", "4"], "--profile-steps takes A:B"),
+    (["--profile-steps", "1:2"], "--profile-steps is for --profile DIR"),
+    (["--log-every", "0"], "--log-every must be positive"),
+])
+def test_log_and_profile_flags_are_checked_in_one_line(flags, phrase):
+    with pytest.raises(trainer.UsageError, match=phrase.replace("-", r"\-").replace("(", r"\(")):
+        trainer.parse_args(flags)
+    assert trainer.parse_args(["--profile", "p"]).profile_steps == (trainer.WARMUP_STEPS, trainer.WARMUP_STEPS + 3)
+
+
+def test_a_profile_window_past_the_run_is_refused(local_group, tmp_path):
+    argv = TINY + ["--max-steps", "2", "--profile", str(tmp_path), "--profile-steps", "2:3"]
+    message = local_group(1).run(try_train_in_group, argv)[0]
+    assert message == "UsageError: --profile-steps 2:3 starts past this run's 2 optimizer steps"
+
+
+PROFILED = TINY + ["--epochs", "1", "--grad-accum", "2", "--bucket-mb", "0.02", "--profile-steps", "1:4",
+                   "--timeout", "60"]  # 4 steps (8 micro-batches per rank), steps 1, 2, 3 profiled
+PROFILED_STEPS = 3
+
+
+def bucket_range_names(rank, world_size, bucket_mb):
+    """The ranges GradientSync names for the net's buckets (built here, on a world of 1)."""
+    return GradientSync(build_model("net", 0.0, "custom"), bucket_mb, overlap=False).range_names
+
+
+@pytest.fixture(scope="module")
+def profiled_runs(local_group, tmp_path_factory):
+    """2 processes (the session's workers: no interpreter start-up), --profile with --sync-mode overlap and
+    after: each rank's trace, and the bucket ranges GradientSync names."""
+    out = tmp_path_factory.mktemp("profiles")
+    traces = {}
+    for mode in ("overlap", "after"):
+        local_group(2).run(train_in_group, PROFILED + ["--sync-mode", mode, "--profile", str(out / mode)])
+        traces[mode] = [json.loads((out / mode / f"rank{rank}.pt.trace.json").read_text()) for rank in (0, 1)]
+    buckets = local_group(1).run(bucket_range_names, 0.02)[0]
+    return {"dir": out, "traces": traces, "buckets": buckets}
+
+
+def spans(ranges, prefix):
+    return [r for r in ranges if r["name"].startswith(prefix)]
+
+
+def starts_inside(event, outer):
+    return outer["ts"] <= event["ts"] <= outer["ts"] + outer["dur"]
+
+
+def test_profile_writes_one_chrome_trace_per_rank(profiled_runs):
+    for mode in ("overlap", "after"):
+        assert sorted(p.name for p in (profiled_runs["dir"] / mode).iterdir()) == ["rank0.pt.trace.json",
+                                                                                  "rank1.pt.trace.json"]
+        for rank, trace in enumerate(profiled_runs["traces"][mode]):
+            assert trace["distributedInfo"]["rank"] == rank
+            ranges = named_ranges(trace)
+            steps = [r["name"] for r in spans(ranges, "ProfilerStep#")]
+            assert steps == [f"ProfilerStep#{step}" for step in range(1, 1 + PROFILED_STEPS)]
+            names = [r["name"] for r in ranges]
+            assert names.count("optimizer step") == names.count("allreduce wait") == PROFILED_STEPS
+            assert names.count("forward") == names.count("backward") == 2 * PROFILED_STEPS
+
+
+def test_overlap_starts_bucket_all_reduces_inside_backward(profiled_runs):
+    """With overlap each step's sync backward launches buckets before it ends; after-backward mode launches
+    every bucket once it is over, and a bucket's range lasts until its average has landed, past the launches."""
+    for mode in ("overlap", "after"):
+        for trace in profiled_runs["traces"][mode]:
+            ranges = named_ranges(trace)
+            buckets, waits = spans(ranges, "allreduce bucket"), spans(ranges, "allreduce wait")
+            for micro_batch, wait in zip(spans(ranges, "micro-batch 2/2 (sync)"), waits, strict=True):
+                backward = next(r for r in spans(ranges, "backward") if starts_inside(r, micro_batch))
+                inside = [b for b in buckets if starts_inside(b, backward)]
+                step = [b for b in buckets if backward["ts"] <= b["ts"] <= wait["ts"]]
+                assert len(step) == len(profiled_runs["buckets"])
+                if mode == "overlap":
+                    assert inside, f"no bucket started inside backward at {backward['ts']}"
+                else:
+                    assert not inside
+                    assert max(b["ts"] + b["dur"] for b in step) > wait["ts"]
+
+
+def test_no_all_reduce_range_on_accumulation_micro_batches(profiled_runs):
+    """Each bucket once per optimizer step, none inside a micro-batch that skips the sync; SyncBatchNorm's
+    collectives in every micro-batch's forward and backward."""
+    for mode in ("overlap", "after"):
+        for trace in profiled_runs["traces"][mode]:
+            ranges = named_ranges(trace)
+            buckets = [r["name"] for r in spans(ranges, "allreduce bucket")]
+            assert {name: buckets.count(name) for name in buckets} == {
+                name: PROFILED_STEPS for name in profiled_runs["buckets"]}
+            skipping = spans(ranges, "micro-batch 1/2 (no sync)")
+            assert len(skipping) == PROFILED_STEPS
+            assert not [b for b in spans(ranges, "allreduce bucket") for m in skipping if starts_inside(b, m)]
+            for name in ("forward", "backward"):
+                passes = spans(ranges, name)
+                collectives = spans(ranges, f"syncbn.{name}.all_reduce")
+                assert len(collectives) == len(passes) == 2 * PROFILED_STEPS  # net: one SyncBatchNorm layer
+                assert all(starts_inside(c, p) for c, p in zip(collectives, passes))

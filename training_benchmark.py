@@ -2,6 +2,7 @@
 
     python training_benchmark.py [--quick] [--device cpu|cuda] [--nproc 2] [--grad-accum 2] [--json FILE]
     python training_benchmark.py --imagenet [--device cuda] [--data-dir DIR] [--steps 40] [--json FILE]
+    python training_benchmark.py --trace [--device cuda]
 
 Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run whose rank 0 writes
 the trainer's metrics JSON; this script reads those files, prints one table and writes
@@ -29,6 +30,13 @@ the median step time, the trainer's median wait for data per step, and peak memo
 ``results/imagenet-<machine>.json``. ``--image-size 32 --model resnet18 --batch-size 4 --steps 2`` runs it in
 seconds on a CPU.
 
+``--trace`` profiles instead the trainer's steps 3 to 5 (``--profile``, 2 processes, net, grad-accum 2, buckets of
+at most 1 MB) with ``--sync-mode overlap`` and with ``after``, and keeps of each rank's Chrome trace only the named
+ranges (torch.profiler.record_function: ProfilerStep#N, micro-batch i/K, forward, backward, allreduce bucket I
+(S), allreduce wait, syncbn.*.all_reduce, optimizer step, and c10d's gloo/nccl:all_reduce): both ranks in one
+Chrome trace (pid = rank, times in microseconds from the first event), ``results/trace-<mode>-<machine>.json``,
+which the report draws as a timeline and ui.perfetto.dev or chrome://tracing open as they are.
+
 The headline figure is the optimizer-step time (median over steps after warm-up, all K micro-batches, the
 gradient sync and the step included), measured by the trainer itself. This machine is shared and noisy, so
 ``--repeats R`` runs the whole list R times, in alternating order, and keeps each configuration's median run.
@@ -42,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +61,8 @@ from models import TORCHVISION_RESNETS, build_model
 from utils import machine_info, machine_tag, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TRACE_STEPS = WARMUP_STEPS + 3  # --trace: the trainer's default --profile-steps window, 3:6, and nothing after it
+TRACE_BUCKET_MB = 1.0  # --trace: a few buckets for the small net (3.3 MB of gradients), not one
 
 
 def configurations(device: str, grad_accum: int) -> list[dict]:
@@ -97,6 +108,10 @@ def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -
                 "--max-steps", str(args.steps + WARMUP_STEPS)]
     if config["sync_mode"]:
         cmd += ["--sync-mode", config["sync_mode"]]
+    if config.get("bucket_mb"):
+        cmd += ["--bucket-mb", str(config["bucket_mb"])]
+    if config.get("max_steps"):
+        cmd += ["--max-steps", str(config["max_steps"])]
     if config.get("allreduce"):
         cmd += ["--allreduce", config["allreduce"]]
     if args.amp != "off":
@@ -104,25 +119,85 @@ def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -
     return cmd
 
 
-def run_trainer(config: dict, args: argparse.Namespace, attempts: int = 2) -> dict:
+def run_trainer(config: dict, args: argparse.Namespace, attempts: int = 2, profile: bool = False) -> dict:
     """One trainer run; a failed run is retried once (said on stderr and recorded as "attempts"): a shared
-    machine can fail a run for reasons of its own, and one lost run should not cost the whole table."""
+    machine can fail a run for reasons of its own, and one lost run should not cost the whole table. With
+    ``profile``, the trainer's --profile traces come back as metrics["traces"], one per rank."""
     for attempt in range(1, attempts + 1):
         with tempfile.TemporaryDirectory(prefix="trainbench-") as tmp:
             metrics_path = os.path.join(tmp, "metrics.json")
-            cmd = trainer_command(config, args, metrics_path)
+            cmd = trainer_command(config, args, metrics_path) + (["--profile", tmp] if profile else [])
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_process))
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE, timeout=args.run_timeout)
             if proc.returncode == 0 and os.path.exists(metrics_path):
                 with open(metrics_path) as f:
                     metrics = json.load(f)
-                metrics["command"] = " ".join(cmd[1:]).replace(metrics_path, "METRICS.json")
+                metrics["command"] = " ".join(cmd[1:]).replace(metrics_path, "METRICS.json").replace(tmp, "DIR")
                 metrics["attempts"] = attempt
+                if profile:
+                    metrics["traces"] = [read_json(os.path.join(tmp, f"rank{rank}.pt.trace.json"))
+                                         for rank in range(args.nproc)]
                 return metrics
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-40:])
         print(f"training_benchmark: {config['name']} attempt {attempt} failed (exit {proc.returncode}):\n{tail}",
               file=sys.stderr, flush=True)
     raise SystemExit(f"training_benchmark: {config['name']} failed {attempts} times; see above")
+
+
+def read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def named_ranges(trace: dict) -> list[dict]:
+    """The named ranges of a torch.profiler Chrome trace (record_function's "user_annotation" events: ours,
+    SyncBatchNorm's, c10d's, the profiler's ProfilerStep#N), ordered by start; times in microseconds."""
+    return sorted((e for e in trace["traceEvents"] if e.get("cat") == "user_annotation" and e.get("ph") == "X"),
+                  key=lambda e: e["ts"])
+
+
+def merge_ranks(traces: list[dict]) -> list[dict]:
+    """Every rank's named ranges in one Chrome trace's events: pid = rank, threads numbered per rank in order of
+    appearance, times from the first event (the ranks share this machine's clock), plus the names Perfetto and
+    chrome://tracing show for each process and thread."""
+    ranges = [named_ranges(trace) for trace in traces]
+    origin = min(r[0]["ts"] for r in ranges if r)
+    events = []
+    for rank, rank_ranges in enumerate(ranges):
+        threads: dict[int, int] = {}
+        for e in rank_ranges:
+            tid = threads.setdefault(e["tid"], len(threads))
+            events.append({"ph": "X", "cat": "user_annotation", "name": e["name"], "pid": rank, "tid": tid,
+                           "ts": round(e["ts"] - origin, 3), "dur": round(e["dur"], 3)})
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        for original, tid in threads.items():
+            names = {e["name"] for e in rank_ranges if e["tid"] == original}
+            role = ("training thread" if tid == 0 else "c10d work thread" if all(":" in n for n in names)
+                    else "thread")  # c10d names its ranges backend:collective (gloo:all_reduce)
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
+                           "args": {"name": f"{role} {original}"}})
+    return events
+
+
+def main_trace(args: argparse.Namespace, argv) -> None:
+    """--trace: one profiled run per --sync-mode; each rank's named ranges -> results/trace-<mode>-<machine>.json."""
+    for mode in ("overlap", "after"):
+        config = {"name": f"ours-{mode}", "grad_sync": "custom", "norm": "custom", "sync_mode": mode,
+                  "grad_accum": args.grad_accum, "bucket_mb": TRACE_BUCKET_MB, "max_steps": TRACE_STEPS}
+        print(f"[{config['name']}] profiling steps {WARMUP_STEPS} to {TRACE_STEPS - 1} ...", file=sys.stderr,
+              flush=True)
+        load_before = os.getloadavg()
+        metrics = run_trainer(config, args, profile=True)
+        path = os.path.join(HERE, "results", f"trace-{mode}-{machine_tag(args.device)}.json")
+        write_json(path, {
+            "traceEvents": merge_ranks(metrics.pop("traces")), "displayTimeUnit": "ms",
+            "benchmark": "trace", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
+            "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+            "trainer_command": metrics["command"].replace(HERE + os.sep, ""),
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "config": config, "nproc": args.nproc, "profiled_steps": [WARMUP_STEPS, TRACE_STEPS],
+            "load_average_before": load_before, "load_average_after": os.getloadavg()})
+        print(f"wrote {os.path.relpath(path, HERE)}")
 
 
 def summarize(config: dict, metrics: dict) -> dict:
@@ -241,6 +316,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="run the list this many times; keep medians")
     parser.add_argument("--threads-per-process", type=int, default=1)
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds allowed for one trainer run")
+    parser.add_argument("--trace", action="store_true",
+                        help="profile ours (overlap and after) instead; writes results/trace-<mode>-<machine>.json")
     parser.add_argument("--compare-allreduce", action="store_true",
                         help="compare ours with --allreduce torch, ring and butterfly instead (see above)")
     parser.add_argument("--json", default=None, help="default: results/training-<machine>.json, or "
@@ -257,8 +334,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--grad-accum must be at least 2 (grad-accum 1 runs anyway, for reference)")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    quick = args.quick
-    defaults = {"batch_size": 32 if quick else 64, "epochs": 3 if quick else 10,
+    if args.trace and (args.compare_allreduce or args.json):
+        parser.error("--trace writes results/trace-<mode>-<machine>.json: no --compare-allreduce, no --json")
+    quick = args.quick or args.trace  # --trace: 6 steps of the quick set
+    defaults = {"batch_size": 32 if quick else 64, "epochs": 1 if args.trace else 3 if quick else 10,
                 "train_size": 2048 if quick else 20000, "val_size": 512 if quick else 5000}
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -273,8 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_imagenet_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    if args.compare_allreduce:
-        parser.error("--imagenet and --compare-allreduce are separate benchmarks: pick one")
+    if args.compare_allreduce or args.trace:
+        parser.error("--imagenet, --compare-allreduce and --trace are separate benchmarks: pick one")
     args.dataset, args.epochs, args.train_size = "imagefolder", 1, None
     args.model, args.amp = args.model or "resnet50", args.amp or "bf16"
     args.nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 1)
@@ -335,6 +414,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.imagenet:
         return main_imagenet(args, argv)
+    if args.trace:
+        return main_trace(args, argv)
     if args.compare_allreduce:
         configs = allreduce_configurations(args.grad_accum)
     else:

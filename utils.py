@@ -5,7 +5,7 @@
 - ``LocalGroup``: N local worker processes joined in one gloo group over a FileStore (no guessed ports),
   started once and reused for many calls, for tests and benchmarks.
 - ``UsageError``: bad flags or inputs, reported by rank 0 in one line.
-- ``print0``: rank-0 printing.
+- ``print0``: rank-0 printing; ``profiled``: a named range in torch.profiler traces, only while one records.
 - timing, memory, machine description and JSON helpers for the benchmarks.
 """
 from __future__ import annotations
@@ -138,6 +138,14 @@ def print0(*args: Any, **kwargs: Any) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A range called ``name`` in torch.profiler traces while a profiler records (``as`` gives the
+    record_function), else a nullcontext: without --profile nothing is recorded or allocated."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------------------
