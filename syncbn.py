@@ -109,6 +109,7 @@ Precision, devices, collectives
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Optional
@@ -426,19 +427,25 @@ if triton is not None:
             tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+def _on_device_of(x: torch.Tensor):
+    """x's CUDA device as the current one while its kernels launch (a process may drive several GPUs)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 @torch.library.custom_op("syncbn::local_sums", mutates_args=())
 def kernel_local_sums(x: torch.Tensor) -> torch.Tensor:
     """[S1_r, S2_r, n_r] (2C + 1, float64) of this rank's values: kernels 1 and 2."""
-    tiles = _Tiles(x)
-    sums = x.new_zeros(2 * tiles.channels + 1, dtype=torch.float64)
-    if tiles.splits == 0:
+    with _on_device_of(x):  # Triton launches on the current CUDA device
+        tiles = _Tiles(x)
+        sums = x.new_zeros(2 * tiles.channels + 1, dtype=torch.float64)
+        if tiles.splits == 0:
+            return sums
+        partial = x.new_empty((tiles.splits, 2, tiles.channels), dtype=torch.float32)
+        _shifted_sums_kernel[tiles.grid](x, partial, *tiles.args(), **tiles.blocks)
+        _local_sums_kernel[(tiles.channel_blocks,)](x, partial, sums, tiles.channels, x.numel() // tiles.channels,
+                                                    tiles.splits, tiles.channel_stride, BLOCK_C=tiles.block_c,
+                                                    BLOCK_S=_SPLITS_AT_ONCE)
         return sums
-    partial = x.new_empty((tiles.splits, 2, tiles.channels), dtype=torch.float32)
-    _shifted_sums_kernel[tiles.grid](x, partial, *tiles.args(), **tiles.blocks)
-    _local_sums_kernel[(tiles.channel_blocks,)](x, partial, sums, tiles.channels, x.numel() // tiles.channels,
-                                                tiles.splits, tiles.channel_stride, BLOCK_C=tiles.block_c,
-                                                BLOCK_S=_SPLITS_AT_ONCE)
-    return sums
 
 
 @kernel_local_sums.register_fake
@@ -452,17 +459,18 @@ def kernel_normalize(x: torch.Tensor, sums: torch.Tensor, weight: Optional[torch
                      running_var: Optional[torch.Tensor], momentum_tensor: Optional[torch.Tensor], momentum: float,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mu, invstd) from the global sums, running statistics updated in place: kernel 3."""
-    tiles = _Tiles(x)
-    y = torch.empty_like(x)
-    mean = x.new_empty(tiles.channels, dtype=torch.float32)
-    invstd = torch.empty_like(mean)
-    # No values on this rank: the statistics and running buffers are still the global ones, from one program.
-    grid = tiles.grid if tiles.splits else (tiles.channel_blocks, 1)
-    _normalize_kernel[grid](
-        x, y, sums, weight, bias, mean, invstd, running_mean, running_var, momentum_tensor, momentum, eps,
-        *tiles.args(), HAS_WEIGHT=weight is not None, HAS_RUNNING=running_mean is not None,
-        MOMENTUM_TENSOR=momentum_tensor is not None, **tiles.blocks)
-    return y, mean, invstd
+    with _on_device_of(x):  # Triton launches on the current CUDA device
+        tiles = _Tiles(x)
+        y = torch.empty_like(x)
+        mean = x.new_empty(tiles.channels, dtype=torch.float32)
+        invstd = torch.empty_like(mean)
+        # No values on this rank: the statistics and running buffers are still the global ones, from one program.
+        grid = tiles.grid if tiles.splits else (tiles.channel_blocks, 1)
+        _normalize_kernel[grid](
+            x, y, sums, weight, bias, mean, invstd, running_mean, running_var, momentum_tensor, momentum, eps,
+            *tiles.args(), HAS_WEIGHT=weight is not None, HAS_RUNNING=running_mean is not None,
+            MOMENTUM_TENSOR=momentum_tensor is not None, **tiles.blocks)
+        return y, mean, invstd
 
 
 @kernel_normalize.register_fake
@@ -475,16 +483,17 @@ def _(x, sums, weight, bias, running_mean, running_var, momentum_tensor, momentu
 def kernel_grad_sums(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
                      invstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([sum g, sum g xhat] to all_reduce, the same [2C] kept as the local affine gradients): kernels 4 and 5."""
-    tiles = _Tiles(x)
-    sums = x.new_zeros(2 * tiles.channels, dtype=torch.float32)
-    local = torch.zeros_like(sums)
-    if tiles.splits == 0:
+    with _on_device_of(x):  # Triton launches on the current CUDA device
+        tiles = _Tiles(x)
+        sums = x.new_zeros(2 * tiles.channels, dtype=torch.float32)
+        local = torch.zeros_like(sums)
+        if tiles.splits == 0:
+            return sums, local
+        partial = x.new_empty((tiles.splits, 2, tiles.channels), dtype=torch.float32)
+        _grad_sums_kernel[tiles.grid](grad_output, x, mean, invstd, partial, *tiles.args(), **tiles.blocks)
+        _grad_sums_total_kernel[(tiles.channel_blocks,)](partial, sums, local, tiles.channels, tiles.splits,
+                                                          BLOCK_C=tiles.block_c, BLOCK_S=_SPLITS_AT_ONCE)
         return sums, local
-    partial = x.new_empty((tiles.splits, 2, tiles.channels), dtype=torch.float32)
-    _grad_sums_kernel[tiles.grid](grad_output, x, mean, invstd, partial, *tiles.args(), **tiles.blocks)
-    _grad_sums_total_kernel[(tiles.channel_blocks,)](partial, sums, local, tiles.channels, tiles.splits,
-                                                      BLOCK_C=tiles.block_c, BLOCK_S=_SPLITS_AT_ONCE)
-    return sums, local
 
 
 @kernel_grad_sums.register_fake
@@ -498,12 +507,13 @@ def kernel_grad_input(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Te
                       weight: Optional[torch.Tensor], grad_sums: torch.Tensor,
                       stat_sums: torch.Tensor) -> torch.Tensor:
     """dx from the global [sum g, sum g xhat] and the global count in stat_sums: kernel 6."""
-    tiles = _Tiles(x)
-    grad_input = torch.empty_like(x)
-    if tiles.splits:
-        _grad_input_kernel[tiles.grid](grad_output, x, grad_input, mean, invstd, weight, grad_sums, stat_sums,
-                                       *tiles.args(), HAS_WEIGHT=weight is not None, **tiles.blocks)
-    return grad_input
+    with _on_device_of(x):  # Triton launches on the current CUDA device
+        tiles = _Tiles(x)
+        grad_input = torch.empty_like(x)
+        if tiles.splits:
+            _grad_input_kernel[tiles.grid](grad_output, x, grad_input, mean, invstd, weight, grad_sums, stat_sums,
+                                           *tiles.args(), HAS_WEIGHT=weight is not None, **tiles.blocks)
+        return grad_input
 
 
 @kernel_grad_input.register_fake
