@@ -599,7 +599,7 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
         shifted = shifted.to(input.dtype)  # kept for backward in the input's dtype (float32 above for fp16/bf16)
         count_tensor = count if isinstance(count, torch.Tensor) else None
         ctx.save_for_backward(shifted, offset, invstd, scale, weight, count_tensor)
-        ctx.count = count
+        ctx.count = count if count_tensor is None else None  # a host int; a device count is saved above
         return output.to(input.dtype)
 
     @staticmethod
