@@ -64,6 +64,17 @@ def make_step(norm, x, grad_output, stats_buffer=None, grad_buffer=None):
     return step
 
 
+def time_alternating(steps, device, iters, rounds, warmup):
+    """Median ms per call of each step (max across ranks), the calls split into ``rounds`` rounds that visit the
+    steps in turn, so a burst of load from elsewhere hits them alike; the first round warms up longer."""
+    times = {name: [] for name in steps}
+    for round_index in range(rounds):
+        for name, step in steps.items():
+            times[name] += utils.time_calls_ms(step, device, max(iters // rounds, 1),
+                                               warmup=warmup if round_index else 4 * warmup)
+    return {name: utils.max_across_ranks(utils.median(t)) for name, t in times.items()}, len(times["ours"])
+
+
 def autocast_step(step, device, dtype):
     """step() under autocast to dtype (as a mixed-precision model runs its BatchNorm layers), or as it is."""
     if dtype == torch.float32:
@@ -95,14 +106,11 @@ def resnet50_row(channels, side, batch_size, dtype, device, iters, rounds):
     buffers = {"BatchNorm2d": [torch.zeros(2 * channels + 1, device=device) for _ in range(2)] if synced else []}
     steps = {name: autocast_step(make_step(norm.to(device), x, grad_output, *buffers.get(name, [])), device, dtype)
              for name, norm in norms.items()}
-    times = {name: [] for name in steps}
-    for round_index in range(rounds):
-        for name, step in steps.items():
-            times[name] += utils.time_calls_ms(step, device, max(iters // rounds, 1), warmup=3 if round_index else 10)
+    median_ms, _ = time_alternating(steps, device, iters, rounds, warmup=3)
     row = {"shape": [batch_size, channels, side, side], "dtype": str(dtype).replace("torch.", ""),
            "floor_ms": floor_ms(x.detach(), device, max(iters // rounds, 3))}
     for name, step in steps.items():
-        row[f"{name}_ms"] = utils.max_across_ranks(utils.median(times[name]))
+        row[f"{name}_ms"] = median_ms[name]
         memory = (extra_peak_cuda_mb(step, device) if device.type == "cuda"
                   else kept_for_backward_mb(norms[name], x))
         row[f"{name}_memory_mb"] = utils.max_across_ranks(memory)
@@ -173,11 +181,7 @@ def benchmark_row(hid_dim, batch_size, device, iters, rounds):
         steps = {"ours": make_step(ours, x, grad_output),
                  "theirs": make_step(theirs, x, grad_output, stats_buffer, grad_buffer)}
 
-    times = {name: [] for name in steps}
-    for round_index in range(rounds):
-        for name, step in steps.items():
-            times[name] += utils.time_calls_ms(step, device, iters // rounds, warmup=5 if round_index else 20)
-    median_ms = {name: utils.max_across_ranks(utils.median(t)) for name, t in times.items()}
+    median_ms, timed_calls = time_alternating(steps, device, iters, rounds, warmup=5)
 
     if device.type == "cuda":
         memory_mb = {name: extra_peak_cuda_mb(step, device) for name, step in steps.items()}
@@ -188,7 +192,7 @@ def benchmark_row(hid_dim, batch_size, device, iters, rounds):
             "ours_ms": median_ms["ours"], "theirs_ms": median_ms["theirs"],
             "time_ratio": median_ms["ours"] / median_ms["theirs"],
             "ours_memory_mb": memory_mb["ours"], "theirs_memory_mb": memory_mb["theirs"],
-            "memory_ratio": memory_mb["ours"] / memory_mb["theirs"], "timed_calls_each": len(times["ours"])}
+            "memory_ratio": memory_mb["ours"] / memory_mb["theirs"], "timed_calls_each": timed_calls}
 
 
 def parse_args():
@@ -199,7 +203,7 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=None,
                         help="--shapes resnet50: per-rank batch (default: 128 split over the ranks on CUDA, 4 on "
                              "the CPU)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="--shapes resnet50: input dtype, and autocast to it (default bf16)")
     parser.add_argument("--json", default=None, help="results file (default: results/bn-<machine_tag>.json; on "
                                                      "a GPU results/bn-<machine_tag>-<ranks>x<backend>.json)")
@@ -232,6 +236,10 @@ def main():
         args.iters = 200 if args.shapes == "resnet50" else 2000
     if args.iters < args.rounds:
         raise SystemExit(f"bn_benchmark.py: error: --iters ({args.iters}) must be at least --rounds ({args.rounds})")
+    if args.shapes == "grid" and (args.batch is not None or args.dtype is not None):
+        raise SystemExit("bn_benchmark.py: error: --batch and --dtype are for --shapes resnet50 (the grid is "
+                         "float32, batches 32 and 64)")
+    args.dtype = args.dtype or "bf16"
     if args.batch is not None and args.batch < 1:
         raise SystemExit(f"bn_benchmark.py: error: --batch must be at least 1, got {args.batch}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
