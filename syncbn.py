@@ -118,6 +118,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
+import utils
+
 try:
     import triton
     import triton.language as tl
@@ -613,10 +615,7 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
 
 def _named_all_reduce(sums: torch.Tensor, group: dist.ProcessGroup, name: str) -> None:
     """all_reduce(SUM), shown as a range called ``name`` in torch.profiler traces (nothing when not profiling)."""
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function(name):
-            dist.all_reduce(sums, group=group)
-    else:
+    with utils.profiled(name):
         dist.all_reduce(sums, group=group)
 
 
