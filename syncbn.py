@@ -139,9 +139,9 @@ def _checked_count(count: int, world_size: int) -> int:
     return count
 
 
-def _stat_shape(input: torch.Tensor) -> tuple[int, ...]:
-    """(C, 1, ..., 1): per-channel values broadcast over (N, C, *spatial)."""
-    return (input.shape[1],) + (1,) * (input.dim() - 2)
+def _per_channel(input: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values (C,) shaped to broadcast over input: as they are for (N, C), (C, 1, ..., 1) with spatial dims."""
+    return values if input.dim() == 2 else values.view((input.shape[1],) + (1,) * (input.dim() - 2))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def _shifted_and_local_sums(input: torch.Tensor, reduce_dims: list[int]
     # PyTorch's CPU reductions copy bf16/fp16 to float32 when asked for a float32 result; do it once, explicitly.
     values = input if input.dtype in (torch.float32, torch.float64) else input.float()
     shift = values[(0, slice(None)) + (0,) * (input.dim() - 2)]  # a view: x[0, :, 0, ...]
-    shifted = values - (shift if input.dim() == 2 else shift.view(_stat_shape(input)))
+    shifted = values - _per_channel(input, shift)
     shift, shifted_sum, shifted_squares = torch.stack(
         [shift, shifted.sum(reduce_dims), _channel_dot(shifted, shifted)]).double()
     sum_x = torch.add(shifted_sum, shift, alpha=local_count)
@@ -597,7 +597,7 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
             constant = torch.mul(offset, scale).neg_()
         else:
             constant = torch.addcmul(bias, offset, scale, value=-1)
-        output = torch.addcmul(*_per_channel(input, constant), shifted, *_per_channel(input, scale))
+        output = torch.addcmul(_per_channel(input, constant), shifted, _per_channel(input, scale))
         shifted = shifted.to(input.dtype)  # kept for backward in the input's dtype (float32 above for fp16/bf16)
         count_tensor = count if isinstance(count, torch.Tensor) else None
         ctx.save_for_backward(shifted, offset, invstd, scale, weight, count_tensor)
@@ -617,11 +617,6 @@ def _named_all_reduce(sums: torch.Tensor, group: dist.ProcessGroup, name: str) -
     """all_reduce(SUM), shown as a range called ``name`` in torch.profiler traces (nothing when not profiling)."""
     with utils.profiled(name):
         dist.all_reduce(sums, group=group)
-
-
-def _per_channel(input: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor]:
-    """(values,) shaped to broadcast over input: (C,) for (N, C), (C, 1, ..., 1) with spatial dimensions."""
-    return (values if input.dim() == 2 else values.view(_stat_shape(input)),)
 
 
 def _all_reduce(ctx, sums: torch.Tensor) -> None:
@@ -664,8 +659,8 @@ def _ops_backward(ctx, grad_output, need_input):
     #    = g scale - (x - k) q scale - (mean(g) - offset q) scale,   q = invstd mean(g xhat)
     q = mean_dy_xhat.mul_(invstd)
     constant = torch.addcmul(mean_dy, offset, q, value=-1).mul_(scale).neg_()
-    grad_input = torch.addcmul(*_per_channel(shifted, constant), grad_output, *_per_channel(shifted, scale))
-    grad_input.addcmul_(shifted, *_per_channel(shifted, q.mul_(scale)), value=-1)
+    grad_input = torch.addcmul(_per_channel(shifted, constant), grad_output, _per_channel(shifted, scale))
+    grad_input.addcmul_(shifted, _per_channel(shifted, q.mul_(scale)), value=-1)
     return grad_input.to(grad_output.dtype), grad_weight, grad_bias
 
 
