@@ -77,10 +77,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tqdm import tqdm
 
 import utils
 from data import FolderData, MemoryData, derive_seed, load_data
+import zero
 from gradsync import DDPSync, GradientSync, broadcast_state, make_ddp
 from models import TORCHVISION_RESNETS, build_model
 from utils import UsageError
@@ -151,14 +153,30 @@ def trajectory_config(args: argparse.Namespace, world_size: int, schedule_steps:
                       data: MemoryData | FolderData) -> dict[str, Any]:
     """The settings that decide the sequence of weights; a checkpoint resumes only a run that agrees on all."""
     config = {key: getattr(args, key) for key in
-              ("model", "dataset", "batch_size", "grad_accum", "epochs", "lr", "momentum", "weight_decay",
+              ("model", "dataset", "grad_accum", "epochs", "optimizer", "lr", "momentum", "weight_decay",
                "scheduler", "amp", "seed", "augment", "image_size")}
+    # A run is its global batch, not its number of processes: B x K x W samples per step (the same sample
+    # order, and SyncBatchNorm's statistics over the same B x W samples per micro-batch, for any split).
+    config["global_batch"] = global_batch(args.batch_size, args.grad_accum, world_size)
     config["dropout"] = args.dropout if args.model == "net" else None
     config["sizes"] = [len(data.train), data.val_size, data.num_classes] if args.dataset != "cifar100" else None
     config["norm"] = "local" if args.norm == "local" else "synchronized"  # custom and torch compute the same
-    config["world_size"] = world_size
     config["schedule_steps"] = schedule_steps if args.scheduler == "onecycle" else None
     return config
+
+
+def global_batch(batch_size: int, grad_accum: int, world_size: int) -> int:
+    return batch_size * grad_accum * world_size
+
+
+def split_dependent(args: argparse.Namespace) -> list[str]:
+    """What makes the weights depend on how the global batch is split over processes, not on the batch alone."""
+    reasons = []
+    if args.norm == "local":
+        reasons.append("--norm local (each process normalizes its own samples)")
+    if args.model == "net" and args.dropout > 0:
+        reasons.append("dropout (masks drawn per process)")
+    return reasons
 
 
 def fingerprint(config: dict[str, Any]) -> str:
@@ -179,7 +197,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}); "
                          f"delete it to start afresh") from None
     required = ("model", "optimizer", "scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps",
-                "micro_batches_total", "fingerprint", "config", "history", "epoch_sums")
+                "micro_batches_total", "fingerprint", "config", "history", "epoch_sums", "world_size")
     if not isinstance(state, dict) or any(key not in state for key in required):
         raise UsageError(f"cannot read checkpoint {path}: not a checkpoint of this script; delete it to start afresh")
     return state
@@ -202,10 +220,20 @@ def load_on_rank0(path: str) -> dict[str, Any] | None:
     return payload
 
 
-def check_compatible(state: dict[str, Any], config: dict[str, Any], path: str) -> None:
+def check_compatible(state: dict[str, Any], config: dict[str, Any], path: str, args: argparse.Namespace,
+                     world_size: int) -> None:
+    """Refuse a checkpoint of another run in one line; a changed global batch names the --batch-size that keeps
+    it on this many processes."""
     if state["fingerprint"] == fingerprint(config):
         return
     saved = state["config"]
+    if saved.get("global_batch") != config["global_batch"] and saved.get("grad_accum") == args.grad_accum:
+        per_process, rest = divmod(saved["global_batch"], args.grad_accum * world_size)
+        advice = (f"--batch-size {per_process} keeps it on {world_size} processes" if per_process and not rest else
+                  f"no --batch-size keeps it on {world_size} processes with --grad-accum {args.grad_accum}")
+        raise UsageError(f"checkpoint {path} is from a run with a global batch of {saved['global_batch']} "
+                         f"(batch size x grad-accum x processes = {saved['global_batch'] // (args.grad_accum * state['world_size'])} "
+                         f"x {args.grad_accum} x {state['world_size']}), not {config['global_batch']}: {advice}")
     differences = [f"{key} {saved.get(key)!r} != {config.get(key)!r}" for key in sorted(config)
                    if saved.get(key) != config.get(key)]
     raise UsageError(f"checkpoint {path} is from another configuration ({', '.join(differences) or 'fingerprint'})"
@@ -287,8 +315,8 @@ class Run:
     data: MemoryData | FolderData
     model: nn.Module  # the bare model: checkpoints and evaluation
     forward: nn.Module  # what the training step calls: the model, or DDP around it
-    sync: GradientSync | DDPSync
-    optimizer: torch.optim.Optimizer
+    sync: GradientSync | DDPSync  # the replicated sync, zero.py's sharded stages, or DDP
+    optimizer: torch.optim.Optimizer  # over sync.parameters(): this rank's shards with --zero 1/2
     scheduler: Any
     scaler: torch.amp.GradScaler
     amp_dtype: torch.dtype | None
@@ -300,10 +328,25 @@ class Run:
     data_wait_ms: list[float] = field(default_factory=list)  # per optimizer step, host time waiting for batches
     recent: RecentSteps | None = None  # rank 0, when something shows --log-every's figures
     profiler: Any = None  # torch.profiler.profile with --profile
+    state_bytes: dict[str, int] | None = None  # what this rank holds between optimizer steps (zero.state_bytes)
+    first_step: int = 0  # the optimizer step this run started from (a resumed run: the checkpoint's)
 
     @property
     def device(self) -> torch.device:
         return self.ctx.device
+
+
+def make_optimizer(args: argparse.Namespace, params: Any, zero_redundancy: bool = False
+                   ) -> torch.optim.Optimizer:
+    """--optimizer over ``params``; ``zero_redundancy``: PyTorch's ZeroRedundancyOptimizer around it."""
+    kind, settings = {
+        "sgd": (torch.optim.SGD, {"lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay}),
+        "adamw": (torch.optim.AdamW, {"lr": args.lr, "weight_decay": args.weight_decay}),
+    }[args.optimizer]
+    if zero_redundancy:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(params, optimizer_class=kind, **settings)
+    return kind(params, **settings)
 
 
 def make_deterministic() -> None:
@@ -332,8 +375,16 @@ def set_up(args: argparse.Namespace) -> Run:
     model = build_model(args.model, args.dropout, args.norm, data.num_classes, args.image_size)
     model = model.to(device, memory_format=data.memory_format)
     broadcast_state(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+    # the gradient sync, and the optimizer over what it says this rank updates
+    forward: nn.Module = model
+    if args.grad_sync == "ddp":
+        forward = make_ddp(model, device, args.bucket_mb)
+        optimizer = make_optimizer(args, model.parameters(), zero_redundancy=args.zero == 1)
+        sync: GradientSync | DDPSync = DDPSync(forward, optimizer)
+    else:
+        sync = zero.make_sync(args.zero, model, args.bucket_mb, args.sync_mode == "overlap", args.allreduce,
+                              args.timeout)
+        optimizer = make_optimizer(args, sync.parameters())
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
     schedule_steps = args.epochs * steps_per_epoch
     if args.max_steps:
@@ -341,14 +392,10 @@ def set_up(args: argparse.Namespace) -> Run:
     scheduler = None
     if args.scheduler == "onecycle":
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=schedule_steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-
-    forward: nn.Module = model
-    if args.grad_sync == "ddp":
-        forward = make_ddp(model, device, args.bucket_mb)
-        sync: GradientSync | DDPSync = DDPSync(forward, optimizer)
-    else:
-        sync = GradientSync(model, args.bucket_mb, args.sync_mode == "overlap", args.allreduce, args.timeout)
+    # fp16: with sharded gradients each rank sees its shard alone, so whether any is inf must be agreed on
+    # (ShardedGradScaler all-reduces it); replicated gradients are the same everywhere
+    sharded = args.grad_sync == "custom" and args.zero > 0
+    scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(device.type, enabled=args.amp == "fp16")
     writer = None
     if ctx.rank == 0 and args.log_dir:
         from torch.utils.tensorboard import SummaryWriter  # slow to import; only when asked for
@@ -377,25 +424,41 @@ def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
             raise UsageError(f"checkpoint {path} does not fit --model {run.args.model}: "
                              f"{str(exc).splitlines()[0]}") from None
         return position, list(state["history"]), [0.0, 0.0, 0.0]
-    check_compatible(state, run.config, path)
+    world_size = run.ctx.world_size
+    check_compatible(state, run.config, path, run.args, world_size)
     run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    run.sync.load_optimizer_state(run.optimizer, state["optimizer"])
     if run.scheduler is not None:
         run.scheduler.load_state_dict(state["scheduler"])
     run.scaler.load_state_dict(state["scaler"])
     position.epoch, position.micro_batch = state["epoch"], state["micro_batch"]
     utils.print0(f"resuming from {path}: epoch {position.epoch + 1}, micro-batch {position.micro_batch}, "
                  f"optimizer step {position.optimizer_steps}")
-    sums = list(state["epoch_sums"][run.ctx.rank]) if position.micro_batch else [0.0, 0.0, 0.0]
-    return position, list(state["history"]), sums
+    saved_sums = state["epoch_sums"] if position.micro_batch else [[0.0, 0.0, 0.0]]
+    if state["world_size"] == world_size:
+        return position, list(state["history"]), list(saved_sums[run.ctx.rank])
+    # Another number of processes, the same global batch: the same samples in the same micro-batches, split
+    # differently. The epoch's figures are sums over ranks, so rank 0 carries them all on.
+    reasons = split_dependent(run.args)
+    if reasons:
+        utils.print0(f"note: resuming a run of {state['world_size']} processes on {world_size}: with "
+                     f"{' and '.join(reasons)} the weights depend on the split, so they will differ from an "
+                     f"uninterrupted run's")
+    totals = [sum(column) for column in zip(*saved_sums)]
+    return position, list(state["history"]), totals if run.ctx.rank == 0 else [0.0, 0.0, 0.0]
 
 
 def checkpoint(run: Run, position: Position, history: list[dict[str, Any]], sums: list[list[float]]) -> None:
-    """Rank 0 writes the run's state at ``position`` (every rank's epoch sums included) to DIR/last.pt."""
-    if run.checkpoint_path is None or run.ctx.rank != 0:
+    """Rank 0 writes the run's state at ``position`` (every rank's epoch sums included) to DIR/last.pt; the
+    optimizer's state in the form every --zero and world size loads (the sharded stages gather it first, so every
+    rank calls this)."""
+    if run.checkpoint_path is None:
+        return
+    optimizer_state = run.sync.optimizer_state(run.optimizer)
+    if run.ctx.rank != 0:
         return
     save_checkpoint(run.checkpoint_path, {
-        "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+        "model": run.model.state_dict(), "optimizer": optimizer_state, "world_size": run.ctx.world_size,
         "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
         "scaler": run.scaler.state_dict(), "epoch": position.epoch, "micro_batch": position.micro_batch,
         "optimizer_steps": position.optimizer_steps, "micro_batches_total": position.micro_batches,
@@ -437,10 +500,13 @@ def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.T
     lr = run.optimizer.param_groups[0]["lr"]  # this step's: the scheduler sets the next one's below
     with utils.profiled("optimizer step"):
         run.scaler.unscale_(run.optimizer)  # after the sync: every rank unscales (and inf-checks) the same grads
-        run.scaler.step(run.optimizer)
+        run.scaler.step(run.optimizer)  # --zero 1/2: this rank's shards only ...
+        run.sync.gather_params()  # ... and then every rank's updated shards into every rank's model
         run.scaler.update()
         if run.scheduler is not None:
             run.scheduler.step()
+        if run.state_bytes is None or not run.state_bytes["optimizer"]:  # once the optimizer has state
+            run.state_bytes = zero.state_bytes(run.model, run.optimizer, run.sync)
         run.sync.zero_grad()
     run.timer.stop()
     run.data_wait_ms.append(waited * 1e3)
@@ -571,6 +637,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     run = set_up(args)
     try:
         position, history, epoch_sums = resume(run)
+        run.first_step = position.optimizer_steps
         trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
         utils.print0(f"{args.model} ({trainable:,} parameters, {run.data.num_classes} classes) on "
                      f"{run.ctx.world_size} x {run.device.type} ({run.ctx.backend}), grad-sync {args.grad_sync}, "
@@ -608,6 +675,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if run.profiler is not None:  # stopped by an error: leave no profiler running in this process
             run.profiler.stop()
+        run.sync.close()  # --allreduce ring|butterfly: its thread and process group
         run.data.close()
     if run.ctx.rank == 0 and args.metrics_out:
         utils.write_json(args.metrics_out, metrics)
@@ -628,6 +696,9 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         **{key: final[key] for key in ("train_loss", "val_loss", "val_acc", "val_acc5", "val_correct",
                                        "val_correct5", "val_total")},
         "peak_memory_mb": utils.max_across_ranks(utils.peak_memory_mb(run.device)),
+        "state_bytes": {key: int(utils.max_across_ranks(value)) for key, value in (run.state_bytes or
+                        {"params": 0, "grads": 0, "optimizer": 0}).items()},
+        "sent_bytes_per_step": sent_per_step(run, position),
         "wall_time_s": time.perf_counter() - wall_start, "train_time_s": train_time,
         "samples_per_s": samples_trained / train_time if train_time else 0.0,
         "step_time_ms_median": statistics.median(steps) if steps else None,
@@ -638,6 +709,15 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         "epochs": history + ([final] if final.get("complete") is False else []),
         "fingerprint": fingerprint(run.config), "config": vars(run.args),
     }
+
+
+def sent_per_step(run: Run, position: Position) -> float | None:
+    """Bytes the busiest rank sent per optimizer step in the gradient sync (None: DDP, not counted)."""
+    sent = run.sync.sent_bytes()
+    steps = position.optimizer_steps - run.first_step
+    if sent is None or not steps:
+        return None
+    return utils.max_across_ranks(sent) / steps
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -669,8 +749,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--channels-last", action="store_true", help="model and batches in channels-last memory format")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
     add("--grad-sync", choices=("custom", "ddp"), default="custom")
+    add("--zero", type=int, choices=(0, 1, 2), default=0,
+        help="ZeRO stage (zero.py): 0 replicated; 1 optimizer state sharded over the processes; 2 gradients too. "
+             "With --grad-sync ddp, 1 is PyTorch's ZeroRedundancyOptimizer")
+    add("--optimizer", choices=("sgd", "adamw"), default="sgd",
+        help="SGD with --momentum and --weight-decay, or AdamW with --weight-decay (decoupled)")
     add("--allreduce", choices=("torch", "ring", "butterfly"), default="torch",
-        help="custom: which all-reduce averages the buckets (torch.distributed's, or allreduce.py's own)")
+        help="custom: which collectives sync the buckets: torch.distributed's, or allreduce.py's own (--zero 1/2: "
+             "torch's reduce-scatter and all-gather, or the ring's)")
     add("--sync-mode", choices=("overlap", "after"), default="overlap",
         help="custom: all_reduce buckets from gradient hooks during backward, or after it")
     add("--bucket-mb", type=float, default=25.0, help="gradient bucket size cap (DDP's bucket_cap_mb)")
@@ -720,6 +806,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.allreduce != "torch" and args.grad_sync == "ddp":
         raise UsageError(f"--allreduce {args.allreduce} is for --grad-sync custom (DDP uses its own all-reduce)")
+    if args.grad_sync == "ddp" and args.zero > 1:
+        raise UsageError(f"--grad-sync ddp takes --zero 0 or 1 (ZeroRedundancyOptimizer); --zero {args.zero} is "
+                         f"--grad-sync custom")
+    if args.zero and args.allreduce == "butterfly":
+        raise UsageError(f"--zero {args.zero} runs on reduce-scatter and all-gather: --allreduce torch or ring "
+                         f"(the butterfly has no halves here)")
+    if args.zero == 2 and args.sync_mode == "after":
+        raise UsageError("--zero 2 reduce-scatters each bucket as backward completes it; --sync-mode after would "
+                         "keep every full gradient (use --zero 1)")
     if args.log_dir and importlib.util.find_spec("tensorboard") is None:  # every rank, before any collective
         raise UsageError("--log-dir needs the tensorboard package (pip install tensorboard)")
     args.profile_steps = parse_profile_steps(args.profile_steps, args.profile)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import utils
@@ -59,6 +60,23 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def assign_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
+    """DistributedDataParallel's bucket sizing: reverse parameter order (the order backward produces gradients),
+    the first bucket at most 1 MB, the others at most ``bucket_mb``, and a new bucket at every change of dtype."""
+    cap_bytes = int(bucket_mb * 2**20)
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in reversed(params):
+        limit = min(cap_bytes, 2**20) if len(buckets) == 1 else cap_bytes
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and (size + nbytes > limit or p.dtype != buckets[-1][0].dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
 class GradientSync:
     """Averages gradients over the process group in flat buckets, one all_reduce per bucket (see the module
     docstring). Call ``prepare(sync)`` before each backward, ``finish()`` before the optimizer step of a window
@@ -71,42 +89,44 @@ class GradientSync:
     which averages it; either way the buckets are launched in index order and ranks end bit-identical.
     """
 
+    collective = "allreduce"  # what a bucket's range is called in profiler traces
+
     def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
                  timeout_s: float | None = None):
         self.world_size = dist.get_world_size()
         # ring/butterfly: allreduce.py's algorithms average the buckets on a thread of their own, over a
         # process group of their own (made here, by every rank at the same point); torch: all_reduce (SUM).
-        from allreduce import AllreduceThread
+        from allreduce import AllreduceThread, sent_bytes
         self.averager = None if allreduce == "torch" else AllreduceThread(allreduce, timeout_s)
-        params = [p for p in model.parameters() if p.requires_grad]
-        cap_bytes = int(bucket_mb * 2**20)
-        buckets: list[list[nn.Parameter]] = [[]]
-        size = 0
-        for p in reversed(params):
-            limit = min(cap_bytes, 2**20) if len(buckets) == 1 else cap_bytes
-            nbytes = p.numel() * p.element_size()
-            if buckets[-1] and (size + nbytes > limit or p.dtype != buckets[-1][0].dtype):
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nbytes
-        self.flats: list[torch.Tensor] = []
-        self.sizes = [len(b) for b in buckets]
-        for index, bucket in enumerate(buckets):
-            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-            offset = 0
-            for p in bucket:
-                p.grad = gradient_view(flat[offset:offset + p.numel()], p)
-                offset += p.numel()
-                if overlap:
+        self.ring_sent_at_start, self.nominal_sent = sent_bytes(), 0  # for sent_bytes()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = assign_buckets(self.params, bucket_mb)
+        self.sizes = [len(b) for b in self.buckets]
+        self.flats: list[torch.Tensor | None] = [self._gradient_buffer(bucket) for bucket in self.buckets]
+        if overlap:
+            for index, bucket in enumerate(self.buckets):
+                for p in bucket:
                     p.register_post_accumulate_grad_hook(partial(self._grad_ready, index))
-            self.flats.append(flat)
-        self.range_names = [f"allreduce bucket {index} ({size_text(flat.numel() * flat.element_size())})"
-                            for index, flat in enumerate(self.flats)]
+        self.range_names = [f"{self.collective} bucket {index} "
+                            f"({size_text(self.flat_length(bucket) * bucket[0].element_size())})"
+                            for index, bucket in enumerate(self.buckets)]
         self.sync = False
         self.pending: list[int] = []
         self.launched = 0
         self.handles: list[Any] = []
+
+    def flat_length(self, bucket: list[nn.Parameter]) -> int:
+        """Elements of a bucket's flat buffer: its parameters' (the sharded stages pad to a multiple of W)."""
+        return sum(p.numel() for p in bucket)
+
+    def _gradient_buffer(self, bucket: list[nn.Parameter]) -> torch.Tensor | None:
+        """The bucket's flat gradient buffer, with every parameter's .grad a view into it."""
+        flat = torch.zeros(self.flat_length(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+        offset = 0
+        for p in bucket:
+            p.grad = gradient_view(flat[offset:offset + p.numel()], p)
+            offset += p.numel()
+        return flat
 
     def prepare(self, sync: bool) -> None:
         """Before a backward: ``sync`` is True only on the last micro-batch of a window."""
@@ -124,18 +144,22 @@ class GradientSync:
             self._launch()
 
     def _launch(self) -> None:
-        flat = self.flats[self.launched]
         with utils.profiled(self.range_names[self.launched]) as span:
-            if self.averager is not None:
-                handle = self.averager.submit(flat)  # averages: no division here
-            else:
-                flat.div_(self.world_size)
-                handle = dist.all_reduce(flat, async_op=True)
+            handle = self._start(self.launched)
             if span is not None:  # the range ends when the average lands, not when the launch returns:
                 # record_function's hand-over to a future (what torch.distributed.rpc's profiling uses)
                 span._call_end_callbacks_on_future(self._landed(handle))
         self.handles.append(handle)
         self.launched += 1
+
+    def _start(self, index: int) -> Any:
+        """Start averaging bucket ``index``; returns what finish() waits on."""
+        flat = self.flats[index]
+        if self.averager is not None:
+            return self.averager.submit(flat)  # averages: no division here
+        flat.div_(self.world_size)
+        self.nominal_sent += 2 * (self.world_size - 1) * flat.numel() * flat.element_size() // self.world_size
+        return dist.all_reduce(flat, async_op=True)
 
     def _landed(self, handle: Any) -> torch.futures.Future:
         """A torch Future that completes with ``handle``: c10d's Work has one; the averager's
@@ -150,15 +174,48 @@ class GradientSync:
         """Launch what the hooks have not (all of it in after-backward mode) and wait for every bucket."""
         while self.launched < len(self.flats):
             self._launch()
-        with utils.profiled("allreduce wait"):
-            for handle in self.handles:
-                handle.wait() if self.averager is None else handle.result()  # re-raises the thread's error
+        with utils.profiled(f"{self.collective} wait"):
+            self._wait(self.handles)
         self.handles = []
         self.sync = False
+
+    def _wait(self, handles: list[Any]) -> None:
+        for handle in handles:
+            handle.wait() if self.averager is None else handle.result()  # re-raises the thread's error
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer updates: every trainable parameter, in the model's order (ZeRO: this rank's
+        shards)."""
+        return self.params
+
+    def gather_params(self) -> None:
+        """After the optimizer step. Every rank stepped the whole model: nothing to gather (ZeRO: see zero.py)."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer's state_dict over the model's trainable parameters, in their order: the form every sync
+        saves and loads (zero.py's sharded stages assemble it from their shards)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank has sent averaging gradients: counted by allreduce.py's algorithms, or for
+        torch.distributed's all_reduce what a ring sends, 2 (W-1)/W of each bucket."""
+        if self.averager is not None:
+            from allreduce import sent_bytes
+            return sent_bytes() - self.ring_sent_at_start
+        return self.nominal_sent
 
     def zero_grad(self) -> None:
         for flat in self.flats:
             flat.zero_()
+
+    def close(self) -> None:
+        """Stop what this sync started (the averaging thread and its process group)."""
+        if self.averager is not None:
+            self.averager.close()
+            self.averager = None
 
 
 def make_ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> DistributedDataParallel:
@@ -191,6 +248,25 @@ class DDPSync:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def gather_params(self) -> None:
+        pass  # ZeroRedundancyOptimizer broadcasts the updated parameters inside its step
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """As GradientSync's. ZeroRedundancyOptimizer first gathers its shards to rank 0 (every rank calls it)."""
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.consolidate_state_dict(to=0)
+            return optimizer.state_dict() if dist.get_rank() == 0 else None
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)  # ZeroRedundancyOptimizer keeps its own partition of it
+
+    def sent_bytes(self) -> None:
+        return None  # inside DDP's reducer and gloo: not counted
+
+    def close(self) -> None:
+        pass
 
 
 def broadcast_state(model: nn.Module, buffers_only: bool = False) -> None:

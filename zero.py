@@ -1,0 +1,328 @@
+"""ZeRO stages 1 and 2: data parallelism that shards the optimizer's state over the W ranks (stage 1), and the
+gradients too (stage 2), on flat buckets; behind the interface of gradsync.py, so the trainer's loop is the same.
+
+    sync = make_sync(stage, model, bucket_mb, overlap, allreduce)   # stage 0 is gradsync.GradientSync
+    optimizer = torch.optim.AdamW(sync.parameters(), ...)           # ZeRO: this rank's shards only
+    for each micro-batch: sync.prepare(sync=last_of_window); loss.backward()
+    sync.finish(); optimizer.step(); sync.gather_params(); sync.zero_grad()
+
+What a rank holds, for Psi parameters in fp32 trained with AdamW (two state tensors per parameter), in bytes:
+
+    stage   weights   gradients       optimizer state   total
+    0       4 Psi     4 Psi           8 Psi             16 Psi          (gradsync.GradientSync, DDP)
+    1       4 Psi     4 Psi           8 Psi / W         8 Psi + 8 Psi / W
+    2       4 Psi     4 Psi / W (+)   8 Psi / W         4 Psi + 12 Psi / W
+    (+ the gradient buckets in flight during backward)
+
+The layout. Parameters are grouped into buckets exactly as GradientSync groups gradients (reverse order, the first
+bucket at most 1 MB, the others at most --bucket-mb), and each bucket becomes ONE flat tensor, zero-padded to a
+multiple of W; the model's parameters become views into it (gradsync.gradient_view: a channels-last weight keeps
+its strides, and its gradient is laid out the same way, so element j of the flat parameter and element j of the
+flat gradient always belong together). Rank r owns shard r of every bucket: the r-th of W equal slices. The
+optimizer is built over the shards (one nn.Parameter per bucket sharing the flat's storage), so it updates this
+rank's slice of the weights in place and keeps state for that slice alone. That is exact for any elementwise
+optimizer (SGD with momentum and weight decay, Adam, AdamW: each element's update reads only that element's
+weight, gradient and state), and wrong for one that takes a norm over a whole tensor (LAMB, LARS): those would see
+a slice. Padding stays zero: its gradient is zero, and so is every elementwise update of a zero weight with a zero
+gradient.
+
+Stage 1 (ZeroStage1), one optimizer step of K micro-batches:
+- micro-batches 1 .. K-1: backward accumulates into the full flat gradient buckets, as GradientSync; nothing is
+  sent;
+- micro-batch K: as soon as backward has completed a bucket (a post-accumulate-grad hook counts its parameters
+  down), it is divided by W and reduce-scattered (SUM): shard r of the bucket then holds the average over ranks of
+  shard r, which is the gradient of this rank's shard param. Buckets launch in index order on every rank, while
+  the rest of backward runs;
+- the optimizer steps the shards; then each parameter bucket is all-gathered: every rank's updated shard r into
+  every rank's flat, so the model is whole and identical everywhere for the next forward.
+Per rank and step that sends (W-1)/W Psi elements in the reduce-scatter and (W-1)/W Psi in the all-gather: the
+2 (W-1)/W Psi of one all-reduce, which is itself a reduce-scatter and an all-gather (allreduce.py's ring).
+
+Stage 2 (ZeroStage2) keeps no full gradient beyond its bucket: on EVERY micro-batch each parameter's gradient is
+copied into its bucket's buffer the moment autograd produces it, and the parameter's .grad is freed; a complete
+bucket is averaged by reduce-scatter, its shard added to this rank's shard accumulator (the shard param's .grad,
+Psi/W elements in all), and the buffer reused for a later bucket. Full buffers exist only while a bucket fills or
+is in flight (a pool, grown only when every buffer is busy, released at the end of each window). The price is K
+reduce-scatters per optimizer step instead of one: (K + 1)(W - 1)/W Psi elements sent per rank and step, the same
+as stage 1 at K = 1. Measure both: training_benchmark.py --zero.
+
+Collectives: ``allreduce`` "torch" uses torch.distributed's reduce_scatter_tensor and all_gather_into_tensor in
+place (the output is this rank's chunk of the input, NCCL's in-place convention, which gloo follows too); "ring"
+uses allreduce.py's ring_reduce_scatter and ring_all_gather, point-to-point messages run on an AllreduceThread (a
+thread and a process group of their own, so they overlap backward and never interleave with SyncBatchNorm's
+collectives on the default group). ``sent_bytes()`` counts what this rank sends: the ring's own isend payloads, or
+for torch's collectives what an ideal ring sends, (W-1)/W of the buffer per call (gloo's reduce_scatter_tensor
+actually all-reduces, twice that).
+
+Checkpoints. ``optimizer_state`` gathers the sharded state to rank 0's CPU one bucket at a time (never the whole
+state on one GPU) and returns it as torch.optim's ordinary state_dict over the model's trainable parameters in
+their order: what a replicated optimizer has. ``load_optimizer_state`` cuts this rank's shards out of such a dict.
+So a checkpoint of any stage loads into any stage at any world size.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import utils
+from gradsync import DDPSync, GradientSync, gradient_view, size_text
+
+
+class ZeroStage1(GradientSync):
+    """Optimizer state sharded: full gradient buckets, reduce-scattered on the window's last micro-batch; the
+    optimizer steps this rank's shards, and ``gather_params`` all-gathers the updated shards (module docstring)."""
+
+    collective = "reduce_scatter"
+
+    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
+                 timeout_s: float | None = None):
+        if allreduce not in ("torch", "ring"):
+            raise ValueError(f"ZeRO runs on torch's or the ring's reduce-scatter and all-gather, not {allreduce!r}")
+        self.rank = dist.get_rank()
+        super().__init__(model, bucket_mb, overlap, allreduce, timeout_s)
+        self.offsets = []  # per bucket: each parameter's first element in the flat
+        for bucket in self.buckets:
+            starts = [0]
+            for p in bucket[:-1]:
+                starts.append(starts[-1] + p.numel())
+            self.offsets.append(starts)
+        self.param_flats = [self._parameter_buffer(index) for index in range(len(self.buckets))]
+        self.shards = [nn.Parameter(self.shard_of(flat)) for flat in self.param_flats]
+        for index, shard in enumerate(self.shards):
+            shard.grad = self._shard_gradient(index)
+        self.gather_names = [f"all_gather bucket {index} ({size_text(flat.numel() * flat.element_size())})"
+                             for index, flat in enumerate(self.param_flats)]
+
+    def flat_length(self, bucket: list[nn.Parameter]) -> int:
+        numel = sum(p.numel() for p in bucket)
+        return -(-numel // self.world_size) * self.world_size  # padded: W equal shards
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a padded flat bucket (a view)."""
+        width = flat.numel() // self.world_size
+        return flat[self.rank * width:(self.rank + 1) * width]
+
+    def _parameter_buffer(self, index: int) -> torch.Tensor:
+        """The bucket's parameters moved into one padded flat tensor; each parameter becomes a view into it, laid
+        out as its gradient is (gradient_view), so the flat weight and the flat gradient match element by element."""
+        bucket = self.buckets[index]
+        flat = torch.zeros(self.flat_length(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+        with torch.no_grad():
+            for p, start in zip(bucket, self.offsets[index]):
+                view = gradient_view(flat[start:start + p.numel()], p)
+                view.copy_(p)
+                p.data = view
+        return flat
+
+    def _shard_gradient(self, index: int) -> torch.Tensor:
+        """The shard param's .grad: this rank's slice of the full gradient bucket (the reduce-scatter's output)."""
+        return self.shard_of(self.flats[index])
+
+    def _reduce_scatter(self, flat: torch.Tensor) -> Any:
+        """Average ``flat`` over ranks into this rank's shard of it, asynchronously (divide first, then SUM)."""
+        flat.div_(self.world_size)
+        if self.averager is not None:
+            from allreduce import ring_reduce_scatter
+            return self.averager.submit(flat, operation=ring_reduce_scatter)
+        self.nominal_sent += self.shard_of(flat).numel() * (self.world_size - 1) * flat.element_size()
+        return dist.reduce_scatter_tensor(self.shard_of(flat), flat, async_op=True)
+
+    def _start(self, index: int) -> Any:
+        return self._reduce_scatter(self.flats[index])
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.shards
+
+    def gather_params(self) -> None:
+        """After the optimizer step: every rank's updated shards into every rank's parameters (all-gather in
+        place, every bucket launched before any is waited for)."""
+        handles = []
+        for name, flat in zip(self.gather_names, self.param_flats):
+            with utils.profiled(name) as span:
+                if self.averager is not None:
+                    from allreduce import ring_all_gather
+                    handle = self.averager.submit(flat, operation=ring_all_gather)
+                else:
+                    self.nominal_sent += self.shard_of(flat).numel() * (self.world_size - 1) * flat.element_size()
+                    handle = dist.all_gather_into_tensor(flat, self.shard_of(flat), async_op=True)
+                if span is not None:
+                    span._call_end_callbacks_on_future(self._landed(handle))
+            handles.append(handle)
+        with utils.profiled("all_gather wait"):
+            self._wait(handles)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Checkpoints: the sharded state as an ordinary state_dict over the model's parameters, and back
+    # ------------------------------------------------------------------------------------------------------
+    def _index_of(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(self.params)}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """torch.optim's state_dict over the model's trainable parameters (what a replicated optimizer would
+        hold), assembled on rank 0's CPU one bucket at a time; None on the other ranks. Every rank calls it."""
+        local = optimizer.state_dict()  # state keyed by bucket index: shard-sized tensors and scalars
+        index_of = self._index_of()
+        comm_device = self.shards[0].device if dist.get_backend() == "nccl" else torch.device("cpu")
+        state: dict[int, dict[str, Any]] = {}
+        for index, bucket in enumerate(self.buckets):
+            for key, value in sorted(local["state"].get(index, {}).items()):
+                if torch.is_tensor(value) and value.dim() > 0:  # one number per element: gather the shards
+                    pieces = [torch.empty_like(value, device=comm_device) for _ in range(self.world_size)] \
+                        if self.rank == 0 else None
+                    dist.gather(value.to(comm_device), pieces, dst=0)
+                    if self.rank != 0:
+                        continue
+                    full = torch.cat(pieces).cpu()
+                    for p, start in zip(bucket, self.offsets[index]):
+                        piece = gradient_view(full[start:start + p.numel()], p)
+                        state.setdefault(index_of[id(p)], {})[key] = piece.clone()  # its own storage
+                else:  # a scalar (AdamW's step count): the same for every parameter of the bucket
+                    for p in bucket:
+                        state.setdefault(index_of[id(p)], {})[key] = value.clone() if torch.is_tensor(value) \
+                            else value
+        if self.rank != 0:
+            return None
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(len(self.params)))}
+                  for group in local["param_groups"]]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> None:
+        """Load a state_dict over the model's parameters (``optimizer_state``'s form, or a replicated optimizer's)
+        by cutting this rank's shard out of each bucket, one bucket at a time."""
+        if len(full["param_groups"]) != 1 or len(full["param_groups"][0]["params"]) != len(self.params):
+            raise ValueError(f"the optimizer state has {sum(len(g['params']) for g in full['param_groups'])} "
+                             f"parameters in {len(full['param_groups'])} group(s); this model has "
+                             f"{len(self.params)} in one")
+        index_of = self._index_of()
+        state: dict[int, dict[str, Any]] = {}
+        for index, bucket in enumerate(self.buckets):
+            saved = [full["state"].get(index_of[id(p)], {}) for p in bucket]
+            for key in saved[0]:
+                first = saved[0][key]
+                if torch.is_tensor(first) and first.dim() > 0:
+                    flat = torch.zeros(self.flat_length(bucket), dtype=first.dtype)
+                    for p, start, entry in zip(bucket, self.offsets[index], saved):
+                        gradient_view(flat[start:start + p.numel()], p).copy_(entry[key])
+                    state.setdefault(index, {})[key] = self.shard_of(flat).clone()
+                else:
+                    state.setdefault(index, {})[key] = first.clone() if torch.is_tensor(first) else first
+        group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
+        optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(len(self.shards)))}]})
+
+
+class ZeroStage2(ZeroStage1):
+    """Gradients sharded too: every micro-batch reduce-scatters each complete bucket into this rank's shard
+    accumulator, and full gradient buffers live only while a bucket fills or is in flight (module docstring).
+    Always overlapped: the hooks that copy each gradient out are what frees it."""
+
+    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool = True, allreduce: str = "torch",
+                 timeout_s: float | None = None):
+        if not overlap:
+            raise ValueError("ZeRO stage 2 reduce-scatters each bucket as backward completes it; syncing after "
+                             "backward would keep every full gradient (use stage 1 for that)")
+        super().__init__(model, bucket_mb, True, allreduce, timeout_s)
+        self.place = {id(p): (index, start) for index, bucket in enumerate(self.buckets)
+                      for p, start in zip(bucket, self.offsets[index])}
+        self.numels = [sum(p.numel() for p in bucket) for bucket in self.buckets]
+        self.buffer_length = max(self.flat_length(bucket) for bucket in self.buckets)
+        self.pool: list[torch.Tensor] = []  # free full-gradient buffers, each buffer_length long
+        self.filling: dict[int, torch.Tensor] = {}  # bucket index -> the buffer its gradients are copied into
+        self.in_flight: list[tuple[int, torch.Tensor, Any]] = []  # (bucket, its buffer, handle), launch order
+
+    def _gradient_buffer(self, bucket: list[nn.Parameter]) -> None:
+        for p in bucket:
+            p.grad = None  # autograd allocates each gradient; the hook copies it out and frees it
+        return None
+
+    def _shard_gradient(self, index: int) -> torch.Tensor:
+        """The shard accumulator: the sum over the window's micro-batches of the averaged shard gradients."""
+        flat_params = self.param_flats[index]
+        return torch.zeros(flat_params.numel() // self.world_size, dtype=flat_params.dtype,
+                           device=flat_params.device)
+
+    def prepare(self, sync: bool) -> None:
+        """Every micro-batch communicates in stage 2: ``sync`` changes nothing here."""
+        self.pending = list(self.sizes)
+        self.launched = 0
+        self.handles = []
+
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        buffer = self.filling.get(index)
+        if buffer is None:
+            buffer = self.filling[index] = self._acquire()
+            buffer[self.numels[index]:self.flat_length(self.buckets[index])].zero_()  # the padding
+        start = self.place[id(param)][1]
+        gradient_view(buffer[start:start + param.numel()], param).copy_(param.grad)
+        param.grad = None  # the full gradient does not outlive this copy
+        self.pending[index] -= 1
+        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+            self._launch()
+
+    def _acquire(self) -> torch.Tensor:
+        """A free buffer: from the pool, else the oldest bucket in flight lands and frees its own, else (every
+        buffer is filling) a new one."""
+        if not self.pool and self.in_flight:
+            self._land_oldest()
+        if not self.pool:
+            self.pool.append(torch.empty(self.buffer_length, dtype=self.shards[0].dtype,
+                                         device=self.shards[0].device))
+        return self.pool.pop()
+
+    def _flat(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[:self.flat_length(self.buckets[index])]
+
+    def _land_oldest(self) -> None:
+        index, buffer, handle = self.in_flight.pop(0)
+        self._wait([handle])
+        self.shards[index].grad.add_(self.shard_of(self._flat(index, buffer)))
+        self.pool.append(buffer)
+
+    def _start(self, index: int) -> Any:
+        buffer = self.filling.pop(index)
+        handle = self._reduce_scatter(self._flat(index, buffer))
+        self.in_flight.append((index, buffer, handle))
+        return handle
+
+    def finish(self) -> None:
+        """Wait for the window's last reduce-scatters, add them in, and release the full buffers."""
+        with utils.profiled(f"{self.collective} wait"):
+            while self.in_flight:
+                self._land_oldest()
+        self.pool = []
+        self.handles = []
+
+    def zero_grad(self) -> None:
+        for shard in self.shards:
+            shard.grad.zero_()
+
+    def held_gradient_buffers(self) -> list[torch.Tensor]:
+        return self.pool + list(self.filling.values()) + [flat for _, flat, _ in self.in_flight]
+
+
+def make_sync(stage: int, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
+              timeout_s: float | None = None) -> GradientSync:
+    """The hand-written sync for ZeRO ``stage`` 0 (replicated: gradsync.GradientSync), 1 or 2."""
+    return (GradientSync, ZeroStage1, ZeroStage2)[stage](model, bucket_mb, overlap, allreduce, timeout_s)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: GradientSync | DDPSync
+                ) -> dict[str, int]:
+    """Bytes this rank holds for the weights, the gradients and the optimizer state: the storages behind the
+    model's parameters, behind every .grad the model or the optimizer reaches (and stage 2's buffers), and behind
+    the optimizer's state tensors (ZeroRedundancyOptimizer: its local optimizer's), each storage counted once."""
+    def held(tensors) -> int:
+        storages = {}
+        for t in tensors:
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    optimized = [p for group in optimizer.param_groups for p in group["params"]]
+    local = getattr(optimizer, "optim", optimizer)
+    grads = [p.grad for p in list(model.parameters()) + optimized]
+    grads += getattr(sync, "held_gradient_buffers", list)()
+    return {"params": held(model.parameters()), "grads": held(grads),
+            "optimizer": held(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))}
