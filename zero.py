@@ -231,6 +231,7 @@ class ZeroStage2(ZeroStage1):
         self.pool: list[torch.Tensor] = []  # free full-gradient buffers, each buffer_length long
         self.filling: dict[int, torch.Tensor] = {}  # bucket index -> the buffer its gradients are copied into
         self.in_flight: list[tuple[int, torch.Tensor, Any]] = []  # (bucket, its buffer, handle), launch order
+        self.buffers_made = 0  # the most full buffers alive at once, over the run (the pool's high-water mark)
 
     def _gradient_buffer(self, bucket: list[nn.Parameter]) -> None:
         for p in bucket:
@@ -267,6 +268,8 @@ class ZeroStage2(ZeroStage1):
         if not self.pool and self.in_flight:
             self._land_oldest()
         if not self.pool:
+            busy = len(self.filling) + len(self.in_flight)
+            self.buffers_made = max(self.buffers_made, busy + 1)
             self.pool.append(torch.empty(self.buffer_length, dtype=self.shards[0].dtype,
                                          device=self.shards[0].device))
         return self.pool.pop()

@@ -1,0 +1,255 @@
+"""zero.py: ZeRO stages 1 and 2 inside the trainer, against the replicated run (stage 0), DDP and PyTorch's
+ZeroRedundancyOptimizer, in the session's reusable gloo workers (``local_group``).
+
+The exactness claims are carried in float64 (as test_ddp_cifar100.py's): stage 1 computes exactly what stage 0
+computes, in the same order (each rank's window of micro-batches summed locally, then averaged over ranks), so
+with the same collective the weights are bit-identical (the ring adds three ranks in another order than gloo:
+1e-20 apart). Stage 2 averages every micro-batch over ranks before adding the micro-batches, so
+its sums are ordered otherwise; over an epoch the trajectory amplifies that rounding (AdamW most, since its first
+steps are close to lr * sign(g), and a gradient element that cancels to near zero flips with rounding), which
+leaves some hundreds of float64 units of 2^-53 (3e-13 measured at 2 processes, 2e-14 at 3, on this machine's
+default and avx512 kernels). 1e-11 keeps a factor 30 for other kernel sets; a real error (a shard averaged over
+the wrong ranks, a micro-batch lost or counted twice, a step on stale weights) moves the weights at first order,
+by about the learning rate (1e-2), nine orders above it.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddp_cifar100 as trainer
+import zero
+from gradsync import assign_buckets
+from test_ddp_cifar100 import TINY, max_difference, train_in_group, try_train_in_group
+
+# 1 epoch: 64 samples per rank at 2 processes (43 at 3: uneven shards of the data too) in micro-batches of 8,
+# grad-accum 3, so the last window is short; buckets of at most 20 kB, so the small ResNet's 83,892 parameters
+# fall into 13 buckets in float64 (17 in float32), several of them not divisible by 3.
+BASE = TINY + ["--model", "resnet", "--epochs", "1", "--norm", "custom", "--bucket-mb", "0.02", "--seed", "3",
+               "--grad-accum", "3", "--dropout", "0"]
+OPTIMIZERS = {2: ["--optimizer", "adamw", "--lr", "0.01"], 3: ["--optimizer", "sgd"]}
+ITEM = 8  # bytes per element: the stage runs are made in float64 (AdamW's step counts too)
+
+
+def bucket_count(dtype: torch.dtype) -> int:
+    """The small ResNet's buckets at --bucket-mb 0.02, for parameters of ``dtype``."""
+    return len(assign_buckets([p.to(dtype) for p in trainer.build_model("resnet", 0.0, "local").parameters()],
+                              0.02))
+
+
+def train_variants(rank, world_size, argv, variants, dtype="float64"):
+    """Several trainer runs in one call of the group: {name: (state, metrics)} for each (name, extra flags)."""
+    return {name: train_in_group(rank, world_size, argv + extra, dtype) for name, extra in variants}
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def stage_runs(request, local_group):
+    """Stage 0 and stages 1 and 2 with both collectives; at 2 processes also DDP and ZeroRedundancyOptimizer."""
+    world_size = request.param
+    variants = [("stage 0", ["--zero", "0"])]
+    for allreduce in ("torch", "ring"):
+        variants += [(f"stage {stage} {allreduce}", ["--zero", str(stage), "--allreduce", allreduce])
+                     for stage in (1, 2)]
+    if world_size == 2:
+        variants += [("ddp", ["--grad-sync", "ddp"]), ("zero redundancy", ["--grad-sync", "ddp", "--zero", "1"])]
+    ranks = local_group(world_size).run(train_variants, BASE + OPTIMIZERS[world_size], variants)
+    return world_size, ranks
+
+
+def test_sharded_stages_match_stage_0(stage_runs):
+    world_size, ranks = stage_runs
+    reference = ranks[0]["stage 0"]["state"]
+    # 64 samples per rank: 8 micro-batches, 3 steps (the last window short); 43: 6 micro-batches (the last of
+    # 3 samples), 2 steps
+    assert ranks[0]["stage 0"]["metrics"]["optimizer_steps"] == {2: 3, 3: 2}[world_size]
+    for name in ranks[0]:
+        # every rank ends with the same weights: the all-gather made the model whole everywhere
+        assert all(max_difference(ranks[0][name]["state"], r[name]["state"]) == 0 for r in ranks), name
+        worst = max_difference(reference, ranks[0][name]["state"])
+        print(f"\n{world_size} processes, {OPTIMIZERS[world_size][1]}, {name} vs stage 0 (float64): max |dw| = "
+              f"{worst:.1e}")
+        if name == "stage 1 torch" or (world_size == 2 and not name.startswith("stage 2")):
+            # the same sums in the same order as stage 0: gloo's reduce-scatter adds the ranks as its all-reduce
+            # does; and a sum of two ranks is the same in any order (the ring's, DDP's)
+            assert worst == 0, name
+        else:
+            assert worst < 1e-11, name
+
+
+def test_state_bytes_follow_the_formula(stage_runs):
+    """Between steps: weights Psi, gradients Psi (stage 0, 1) or Psi/W (stage 2), state 2 Psi/W (AdamW) or Psi/W
+    (SGD's momentum), each within the padding: less than one element per bucket and rank."""
+    world_size, ranks = stage_runs
+    psi = ranks[0]["stage 0"]["metrics"]["trainable_parameters"]
+    tensors = len([p for p in trainer.build_model("resnet", 0.0, "local").parameters()])
+    buckets = bucket_count(torch.float64)
+    per_element = 2 if OPTIMIZERS[world_size][1] == "adamw" else 1  # exp_avg and exp_avg_sq, or momentum
+    step_counts = tensors if per_element == 2 else 0  # AdamW's step: a scalar per parameter tensor
+    stage0 = ranks[0]["stage 0"]["metrics"]["state_bytes"]
+    assert stage0 == {"params": ITEM * psi, "grads": ITEM * psi,
+                      "optimizer": ITEM * (per_element * psi + step_counts)}
+    for allreduce in ("torch", "ring"):
+        for stage in (1, 2):
+            held = ranks[0][f"stage {stage} {allreduce}"]["metrics"]["state_bytes"]
+            grads = psi if stage == 1 else psi / world_size
+            assert ITEM * psi <= held["params"] < ITEM * (psi + buckets * world_size)
+            assert ITEM * grads <= held["grads"] < ITEM * (grads + buckets * (world_size if stage == 1 else 1))
+            # a step count per bucket with AdamW; each bucket's shard rounds up by less than one element
+            state = held["optimizer"] / ITEM - (buckets if per_element == 2 else 0)
+            assert per_element * psi / world_size <= state < per_element * (psi / world_size + buckets)
+            print(f"\n{world_size} processes, stage {stage} {allreduce}: {held} (Psi = {psi})")
+
+
+def test_bytes_sent_per_step(stage_runs):
+    """A reduce-scatter and an all-gather send (W-1)/W of the padded buffers each: 2 (W-1)/W Psi elements per
+    step, as stage 0's all-reduce; stage 2 reduce-scatters every micro-batch: (K+1)(W-1)/W Psi. The ring's are
+    counted at its isend calls, torch's are what a ring would send."""
+    world_size, ranks = stage_runs
+    psi = ranks[0]["stage 0"]["metrics"]["trainable_parameters"]
+    padded = psi + bucket_count(torch.float64) * (world_size - 1)  # at most: every bucket padded
+    one_way = (world_size - 1) / world_size * ITEM
+    metrics = ranks[0]["stage 0"]["metrics"]
+    micro_batches = metrics["micro_batches"] / metrics["optimizer_steps"]  # per step, on average
+    for allreduce in ("torch", "ring"):
+        for stage, collectives in ((1, 2), (2, micro_batches + 1)):
+            sent = ranks[0][f"stage {stage} {allreduce}"]["metrics"]["sent_bytes_per_step"]
+            assert collectives * one_way * psi <= sent <= collectives * one_way * padded, (stage, allreduce)
+    # stage 0: all_reduce, 2 (W-1)/W per bucket, counted in whole bytes (under a byte per bucket off)
+    buckets = bucket_count(torch.float64)
+    assert abs(metrics["sent_bytes_per_step"] - 2 * one_way * psi) < buckets
+
+
+def count_collectives(rank, world_size, argv):
+    """train() with reduce_scatter_tensor and all_gather_into_tensor counted per training micro-batch, and stage
+    2's high-water mark of full gradient buffers."""
+    calls = []
+    micro_batch = [-1]
+    real = {name: getattr(dist, name) for name in ("reduce_scatter_tensor", "all_gather_into_tensor")}
+    real_build_model, real_make_sync = trainer.build_model, zero.make_sync
+    syncs = []
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append((micro_batch[0], name))
+            return real[name](*args, **kwargs)
+        return call
+
+    def instrumented_build_model(*args, **kwargs):
+        model = real_build_model(*args, **kwargs)
+        model.register_forward_pre_hook(lambda m, _: micro_batch.__setitem__(0, micro_batch[0] + m.training))
+        return model
+
+    def kept_make_sync(*args, **kwargs):
+        syncs.append(real_make_sync(*args, **kwargs))
+        return syncs[-1]
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    trainer.build_model, zero.make_sync = instrumented_build_model, kept_make_sync
+    try:
+        metrics = trainer.train(trainer.parse_args(argv))
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+        trainer.build_model, zero.make_sync = real_build_model, real_make_sync
+    model = metrics.pop("model")
+    return {"calls": calls, "micro_batches": micro_batch[0] + 1, "steps": metrics["optimizer_steps"],
+            "buffers_made": getattr(syncs[0], "buffers_made", None),
+            "grads_left": [p.grad is None for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_which_micro_batches_communicate(local_group, stage):
+    """Stage 1 sends nothing on the K-1 accumulation micro-batches and reduce-scatters every bucket on the
+    last; stage 2 reduce-scatters every bucket on every micro-batch; both all-gather every bucket once per step."""
+    argv = BASE + ["--optimizer", "sgd", "--zero", str(stage), "--dataset", "synthetic", "--epochs", "2"]
+    result = local_group(2).run(count_collectives, argv)[0]
+    buckets, per_epoch = bucket_count(torch.float32), 8
+    assert result["micro_batches"] == 2 * per_epoch
+    last_of_window = {e * per_epoch + j for e in range(2) for j in range(per_epoch) if (j + 1) % 3 == 0 or
+                      j == per_epoch - 1}
+    scatters = {}
+    for micro_batch, name in result["calls"]:
+        if name == "reduce_scatter_tensor":
+            scatters[micro_batch] = scatters.get(micro_batch, 0) + 1
+    expected = last_of_window if stage == 1 else set(range(2 * per_epoch))
+    assert scatters == {m: buckets for m in expected}
+    gathers = [c for c in result["calls"] if c[1] == "all_gather_into_tensor"]
+    assert len(gathers) == buckets * result["steps"]
+    if stage == 2:
+        # full gradients are freed as they are copied out, and the buffers reused: far fewer than the buckets
+        assert all(result["grads_left"])
+        assert result["buffers_made"] <= 3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints at another number of processes
+# ----------------------------------------------------------------------------------------------------------
+RESUME = TINY + ["--model", "resnet", "--epochs", "2", "--norm", "custom", "--bucket-mb", "0.02", "--seed", "3",
+                 "--grad-accum", "2", "--optimizer", "adamw", "--lr", "0.01"]
+
+
+def with_batch_size(argv, batch_size):
+    argv = list(argv)
+    argv[argv.index("--batch-size") + 1] = str(batch_size)
+    return argv
+
+
+@pytest.fixture(scope="module")
+def resumed_on_4(local_group, tmp_path_factory):
+    """Uninterrupted on 2 processes x 8 (stage 0); stopped after 3 steps on 2 x 8 (stage 2); resumed on
+    4 x 4 (stage 1); and the resume on 4 x 8 that changes the global batch."""
+    directory = str(tmp_path_factory.mktemp("resume-on-4"))
+    whole = local_group(2).run(train_in_group, RESUME + ["--zero", "0"], "float64")
+    first = local_group(2).run(train_in_group, RESUME + ["--zero", "2", "--max-steps", "3",
+                                                         "--checkpoint-dir", directory], "float64")
+    refused = local_group(4).run(try_train_in_group, RESUME + ["--zero", "1", "--checkpoint-dir", directory])
+    second = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + ["--zero", "1", "--checkpoint-dir",
+                                                                              directory], "float64")
+    return {"whole": whole, "first": first, "second": second, "refused": refused, "dir": directory}
+
+
+def test_stopped_on_2_processes_resumed_on_4_ends_where_the_uninterrupted_run_ends(resumed_on_4):
+    whole, first, second = resumed_on_4["whole"], resumed_on_4["first"], resumed_on_4["second"]
+    assert first[0]["metrics"]["optimizer_steps"] == 3  # 4 steps per epoch: stopped inside the first
+    assert second[0]["metrics"]["optimizer_steps"] == whole[0]["metrics"]["optimizer_steps"] == 8
+    assert second[0]["metrics"]["world_size"] == 4
+    worst = max_difference(whole[0]["state"], second[0]["state"])
+    print(f"\nstopped at step 3 on 2 processes (stage 2), resumed on 4 (stage 1) vs uninterrupted on 2 (stage 0), "
+          f"float64: max |dw| = {worst:.1e}")
+    assert worst < 1e-11  # stage 2's summation order (module docstring)
+    for ours, theirs in zip(second[0]["metrics"]["epochs"], whole[0]["metrics"]["epochs"], strict=True):
+        assert ours["val_correct"] == theirs["val_correct"]
+        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-12)  # the epoch's sums carried on
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-10)
+
+
+def test_checkpoint_holds_the_whole_model_and_a_replicated_optimizers_state(resumed_on_4):
+    state = torch.load(f"{resumed_on_4['dir']}/last.pt", map_location="cpu", weights_only=True)
+    model = trainer.build_model("resnet", 0.0, "custom")
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    assert {k: v.shape for k, v in state["model"].items()} == shapes
+    params = [p for p in model.parameters()]
+    assert sorted(state["optimizer"]["state"]) == list(range(len(params)))
+    for index, p in enumerate(params):
+        entry = state["optimizer"]["state"][index]
+        assert entry["exp_avg"].shape == entry["exp_avg_sq"].shape == p.shape
+    assert state["optimizer"]["param_groups"][0]["params"] == list(range(len(params)))
+    assert state["world_size"] == 4
+
+
+def test_a_resume_that_changes_the_global_batch_names_the_batch_size_that_keeps_it(resumed_on_4):
+    messages = resumed_on_4["refused"]
+    assert all(isinstance(m, str) for m in messages)
+    assert "global batch of 32 (batch size x grad-accum x processes = 8 x 2 x 2), not 64" in messages[0]
+    assert "--batch-size 4 keeps it on 4 processes" in messages[0]
+
+
+@pytest.mark.parametrize("flags,phrase", [
+    (["--grad-sync", "ddp", "--zero", "2"], "--grad-sync ddp takes --zero 0 or 1"),
+    (["--zero", "1", "--allreduce", "butterfly"], "--allreduce torch or ring"),
+    (["--zero", "2", "--sync-mode", "after"], "--zero 2 reduce-scatters each bucket"),
+    (["--zero", "3"], "invalid choice: 3"),
+])
+def test_zero_flags_are_checked_in_one_line(flags, phrase):
+    with pytest.raises(trainer.UsageError, match=phrase):
+        trainer.parse_args(TINY + flags)
