@@ -22,11 +22,14 @@ def test_cifar_augmentation_is_torchvisions_random_crop_and_flip():
 
 
 def test_the_hash_is_splitmix64_bit_for_bit():
-    """mix64 on int64 tensors against SplitMix64's published outputs for seed 1234567 (Rosetta Code, "Pseudo-random
-    numbers/Splitmix64"): their intermediate values are negative as int64, so an arithmetic shift would show."""
-    outputs = data.mix64(1234567 + torch.arange(1, 6) * data.GOLDEN_GAMMA)
-    assert [v % 2**64 for v in outputs.tolist()] == [6457827717110365317, 3203168211198807973, 9817491932198370423,
-                                                       4593380528125082431, 16408922859458223821]
+    """mix64 on int64 tensors and splitmix64 on Python ints against SplitMix64's published outputs for seed
+    1234567 (Rosetta Code, "Pseudo-random numbers/Splitmix64"): their intermediate values are negative as int64,
+    so an arithmetic shift would show."""
+    expected = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
+                16408922859458223821]
+    outputs = data.mix64(1234567 + torch.arange(1, 6) * data.int64(data.GAMMA))
+    assert [v % 2**64 for v in outputs.tolist()] == expected
+    assert [data.splitmix64(1234567 + n * data.GAMMA) for n in range(5)] == expected  # the epoch key's twin
 
 
 def augmented_epoch(rank, world_size, batch_size, epoch, start):
