@@ -34,8 +34,8 @@ size.
 
 Checkpoints and exact resume: rank 0 writes DIR/last.pt atomically (temporary file, flush, fsync, os.replace)
 at epoch ends, every --checkpoint-every steps and when --max-steps stops the run. Nothing random is carried from
-step to step: the data order comes from (seed, epoch), in-memory augmentation from (seed, epoch, rank,
-micro-batch), image-folder augmentation from (seed, epoch, sample) and dropout from a reseed with (seed, rank,
+step to step: the data order comes from (seed, epoch), each sample's augmentation (in memory or from an image folder)
+from (seed, epoch, sample index) and dropout from a reseed with (seed, rank,
 optimizer step) before every step, so the checkpoint (model, optimizer, scheduler, scaler, position in the epoch)
 is all a resumed run needs to continue bit for bit; a resumed image-folder run decodes none of the samples it
 skips. On resume rank 0 reads the file and broadcasts it, so other nodes need no shared file system.

@@ -1,5 +1,17 @@
-"""The trainer's models: the assignment's small net (BatchNorm1d, dropout), a small CIFAR ResNet (BatchNorm2d)
-and torchvision's ResNets (weights=None), with their BatchNorm layers synchronized as --norm says."""
+"""The trainer's models: the assignment's small net (BatchNorm1d, dropout), a small CIFAR ResNet (BatchNorm2d),
+torchvision's ResNets, a small Vision Transformer for 32-pixel images and torchvision's ViTs (all weights=None),
+with their BatchNorm layers synchronized as --norm says.
+
+The ViTs normalize with LayerNorm, per token: they have no BatchNorm, so --norm leaves them as they are. Their
+dropout and attention dropout are torchvision's defaults, 0, so nothing in their forward pass draws from the RNG
+and a step does not depend on how the global batch is split over ranks.
+
+With few tokens a ViT's weights, gradients and optimizer state outweigh its activations, which is what sharding
+them (ZeRO) saves: vit_b_16 on 32-pixel images (4 patches and the class token) has 86M parameters (327 MB in
+float32, twice that again as gradients and momentum) against about 3 MB of saved activations per sample; the
+small `vit` (0.8M parameters, 65 tokens) only at batches of a few samples (2.2 MB of activations per sample
+against 9.4 MB of parameters, gradients and momentum).
+"""
 from __future__ import annotations
 
 import torch
@@ -7,9 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from syncbn import SyncBatchNorm
+from utils import UsageError
 
 TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")  # patch size after the last _
+MODELS = ("net", "resnet", "vit") + TORCHVISION_RESNETS + TORCHVISION_VITS
 NUM_CLASSES = 100  # the default output size: CIFAR-100's classes
+SMALL_VIT = dict(patch_size=4, num_layers=4, num_heads=4, hidden_dim=128, mlp_dim=512)  # 8x8 patches at 32 px
 
 
 class Net(nn.Module):
@@ -73,15 +89,28 @@ class ResNet(nn.Module):
 
 def build_model(name: str, dropout: float, norm: str, num_classes: int = NUM_CLASSES, image_size: int = 32
                 ) -> nn.Module:
-    """The model with its BatchNorm layers as --norm says (local = plain per-process BatchNorm)."""
+    """The model with its BatchNorm layers as --norm says (local = plain per-process BatchNorm).
+
+    A ViT cuts the image into patches: its image size must be a multiple of the patch size (a UsageError
+    otherwise), and it takes only that size (torchvision's ViT checks the input's height and width).
+    """
+    if name in ("vit",) + TORCHVISION_VITS:
+        patch = SMALL_VIT["patch_size"] if name == "vit" else int(name.rsplit("_", 1)[1])
+        if image_size % patch:
+            raise UsageError(f"--model {name} needs an image size divisible by {patch}, got {image_size}")
     if name == "net":
         model = Net(dropout, num_classes, image_size)
     elif name == "resnet":
         model = ResNet(num_classes=num_classes)
+    elif name == "vit":
+        import torchvision
+
+        model = torchvision.models.VisionTransformer(image_size=image_size, num_classes=num_classes, **SMALL_VIT)
     else:
         import torchvision
 
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        size = {"image_size": image_size} if name in TORCHVISION_VITS else {}
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **size)
     if norm == "custom":
         model = SyncBatchNorm.convert_sync_batchnorm(model)
     elif norm == "torch":

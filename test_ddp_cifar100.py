@@ -67,9 +67,9 @@ def evaluate_in_group(rank, world_size, val_size, seed):
     return trainer.evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None)
 
 
-def normalized_batch(image_set, indices, generator=None):
+def normalized_batch(image_set, indices, epoch_key=None):
     """An in-memory batch as the trainer feeds it to the model: normalized with CIFAR-100's mean and std."""
-    images, labels = image_set.batch(indices, generator)
+    images, labels = image_set.batch(indices, epoch_key)
     mean = torch.tensor(CIFAR100_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(CIFAR100_STD).view(1, 3, 1, 1)
     return normalize(images, mean, std, torch.contiguous_format), labels
