@@ -84,7 +84,7 @@ import utils
 from data import FolderData, MemoryData, derive_seed, load_data
 import zero
 from gradsync import DDPSync, GradientSync, broadcast_state, make_ddp
-from models import TORCHVISION_RESNETS, build_model
+from models import MODELS, build_model
 from utils import UsageError
 
 WARMUP_STEPS = 3  # optimizer steps left out of the step-time statistics (allocator and autograd warm-up)
@@ -744,8 +744,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "= RandomCrop with padding S/8 + flip; default imagenet for folders, cifar for cifar100, none for "
              "synthetic")
     add("--workers", type=int, default=0, help="imagefolder: DataLoader processes that decode and augment")
-    add("--model", choices=("net", "resnet") + TORCHVISION_RESNETS, default="net",
-        help="net and resnet: small models for 32-pixel images; resnet18... : torchvision's (weights=None)")
+    add("--model", choices=MODELS, default="net",
+        help="net, resnet and vit: small models for 32-pixel images; resnet18..., vit_b_16...: torchvision's "
+             "(weights=None; a ViT takes --image-size, which its patch size must divide)")
     add("--channels-last", action="store_true", help="model and batches in channels-last memory format")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
     add("--grad-sync", choices=("custom", "ddp"), default="custom")

@@ -93,7 +93,8 @@ def imagenet_configurations(norms: list[str], grad_syncs: list[str]) -> list[dic
 
 
 def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+    nproc = config.get("nproc", args.nproc)  # zero_benchmark.py runs several world sizes
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(HERE, "ddp_cifar100.py"),
            "--dataset", args.dataset, "--model", args.model, "--device", args.device,
            "--grad-sync", config["grad_sync"], "--norm", config["norm"],
@@ -116,7 +117,7 @@ def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -
         cmd += ["--allreduce", config["allreduce"]]
     if args.amp != "off":
         cmd += ["--amp", args.amp]
-    return cmd
+    return cmd + config.get("flags", [])  # whatever else a configuration sets (zero_benchmark.py)
 
 
 def run_trainer(config: dict, args: argparse.Namespace, attempts: int = 2, profile: bool = False) -> dict:
