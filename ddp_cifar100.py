@@ -1,5 +1,6 @@
-"""Data-parallel training of image classifiers: hand-written gradient averaging next to PyTorch's
-DistributedDataParallel, on CIFAR-100, a synthetic set, or any image folder up to ImageNet scale.
+"""Data-parallel training of image classifiers: hand-written gradient averaging and ZeRO sharding next to PyTorch's
+DistributedDataParallel and ZeroRedundancyOptimizer, on CIFAR-100, a synthetic set, or any image folder up to
+ImageNet scale.
 
     torchrun --standalone --nproc_per_node N ddp_cifar100.py [flags]     (python ddp_cifar100.py: a world of 1)
 
@@ -32,6 +33,12 @@ shard with the running BatchNorm statistics (broadcast from rank 0 first) and th
 top-1/top-5 counts are dist.reduce'd to rank 0, so the accuracy equals a single-process evaluation for any world
 size.
 
+Sharded data parallelism (--zero 1|2, zero.py): the optimizer's state (1), and the gradients too (2), are split
+over the ranks; each rank steps its shard of every bucket and the updated shards are all-gathered into every
+rank's model after the step (sync.gather_params()), so the loop below is the same for every stage. --grad-sync ddp
+--zero 1 is PyTorch's ZeroRedundancyOptimizer over DDP. --metrics-out reports state_bytes, the largest rank's
+bytes of weights, gradients and optimizer state between steps, and sent_bytes_per_step.
+
 Checkpoints and exact resume: rank 0 writes DIR/last.pt atomically (temporary file, flush, fsync, os.replace)
 at epoch ends, every --checkpoint-every steps and when --max-steps stops the run. Nothing random is carried from
 step to step: the data order comes from (seed, epoch), each sample's augmentation (in memory or from an image folder)
@@ -39,6 +46,17 @@ from (seed, epoch, sample index) and dropout from a reseed with (seed, rank,
 optimizer step) before every step, so the checkpoint (model, optimizer, scheduler, scaler, position in the epoch)
 is all a resumed run needs to continue bit for bit; a resumed image-folder run decodes none of the samples it
 skips. On resume rank 0 reads the file and broadcasts it, so other nodes need no shared file system.
+"model" is the bare model's full state_dict and "optimizer" torch.optim's state_dict over the model's trainable
+parameters in order, whatever --zero (the sharded stages gather their shards to rank 0's CPU one bucket at a
+time), so any stage at any world size loads it. A run is identified by its global batch (batch size x grad-accum
+x processes), not by its number of processes: micro-batch j of an epoch holds the same B x W samples (the
+sampler's order, rank r taking every W-th) and SyncBatchNorm normalizes over all of them, however they are split,
+so a run stopped on 2 processes resumes on 4 with --batch-size halved and ends where it would have, up to float
+summation order; this is what torchrun's elastic restarts need when a node is lost (--nnodes MIN:MAX). A
+resume that changes the global batch is refused with the --batch-size that keeps it; one whose weights depend on
+the split (--norm local, dropout) says so and goes on. (The micro-batches are the same where the training set
+divides evenly over both numbers of processes; otherwise DistributedSampler pads each rank's shard by repeating
+samples, and how many depends on W.)
 
 Bit-for-bit claims (resume, restarts, two nodes, custom == DDP) are facts of the CPU kernels. On CUDA,
 convolutions pick nondeterministic algorithms unless asked: --deterministic sets

@@ -12,6 +12,8 @@ default and avx512 kernels). 1e-11 keeps a factor 30 for other kernel sets; a re
 the wrong ranks, a micro-batch lost or counted twice, a step on stale weights) moves the weights at first order,
 by about the learning rate (1e-2), nine orders above it.
 """
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,8 +39,11 @@ def bucket_count(dtype: torch.dtype) -> int:
 
 
 def train_variants(rank, world_size, argv, variants, dtype="float64"):
-    """Several trainer runs in one call of the group: {name: (state, metrics)} for each (name, extra flags)."""
-    return {name: train_in_group(rank, world_size, argv + extra, dtype) for name, extra in variants}
+    """Several trainer runs in one call of the group: {name: {"state", "metrics"}} for each (name, extra flags),
+    and under "threads left" the names of the ring's averaging threads still alive after them."""
+    runs = {name: train_in_group(rank, world_size, argv + extra, dtype) for name, extra in variants}
+    runs["threads left"] = [t.name for t in threading.enumerate() if t.name.startswith("allreduce")]
+    return runs
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -55,13 +60,18 @@ def stage_runs(request, local_group):
     return world_size, ranks
 
 
+def test_the_rings_thread_is_closed_when_training_ends(stage_runs):
+    world_size, ranks = stage_runs
+    assert all(r["threads left"] == [] for r in ranks)
+
+
 def test_sharded_stages_match_stage_0(stage_runs):
     world_size, ranks = stage_runs
     reference = ranks[0]["stage 0"]["state"]
     # 64 samples per rank: 8 micro-batches, 3 steps (the last window short); 43: 6 micro-batches (the last of
     # 3 samples), 2 steps
     assert ranks[0]["stage 0"]["metrics"]["optimizer_steps"] == {2: 3, 3: 2}[world_size]
-    for name in ranks[0]:
+    for name in (name for name in ranks[0] if name != "threads left"):
         # every rank ends with the same weights: the all-gather made the model whole everywhere
         assert all(max_difference(ranks[0][name]["state"], r[name]["state"]) == 0 for r in ranks), name
         worst = max_difference(reference, ranks[0][name]["state"])
@@ -196,26 +206,30 @@ def with_batch_size(argv, batch_size):
 
 @pytest.fixture(scope="module")
 def resumed_on_4(local_group, tmp_path_factory):
-    """Uninterrupted on 2 processes x 8 (stage 0); stopped after 3 steps on 2 x 8 (stage 2); resumed on
-    4 x 4 (stage 1); and the resume on 4 x 8 that changes the global batch."""
+    """Uninterrupted on 2 processes x 8 (stage 0). Interrupted: 3 steps on 2 x 8 (stage 2), then on 4 x 4 to step 6
+    with ZeroRedundancyOptimizer (which loads our gathered state), then on 4 x 4 to the end (stage 1, which loads
+    ZeroRedundancyOptimizer's consolidated state); and the resume on 4 x 8, which changes the global batch."""
     directory = str(tmp_path_factory.mktemp("resume-on-4"))
+    resumed = ["--checkpoint-dir", directory]
     whole = local_group(2).run(train_in_group, RESUME + ["--zero", "0"], "float64")
-    first = local_group(2).run(train_in_group, RESUME + ["--zero", "2", "--max-steps", "3",
-                                                         "--checkpoint-dir", directory], "float64")
-    refused = local_group(4).run(try_train_in_group, RESUME + ["--zero", "1", "--checkpoint-dir", directory])
-    second = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + ["--zero", "1", "--checkpoint-dir",
-                                                                              directory], "float64")
-    return {"whole": whole, "first": first, "second": second, "refused": refused, "dir": directory}
+    first = local_group(2).run(train_in_group, RESUME + ["--zero", "2", "--max-steps", "3"] + resumed, "float64")
+    refused = local_group(4).run(try_train_in_group, RESUME + ["--zero", "1"] + resumed)
+    middle = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + ["--grad-sync", "ddp", "--zero", "1",
+                                                                              "--max-steps", "6"] + resumed, "float64")
+    second = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + ["--zero", "1"] + resumed, "float64")
+    return {"whole": whole, "first": first, "middle": middle, "second": second, "refused": refused,
+            "dir": directory}
 
 
 def test_stopped_on_2_processes_resumed_on_4_ends_where_the_uninterrupted_run_ends(resumed_on_4):
     whole, first, second = resumed_on_4["whole"], resumed_on_4["first"], resumed_on_4["second"]
     assert first[0]["metrics"]["optimizer_steps"] == 3  # 4 steps per epoch: stopped inside the first
+    assert resumed_on_4["middle"][0]["metrics"]["optimizer_steps"] == 6  # inside the second
     assert second[0]["metrics"]["optimizer_steps"] == whole[0]["metrics"]["optimizer_steps"] == 8
     assert second[0]["metrics"]["world_size"] == 4
     worst = max_difference(whole[0]["state"], second[0]["state"])
-    print(f"\nstopped at step 3 on 2 processes (stage 2), resumed on 4 (stage 1) vs uninterrupted on 2 (stage 0), "
-          f"float64: max |dw| = {worst:.1e}")
+    print(f"\nstopped at step 3 on 2 processes (stage 2), resumed on 4 (ZeroRedundancyOptimizer to step 6, then "
+          f"stage 1) vs uninterrupted on 2 (stage 0), float64: max |dw| = {worst:.1e}")
     assert worst < 1e-11  # stage 2's summation order (module docstring)
     for ours, theirs in zip(second[0]["metrics"]["epochs"], whole[0]["metrics"]["epochs"], strict=True):
         assert ours["val_correct"] == theirs["val_correct"]
