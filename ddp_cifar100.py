@@ -367,6 +367,15 @@ def make_optimizer(args: argparse.Namespace, params: Any, zero_redundancy: bool 
     return kind(params, **settings)
 
 
+def make_scaler(args: argparse.Namespace, device: torch.device, **settings: Any) -> torch.amp.GradScaler:
+    """--amp fp16's gradient scaler (disabled otherwise). With sharded gradients each rank sees its shard alone,
+    so whether any is inf must be agreed on: ShardedGradScaler all-reduces it. Replicated gradients are the same
+    everywhere."""
+    sharded = args.grad_sync == "custom" and args.zero > 0
+    kind = ShardedGradScaler if sharded else torch.amp.GradScaler
+    return kind(device.type, enabled=args.amp == "fp16", **settings)
+
+
 def make_deterministic() -> None:
     """--deterministic: deterministic kernels on CUDA (the CPU ones used here already are; see the docstring)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS when it starts
@@ -410,10 +419,7 @@ def set_up(args: argparse.Namespace) -> Run:
     scheduler = None
     if args.scheduler == "onecycle":
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=schedule_steps)
-    # fp16: with sharded gradients each rank sees its shard alone, so whether any is inf must be agreed on
-    # (ShardedGradScaler all-reduces it); replicated gradients are the same everywhere
-    sharded = args.grad_sync == "custom" and args.zero > 0
-    scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(device.type, enabled=args.amp == "fp16")
+    scaler = make_scaler(args, device)
     writer = None
     if ctx.rank == 0 and args.log_dir:
         from torch.utils.tensorboard import SummaryWriter  # slow to import; only when asked for

@@ -191,6 +191,33 @@ def test_which_micro_batches_communicate(local_group, stage):
         assert result["buffers_made"] <= 3
 
 
+def overflow_in_one_shard(rank, world_size, zero_stage):
+    """One fp16-scaled step of a ZeRO sync whose gradient overflows in rank 1's shard only, with the trainer's
+    scaler: (the scale after the step, whether the weights stayed as they were)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    sync = zero.make_sync(zero_stage, model, 1.0, True)
+    optimizer = torch.optim.SGD(sync.parameters(), lr=0.1)
+    scaler = trainer.make_scaler(trainer.parse_args(TINY + ["--amp", "fp16", "--zero", str(zero_stage)]),
+                                 torch.device("cpu"), init_scale=4.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    sync.prepare(True)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    sync.finish()
+    if rank == 1:
+        sync.shards[0].grad[0] = float("inf")  # an overflow that only this rank's shard shows
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    sync.gather_params()
+    scaler.update()
+    return scaler.get_scale(), all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(local_group, stage):
+    assert local_group(2).run(overflow_in_one_shard, stage) == [(2.0, True), (2.0, True)]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints at another number of processes
 # ----------------------------------------------------------------------------------------------------------

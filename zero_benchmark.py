@@ -2,6 +2,7 @@
 sends, how long a step takes, and where the weights end.
 
     python zero_benchmark.py [--quick] [--models vit,resnet] [--nprocs 2,4] [--grad-accums 1,2] [--json FILE]
+    python zero_benchmark.py --device cuda --models vit_b_16,resnet50 --nprocs 2 --grad-accums 1 --amp bf16
 
 Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run (training_benchmark.
 run_trainer) on the synthetic set with AdamW, SyncBatchNorm (``--norm custom``; the ViT has none) and buckets of at
@@ -15,7 +16,8 @@ most --bucket-mb; for every (model, W, K = --grad-accum):
 Per row: ``state_bytes`` (the largest rank's weights, gradients and optimizer state between steps, from the
 trainer's metrics) beside the formula of zero.py's docstring; bytes each rank sends per step (counted at the ring's
 isend calls; for torch's collectives the trainer gives what a ring would send, and for DDP nothing: it is not
-counted) beside 2 (W-1)/W Psi x 4 bytes; the median optimizer-step time after the warm-up and its ratio to
+counted) beside 2 (W-1)/W Psi x 4 bytes; the peak memory (the process's resident set on the CPU,
+torch.cuda.max_memory_allocated on a GPU, the largest rank's); the median optimizer-step time after the warm-up and its ratio to
 ``stage 0 torch``; the loss over the steps run; and the largest difference of the final weights from ``stage 0
 torch`` (read from each run's checkpoint). Configurations run in alternating order over --repeats and each keeps
 its median run. Writes ``results/zero-<machine>.json``, which report.ipynb draws as stacked bars of memory per rank.
@@ -32,14 +34,15 @@ from typing import Any
 
 import torch
 
+from models import MODELS
 from training_benchmark import HERE, run_trainer
 from utils import machine_info, machine_tag, write_json
 
 
-def configurations(model: str, nproc: int, grad_accum: int) -> list[dict]:
+def configurations(model: str, nproc: int, grad_accum: int, allreduces: list[str]) -> list[dict]:
     rows = [("ddp", ["--grad-sync", "ddp"]), ("zero-redundancy", ["--grad-sync", "ddp", "--zero", "1"])]
     rows += [(f"stage {stage} {allreduce}", ["--zero", str(stage), "--allreduce", allreduce])
-             for stage in (0, 1, 2) for allreduce in ("torch", "ring")]
+             for stage in (0, 1, 2) for allreduce in allreduces]
     return [{"name": f"{model}/w{nproc}/k{grad_accum}/{name}", "label": name, "model": model, "nproc": nproc,
              "grad_accum": grad_accum, "grad_sync": "ddp" if name in ("ddp", "zero-redundancy") else "custom",
              "norm": "custom", "sync_mode": None, "flags": flags} for name, flags in rows]
@@ -89,7 +92,7 @@ def print_rows(rows: list[dict]) -> None:
     print(header)
     print("-" * len(header))
     baseline = {(r["model"], r["nproc"], r["grad_accum"]): r["step_time_ms_median"] for r in rows
-                if r["label"] == "stage 0 torch"}
+                if r["label"].startswith("stage 0")}  # the first collective's
     for r in rows:
         held, expected = r["state_bytes"], r["expected"]
         mb = lambda b: f"{b / 1e6:.2f}" if b is not None else "-"  # noqa: E731
@@ -105,7 +108,14 @@ def print_rows(rows: list[dict]) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="seconds per run: 2 processes, tiny sizes (a test)")
-    parser.add_argument("--models", default="vit,resnet", help="comma-separated: vit, resnet (default both)")
+    parser.add_argument("--models", default="vit,resnet",
+                        help="comma-separated models that take 32-pixel images (default vit,resnet; e.g. vit_b_16, "
+                             "resnet50)")
+    parser.add_argument("--allreduces", default="torch,ring",
+                        help="our collectives: torch, ring or both (default torch,ring; the first is the reference)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: on a one-GPU machine the processes share it over gloo")
+    parser.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
     parser.add_argument("--nprocs", default="2,4", help="comma-separated world sizes (default 2,4)")
     parser.add_argument("--grad-accums", default="1,2", help="comma-separated --grad-accum values (default 1,2)")
     parser.add_argument("--batch-size", type=int, default=8, help="per-process micro-batch (default 8)")
@@ -117,18 +127,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="default results/zero-<machine>.json")
     args = parser.parse_args(argv)
     try:
-        args.models = args.models.split(",")
+        args.models, args.allreduces = args.models.split(","), args.allreduces.split(",")
         args.nprocs = [int(v) for v in args.nprocs.split(",")]
         args.grad_accums = [int(v) for v in args.grad_accums.split(",")]
     except ValueError:
         parser.error("--nprocs and --grad-accums take comma-separated integers")
-    if set(args.models) - {"vit", "resnet"} or min(args.nprocs) < 2 or min(args.grad_accums) < 1 \
+    if set(args.models) - set(MODELS) or not args.allreduces \
+            or set(args.allreduces) - {"torch", "ring"} or min(args.nprocs) < 2 or min(args.grad_accums) < 1 \
             or min(args.batch_size, args.steps, args.repeats) < 1:
-        parser.error("--models from vit,resnet; --nprocs at least 2; --grad-accums, --batch-size, --steps and "
+        parser.error(f"--models from {','.join(MODELS)}; --allreduces from torch,ring; --nprocs at least 2; --grad-accums, --batch-size, --steps and "
                      "--repeats at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible")
     if args.quick:
         args.models, args.nprocs, args.grad_accums, args.steps, args.batch_size = ["resnet"], [2], [2], 2, 4
-    args.json = args.json or os.path.join(HERE, "results", f"zero-{machine_tag('cpu')}.json")
+    tag = machine_tag(args.device) + (f"-{max(args.nprocs)}xgloo" if args.device == "cuda" else "")
+    args.json = args.json or os.path.join(HERE, "results", f"zero-{tag}.json")
     return args
 
 
@@ -137,15 +151,16 @@ def trainer_settings(args: argparse.Namespace, config: dict) -> SimpleNamespace:
     steps = args.steps + 3  # the trainer leaves 3 warm-up steps out of its step-time statistics
     samples = steps * args.batch_size * config["grad_accum"] * config["nproc"]
     return SimpleNamespace(
-        nproc=config["nproc"], dataset="synthetic", model=config["model"], device="cpu", batch_size=args.batch_size,
-        epochs=1, seed=0, data_dir=None, imagenet=False, amp="off", train_size=samples, val_size=64,
+        nproc=config["nproc"], dataset="synthetic", model=config["model"], device=args.device,
+        batch_size=args.batch_size, epochs=1, seed=0, data_dir=None, imagenet=False, amp=args.amp,
+        train_size=samples, val_size=64,
         threads_per_process=1, run_timeout=args.run_timeout)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     configs = [c for model in args.models for nproc in args.nprocs for accum in args.grad_accums
-               for c in configurations(model, nproc, accum)]
+               for c in configurations(model, nproc, accum, args.allreduces)]
     for config in configs:
         config["flags"] = config["flags"] + ["--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0.01",
                                              "--bucket-mb", str(args.bucket_mb), "--max-steps", str(args.steps + 3)]
@@ -172,10 +187,10 @@ def main(argv=None) -> dict:
     rows = []
     for config in configs:
         metrics, weights = chosen[config["name"]]
-        reference = chosen[config["name"].rsplit("/", 1)[0] + "/stage 0 torch"][1]
+        reference = chosen[config["name"].rsplit("/", 1)[0] + f"/stage 0 {args.allreduces[0]}"][1]
         rows.append(summarize(config, metrics, max_weight_difference(reference, weights)))
     print_rows(rows)
-    payload = {"benchmark": "zero", "machine": machine_info("cpu"), "machine_tag": machine_tag("cpu"),
+    payload = {"benchmark": "zero", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
                "command": " ".join(["python", "zero_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
                "settings": {k: v for k, v in vars(args).items() if k != "json"},
                "wall_time_s": time.time() - started, "load_average_before": list(load_before),
