@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import allreduce
+import allreduce_benchmark
 
 WORLD_SIZES = [1, 2, 3, 5, 8]
 LENGTHS = [1, 3, 1000, 1001, 4097]
@@ -87,7 +88,7 @@ def average_all_cases(rank: int, world_size: int) -> dict:
                 out[(algo, str(dtype), length, segment)] = {
                     "result": send.clone(), "in_place": send.data_ptr() == pointer and send.shape == shape
                     and returned is send, "counts": dict(counts), "posts": list(posts),
-                    "allocated": allreduce.tracked_allocation_bytes(
+                    "allocated": allreduce_benchmark.tracked_allocation_bytes(
                         lambda: fn(send.clone(), rank, world_size, segment_elements=segment))
                     - send.numel() * send.element_size(),  # minus the clone's own storage
                 }
@@ -212,7 +213,7 @@ def test_non_contiguous_view_is_averaged_in_place(local_group):
 
 def test_benchmark_smoke(tmp_path, capsys):
     out = tmp_path / "allreduce.json"
-    payload = allreduce.main(["--workers", "2", "--sizes", "100", "--algos", "ring,butterfly,torch",
+    payload = allreduce_benchmark.main(["--workers", "2", "--sizes", "100", "--algos", "ring,butterfly,torch",
                               "--budget-s", "0.01", "--min-iters", "2", "--max-iters", "3", "--rounds", "2",
                               "--segment", "16", "--segment-sweep", "8,50", "--json", str(out)])
     written = json.loads(out.read_text())
@@ -232,23 +233,23 @@ def test_thread_accounting():
     # Synthetic: the caller's own CPU and run-queue wait; every other thread's CPU, a new thread counted from 0.
     before = {1: (0, 0), 2: (5_000, 7)}
     after = {1: (3_000, 1_000), 2: (8_000, 9), 3: (2_000, 4)}
-    assert allreduce._thread_deltas_us(before, after, 1) == (3.0, 1.0, 5.0)
+    assert allreduce_benchmark._thread_deltas_us(before, after, 1) == (3.0, 1.0, 5.0)
     # Real: the calling thread's schedstat run time is the CPU time time.thread_time() reads (both the kernel's
     # sum of execution time), so 20 ms of computing here shows as at least 20 ms.
-    before = allreduce.thread_schedstat_ns()
+    before = allreduce_benchmark.thread_schedstat_ns()
     if not before:
         pytest.skip("no /proc/self/task/*/schedstat on this system")
     start = time.thread_time()
     while time.thread_time() - start < 0.02:
         pass
-    caller_us, _, _ = allreduce._thread_deltas_us(before, allreduce.thread_schedstat_ns(), threading.get_native_id())
+    caller_us, _, _ = allreduce_benchmark._thread_deltas_us(before, allreduce_benchmark.thread_schedstat_ns(), threading.get_native_id())
     assert caller_us >= 19_000, caller_us
 
 
 def test_bad_cli_arguments_exit_with_one_line(capsys):
     for argv in (["--workers", "0"], ["--algos", "ring,tree"], ["--sizes", "ten"]):
         with pytest.raises(SystemExit) as exit_info:
-            allreduce.parse_args(argv)
+            allreduce_benchmark.parse_args(argv)
         assert exit_info.value.code == 2
         assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
 
