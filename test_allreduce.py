@@ -434,9 +434,11 @@ def halves_on_a_thread(rank: int, world_size: int) -> dict:
     gathered = averager.submit(flat, operation=allreduce.ring_all_gather).result(timeout=60)
     averaged = averager.submit(half_input(rank, 7, world_size, torch.float64, integers=True)).result(timeout=60)
     averager.close()
-    averager.close()  # a second close does nothing
+    averager.close()  # a second close does nothing: above all, it must not destroy the default group (None)
+    value = torch.tensor([1.0], dtype=torch.float64)
+    dist.all_reduce(value)
     return {"chunk": chunk, "gathered": gathered is flat and flat.clone(), "averaged": averaged,
-            "default group": default_group_sums, "closed": averager.group is None}
+            "default group": default_group_sums + [float(value)], "closed": averager.group is None}
 
 
 def test_halves_on_the_communication_thread(local_group):
@@ -447,7 +449,7 @@ def test_halves_on_the_communication_thread(local_group):
         assert torch.equal(out["chunk"], total[rank * 7:(rank + 1) * 7]), rank
         assert torch.equal(out["gathered"], total), rank  # each rank's summed chunk, gathered
         torch.testing.assert_close(out["averaged"], total / world_size, rtol=0, atol=1e-12)
-        assert out["default group"] == [3.0] * 10 and out["closed"]
+        assert out["default group"] == [3.0] * 10 + [3.0] and out["closed"]
 
 
 # ----------------------------------------------------------------------------------------------------------
