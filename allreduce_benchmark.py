@@ -494,7 +494,7 @@ def main(argv=None) -> dict:
                   f"waiting for a CPU {r['caller_runqueue_us']:>8.0f}  "
                   f"gloo threads CPU {r['other_threads_cpu_us']:>8.0f}")
     payload = {
-        "benchmark": "allreduce",
+        "benchmark": stem,
         "command": " ".join(["python", "allreduce_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "machine": utils.machine_info(),
         "settings": {"collectives": args.collectives, "workers": args.workers, "sizes": args.sizes,
