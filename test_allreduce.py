@@ -253,7 +253,8 @@ def test_thread_accounting():
     start = time.thread_time()
     while time.thread_time() - start < 0.02:
         pass
-    caller_us, _, _ = allreduce_benchmark._thread_deltas_us(before, allreduce_benchmark.thread_schedstat_ns(), threading.get_native_id())
+    after = allreduce_benchmark.thread_schedstat_ns()
+    caller_us, _, _ = allreduce_benchmark._thread_deltas_us(before, after, threading.get_native_id())
     assert caller_us >= 19_000, caller_us
 
 
