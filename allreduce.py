@@ -1,57 +1,60 @@
-"""Ring and butterfly all-reduce on point-to-point primitives, and their benchmark against torch.distributed.
+"""Ring and butterfly all-reduce, and the ring's two halves (reduce-scatter, all-gather), on point-to-point
+primitives.
 
-Both functions AVERAGE a floating-point tensor in place over a process group (the default one, or ``group=``),
-for any shape and any number of elements n (also n < p, the group's size, and n not divisible by p), and leave
-bit-identical values on every rank: each piece of the result is summed and divided by p on exactly one rank
-(its owner), and the other ranks only copy it. ``AllreduceThread`` runs them on a thread of its own over a
-group of its own, for overlapping communication with computation (the trainer's --allreduce ring|butterfly).
+Both all-reduce functions AVERAGE a floating-point tensor in place over a process group (the default one, or
+``group=``), for any shape and any number of elements n (also n < p, the group's size, and n not divisible by
+p), and leave bit-identical values on every rank: each piece of the result is summed and divided by p on exactly
+one rank (its owner), and the other ranks only copy it. The halves work on a flat vector of p equal chunks:
+``ring_reduce_scatter`` leaves on rank r the SUM over ranks of chunk r, ``ring_all_gather`` gives every rank
+every rank's own chunk (ZeRO's sharded optimizer is built on the pair: reduce-scatter the gradients, update one
+shard, all-gather the parameters). ``AllreduceThread`` runs any of them on a thread of its own over a group of
+its own, for overlapping communication with computation (the trainer's --allreduce ring|butterfly).
+The benchmark against torch.distributed is ``allreduce_benchmark.py``; its figures are in the README and the report.
 
 Ring (reduce-scatter, then all-gather), pipelined
     The flat vector is cut into p chunks, chunk i holding floor(n/p) or ceil(n/p) elements (the first n mod p
     chunks get the extra one; with n < p some chunks are empty and are simply not sent), and every chunk into
     the same number K = ceil(ceil(n/p) / S) of near-equal segments of at most S = segment_elements elements.
-    Rank r sends to r+1 and receives from r-1 (mod p).
-    - reduce-scatter, steps s = 0 .. p-2: send chunk (r - s), receive chunk (r - s - 1) and add it to the
-      local chunk. After p-1 steps chunk (r + 1) on rank r holds the sum over all ranks; rank r divides it by p.
-    - all-gather, steps s = 0 .. p-2: send chunk (r + 1 - s), receive chunk (r - s) straight into place.
-    Elements sent per rank 2n - |chunk r+1| - |chunk r+2| = 2n(p-1)/p when p divides n.
+    Rank r sends to r+1 and receives from r-1 (mod p). Rank r owns chunk o(r) = r + shift: the chunk it
+    completes in the reduce-scatter and sends first in the all-gather.
+    - reduce-scatter, steps s = 0 .. p-2: send chunk (o(r) - 1 - s), receive chunk (o(r) - 2 - s) and add it to
+      the local chunk. Step 0 sends this rank's own data; every later step forwards the partial sum it has just
+      made; after p-1 steps chunk o(r) holds the sum over all ranks.
+    - all-gather, steps s = 0 .. p-2: send chunk (o(r) - s), receive chunk (o(r) - 1 - s) straight into place
+      and forward it at the next step.
+    ``ring_reduce_scatter`` and ``ring_all_gather`` run one phase each with shift 0 (rank r owns chunk r, as
+    ZeRO needs); ``ring_allreduce`` runs both with shift 1 (the schedule it has always had: chunk r+1) and
+    divides the owned chunk by p between them. Each phase sends p-1 chunks per rank (every chunk but o(r) in
+    the reduce-scatter, every chunk but o(r) + 1 in the all-gather): each half sends (p-1)/p of the vector,
+    half of an all-reduce's 2n(p-1)/p elements (p dividing n).
     Pipelining: a step works segment by segment, and segment k is forwarded to the next step as soon as it is
     reduced, so receiving segment k + 1 overlaps adding segment k and the next hop starts after one segment,
-    not one chunk. Receives land in RECEIVE_SLOTS (2) buffers of one segment, used in turn: the receive of
-    message m + 2 is posted when message m has been added. Extra memory is therefore at most 2 S elements
-    (2 ceil(n/p) when a chunk is one segment), whatever n: 8 MiB of float32 at the default S = 2^20, where
-    the unsegmented ring needed 2 ceil(n/p) (40 MB at n = 1e7, p = 2). Every receive is posted before its
-    message can arrive: gloo moves a payload only once the receiver has posted its buffer, so a late receive
-    costs a round trip of notices on the critical path (posting early halved the unsegmented ring's time at 8
-    and 16 workers here). Each all-gather receive is posted as soon as the reduce-scatter has sent what was
-    in that place, and before this rank's own all-gather send with the same tag: at p = 2 the first
-    all-gather receive used to follow that send, so both ranks' first all-gather message waited for a
-    round trip, and moving it ahead took the 2-worker ring from 1.27 / 2.16 ms to 0.58 / 0.75 ms at 1e4 / 1e5
-    elements (``python allreduce.py --workers 2 --sizes 1e3,1e4,1e5,1e6``, before and after). Every message
-    has its own tag, so receives posted early cannot match the wrong message.
+    not one chunk. Reduce-scatter receives land in RECEIVE_SLOTS (2) buffers of one segment, used in turn: the
+    receive of message m + 2 is posted when message m has been added. Extra memory is therefore at most 2 S
+    elements (2 ceil(n/p) when a chunk is one segment), whatever n: 8 MiB of float32 at the default S = 2^20.
+    All-gather receives land in place and need none. Every receive is posted before its message can arrive:
+    gloo moves a payload only once the receiver has posted its buffer, so a late receive costs a round trip of
+    notices on the critical path. In the all-reduce each all-gather receive is posted as soon as the
+    reduce-scatter has sent what was in that place, and so before this rank's own all-gather send with the same
+    tag (posted after that send, the first all-gather message of both ranks at p = 2 waited for a round trip);
+    the all-gather alone posts all its receives up front. Every message has its own tag, so receives posted
+    early cannot match the wrong message.
 
     alpha-beta model, per message alpha, per element beta: every rank sends 2(p-1) chunks of n/p elements in
     sequence, and every link is busy at every step, so T = 2(p-1) alpha + 2n(p-1)/p beta: bandwidth-optimal,
-    latency linear in p. Segments do not shorten that path: with K segments per chunk a rank sends 2(p-1)K
-    messages, T = 2(p-1) K alpha + 2n(p-1)/p beta (``predicted_ms``). What they buy lies outside alpha and beta:
-    the extra memory is fixed, and the adds (gamma per element) of segment k overlap the arrival of segment
-    k + 1, so only one segment's add per step stays on the critical path instead of a whole chunk's:
-    T ~ 2(p-1) K alpha + 2n(p-1)/p beta + (p-1) n gamma / (p K). Minimal at K* = sqrt(n gamma / (2 p alpha)),
-    i.e. a segment S* = n/(pK*) = sqrt(2 n alpha / (p gamma)): shorter segments pay alpha too often, longer ones
-    leave the adds unoverlapped. The benchmark's ping-pong (ranks 0 and 1, least one-way time over lengths
-    1 .. 4e6) fitted alpha = 57 / 68 / 139 us and beta = 1.01 / 1.19 / 0.81 ns per float32 element with
-    2 / 4 / 8 workers (results/allreduce-cpu-2core-gradients.json); gamma is not measured, but an in-place add
-    moves about as many bytes per element as a receive, so with gamma ~ beta: S* ~ 1.2e6 / 8.5e5 / 1.0e6
-    (p = 2 / 4 / 8) at n = 2.5e7, 2.4e5 / 1.7e5 / 2.1e5 at n = 1e6. S* grows as sqrt(n) while the memory budget
-    needs a fixed S. Measured with ``python allreduce.py --segment-sweep 262144,1048576,4194304`` (ring at
-    n = 2.5e7, S = 2^18 / 2^20 / 2^22, median ms): 2 workers 89.3 / 84.4 / 93.0, 4 workers 212.3 / 188.9 /
-    185.9, 8 workers 498.7 / 469.8 / 486.9 (an earlier sweep, 2^16 / 2^18 / 2^20: 2 workers 172 / 117 / 111,
-    4 workers 576 / 292 / 226, 8 workers 1116 / 501 / 495). Short segments lose: every message costs CPU
-    time on both ends (see "Where the time goes"), and on 2 cores that is paid in full; 2^20 is the fastest or
-    within 2% of it at every worker count, as the model's S* ~ 1e6 at gradient lengths says. At 1e6 elements
-    a chunk then fits one segment (S* ~ 2e5 there), but the benchmark shows no loss: the ring / torch ratio
-    at 1e6 was 1.36 / 1.31 with 2^18 and 1.33 / 1.23 with 2^20 (2 / 4 workers, ``--segment`` on each side).
-    So S = 2^20 = 1,048,576: a fixed budget of 8 MiB (float32), which does not grow with n.
+    latency linear in p; each half costs half of it, (p-1) alpha + n(p-1)/p beta. Segments do not shorten that
+    path: with K segments per chunk a rank sends 2(p-1)K messages, T = 2(p-1) K alpha + 2n(p-1)/p beta. What they
+    buy lies outside alpha and beta: the extra memory is fixed, and the adds (gamma per element) of segment k
+    overlap the arrival of segment k + 1, so only one segment's add per step stays on the critical path instead
+    of a whole chunk's: T ~ 2(p-1) K alpha + 2n(p-1)/p beta + (p-1) n gamma / (p K). Minimal at
+    K* = sqrt(n gamma / (2 p alpha)), i.e. a segment S* = n/(pK*) = sqrt(2 n alpha / (p gamma)): shorter
+    segments pay alpha too often, longer ones leave the adds unoverlapped. S* grows as sqrt(n), while a fixed
+    memory budget needs a fixed S; with alpha and beta fitted on the development machine and gamma ~ beta (an
+    in-place add moves about as many bytes per element as a receive), S* is about 1e6 at gradient lengths
+    (2.5e7). Measured, 2^20 was the fastest segment or within 2% of it at every worker count, and cost nothing
+    at 1e6 elements, where a chunk fits one segment (the segment sweep in the README's Results). Short segments
+    lose for a reason outside the model: every message costs CPU time on both ends (below). So
+    S = 2^20 = 1,048,576: a fixed budget of 8 MiB (float32), which does not grow with n.
 
 Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
     The assignment's butterfly exchanges with partner r XOR d, one element per rank; here the elements are
@@ -76,64 +79,35 @@ Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
 Ring against butterfly: both send the same volume, 2n(p-1)/p per rank, but the ring needs 2(p-1) messages in
 sequence and the butterfly 2 log2 p, so for a power-of-two p in the alpha-beta model the ring is never faster:
 T_ring - T_butterfly = 2(p - 1 - log2 p) alpha >= 0. The ring's advantages lie elsewhere: only neighbour links
-(no contention on a real network), any p without folding, and every step's adds overlapped in segments.
+(no contention on a real network), any p without folding, every step's adds overlapped in segments, and halves
+that are useful on their own.
 
 Extra memory is what the algorithm allocates: the receive slots, allocated once per call, and in-place adds
-into views of the input (no .contiguous() copies). A non-contiguous input is averaged in a contiguous copy and
-copied back (n more elements).
+into views of the input (no .contiguous() copies). A non-contiguous input to the all-reduce is averaged in a
+contiguous copy and copied back (n more elements); the halves take only 1-D contiguous vectors, since their
+result is a view of the input.
 
-Where the time goes on this machine (2 vCPUs, loopback TCP, gloo): the benchmark reads every thread's scheduler
-accounting (Linux schedstat) around its timed calls and reports, per call, the CPU time of the calling thread,
-the time that thread was ready to run but waited for a CPU, and the CPU time of the process's other threads
-(gloo's I/O and work threads). At 1e4 elements and 2 workers (results/allreduce-cpu-2core-gradients.json, the
-barrier before each call included) the ring takes 364 / 957 / 1072 us of those, gloo's all_reduce 164 / 85 /
-330 us. The ring sends fewer messages than gloo's own ring (2 per rank; gloo cuts the vector into 2p
-segments, 4 per rank), yet costs three times the CPU: every message is a hand-off between our Python thread and
-gloo's I/O thread (a post, a sleep in wait(), a wake-up), and the Python code that runs after each wake-up meets
-cold caches. Two processes then ask for more CPU time than 2 CPUs have while a call lasts, ready threads queue,
-and one that finds no free CPU runs when the scheduler next looks, at the latest at its tick (250 Hz here:
-4 ms). That is the 2-process bimodality: ring at 1e4 and 2 workers p10 / p90 0.40 / 4.0 ms against gloo's
-0.32 / 0.51 ms. gloo runs the whole collective in C++ inside its own threads, cheaply enough that the CPUs
-rarely run out. What beat part of it is fewer and earlier hand-offs: the all-gather receive posted before its
-send (above) and segments of 2^20 instead of 2^18 took the 2-worker ring at 1e5 elements from a median of 1.88
-to 0.82 ms and a p90 of 6.5 to 4.0 ms, and at 1e3 from 1.09 to 0.61 ms (p90 5.1 to 2.7 ms) (this JSON against
-its previous version, both on a quiet machine). What stays is the hand-off itself: a gloo point-to-point
-receive cannot be polled (its Work.is_completed() is False until wait() is called), so every receive sleeps and
-wakes. From 4 workers on the 2 CPUs are oversubscribed and every algorithm is CPU-bound: at 8 workers and
-2.5e7 elements the ring's threads use 48 + 68 = 116 ms of CPU per call and rank, gloo's 11 + 89 = 99 ms, and
-8 ranks x that / 2 CPUs is close to the measured medians (484 and 381 ms). Pinning makes it worse, as the
-hand-offs predict (a process's Python thread and gloo's I/O thread then share one CPU): ring at 1e3 and 2
-workers, median 0.66 ms unpinned, 2.98 ms with one CPU per worker (``--cpus 0,1``), 7.35 ms with both on CPU 0
-(``--cpus 0``), gloo's 0.31-0.46 ms throughout (results/allreduce-cpu-2core-unpinned.json, -cpu-per-worker.json,
--one-cpu.json). The model, fitted to the fastest ping-pong, describes the fast mode only.
+Where the time goes beyond the model (measured by the benchmark's per-thread CPU accounting; figures in the
+README): every message is a hand-off between our Python thread and gloo's I/O thread (a post, a sleep in
+wait(), a wake-up), which costs CPU time on both sides, while gloo's own collectives run whole in C++ inside
+its threads. A gloo point-to-point receive cannot be polled (its Work.is_completed() is False until wait() is
+called), so every receive sleeps and wakes. On a machine with fewer cores than those threads, ready threads
+queue for a CPU, and a thread that finds none runs at the scheduler's next look: the two-mode call times of
+small vectors. Hence the design's bias towards fewer and earlier hand-offs: long segments, and receives posted
+before their messages. The model, fitted to the fastest ping-pong, describes the fast mode only.
 
-Benchmark: ``python allreduce.py`` (default: 2, 4, 8 workers x 1e3 .. 1e7 and 2.5e7 float32 x ring, butterfly,
-torch) starts one utils.LocalGroup (gloo over a FileStore) per worker count, reused for every size, and first
-fits alpha and beta to a ping-pong between ranks 0 and 1. For each (workers, size) every algorithm's accuracy
-(max error against the float64 mean of the inputs), bit-identity across ranks and extra memory (bytes of new
-tensor storage made by torch calls during one call, tracked with a TorchFunctionMode; see
-``tracked_allocation_bytes``) are taken first; then the timed calls (each after a barrier; adaptive count from
-3 probe calls and --budget-s) are spread over --rounds rounds in alternating algorithm order, and the slowest
-rank's median counts. The table prints the model's prediction (``predicted_ms``) beside each measured median.
-torch.distributed.all_reduce (gloo, SUM then a division, since gloo has no AVG) runs up to --torch-max-workers.
+``python allreduce.py`` under torchrun (``torchrun --standalone --nproc_per_node 4 allreduce.py``) averages one
+vector with each algorithm and says on rank 0 whether every rank agrees with the float64 mean.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import math
-import os
-import sys
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 import utils
 
@@ -144,6 +118,15 @@ import utils
 SEGMENT_ELEMENTS = 1 << 20  # the pipeline's unit, 4 MiB of float32: chosen by measurement (module docstring)
 RECEIVE_SLOTS = 2  # receive buffers of one segment each: segment k + 1 lands while segment k is added
 
+_sent_bytes = 0  # payload bytes posted with isend by this process's algorithms (sent_bytes())
+_sent_lock = threading.Lock()  # the algorithms may run on several threads (AllreduceThread) at once
+
+
+def sent_bytes() -> int:
+    """Payload bytes this process has posted with isend in this module's algorithms since import, on every thread
+    (a running total: read it before and after a step for the step's bytes)."""
+    return _sent_bytes
+
 
 def _post_recv(into: torch.Tensor, src: int, tag: int, group):
     """irecv, or None for an empty piece (both ends know every piece's length and skip the same messages)."""
@@ -151,7 +134,13 @@ def _post_recv(into: torch.Tensor, src: int, tag: int, group):
 
 
 def _post_send(outgoing: torch.Tensor, dst: int, tag: int, group):
-    return dist.isend(outgoing, group=group, group_dst=dst, tag=tag) if outgoing.numel() else None
+    global _sent_bytes
+    if not outgoing.numel():
+        return None
+    request = dist.isend(outgoing, group=group, group_dst=dst, tag=tag)
+    with _sent_lock:  # += on a global is not atomic across threads
+        _sent_bytes += outgoing.numel() * outgoing.element_size()
+    return request
 
 
 def _wait(request) -> None:
@@ -180,7 +169,7 @@ def _check_args(send: torch.Tensor, rank: int, size: int, group, segment_element
     if not isinstance(send, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(send).__name__}")
     if not send.is_floating_point():
-        raise TypeError(f"{name}: averaging needs a floating-point tensor, got dtype {send.dtype}")
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {send.dtype}")
     if not dist.is_initialized():
         raise RuntimeError(f"{name}: the default process group is not initialized")
     if size != dist.get_world_size(group) or rank != dist.get_rank(group):
@@ -189,6 +178,18 @@ def _check_args(send: torch.Tensor, rank: int, size: int, group, segment_element
                          f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})")
     if segment_elements < 1:
         raise ValueError(f"{name}: segment_elements must be positive, got {segment_elements}")
+
+
+def _check_chunked(flat: torch.Tensor, rank: int, size: int, group, segment_elements: int, name: str) -> None:
+    """The halves' input: a 1-D contiguous floating vector of ``size`` equal chunks (their results are views)."""
+    _check_args(flat, rank, size, group, segment_elements, name)
+    if flat.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(flat.shape)}")
+    if not flat.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (its chunks are views of it)")
+    if flat.numel() % size:
+        raise ValueError(f"{name}: {flat.numel()} elements do not make {size} equal chunks (pad to a multiple of "
+                         f"{size})")
 
 
 def _in_place_on_contiguous(algorithm, send: torch.Tensor, *args) -> torch.Tensor:
@@ -202,7 +203,15 @@ def _in_place_on_contiguous(algorithm, send: torch.Tensor, *args) -> torch.Tenso
     return send
 
 
-def _ring(flat: torch.Tensor, rank: int, size: int, group, segment: int) -> None:
+def _ring(flat: torch.Tensor, rank: int, size: int, group, segment: int, shift: int,
+          reduce: bool, gather: bool, divide: bool = False) -> None:
+    """The ring's phases on ``flat``'s p chunks (module docstring): rank r owns chunk (r + shift) mod p.
+
+    reduce: the reduce-scatter, after which the owned chunk holds the sum (divided by p with ``divide``); gather:
+    the all-gather of every rank's owned chunk. Both: the all-gather's receives are posted during the
+    reduce-scatter, as soon as their place has been sent on, and its first sends start as each segment of the
+    owned chunk is complete. Message i of a phase is (step, segment) = divmod(i, K); reduce-scatter tags are i,
+    all-gather tags messages + i (messages = (p - 1) K per phase)."""
     n = flat.numel()
     if size == 1 or n == 0:
         return
@@ -211,45 +220,60 @@ def _ring(flat: torch.Tensor, rank: int, size: int, group, segment: int) -> None
     pieces = -(-largest // segment)  # segments per chunk, the same for every chunk
     segs = [_segments(flat[bounds[c]:bounds[c + 1]], pieces) for c in range(size)]
     steps = size - 1
-    messages = steps * pieces  # per phase; message i = (step, segment) = divmod(i, pieces); its tag is i
-    slots = torch.empty(min(RECEIVE_SLOTS, messages), -(-largest // pieces), dtype=flat.dtype, device=flat.device)
+    messages = steps * pieces  # per phase
     right, left = (rank + 1) % size, (rank - 1) % size
+    owned = rank + shift  # reduce-scatter step s sends chunk owned - 1 - s; all-gather step s sends owned - s
 
-    def reduce_target(i: int) -> torch.Tensor:  # reduce-scatter step s receives chunk rank - s - 1
-        step, k = divmod(i, pieces)
-        return segs[(rank - step - 1) % size][k]
+    def piece(chunk: int, k: int) -> torch.Tensor:
+        return segs[chunk % size][k]
 
-    def post_reduce_recv(i: int):
-        if i >= messages:
-            return None
-        return _post_recv(slots[i % len(slots), :reduce_target(i).numel()], left, i, group)
-
-    # Receives are posted before their message can arrive (gloo moves a payload only into a posted buffer).
-    reduce_recvs = {i: post_reduce_recv(i) for i in range(len(slots))}
-    reduce_sends = {k: _post_send(segs[rank][k], right, k, group) for k in range(pieces)}  # step 0: own data
     gather_recvs, gather_sends = {}, []
-    for i in range(messages):
-        step, k = divmod(i, pieces)
-        target = reduce_target(i)
-        _wait(reduce_recvs.pop(i))
-        # What this rank sent at this step (chunk rank - step) is final for the reduce-scatter: once the send is
-        # done, the all-gather receive for that segment (at step `step`) can be posted into place, early.
-        _wait(reduce_sends.pop(i))
-        gather_recvs[i] = _post_recv(segs[(rank - step) % size][k], left, messages + i, group)
-        target.add_(slots[i % len(slots), :target.numel()])
-        reduce_recvs[i + len(slots)] = post_reduce_recv(i + len(slots))  # the slot is free again
-        if step < steps - 1:  # forward the partial sum at once: the pipeline
-            reduce_sends[i + pieces] = _post_send(target, right, i + pieces, group)
-        else:  # chunk rank + 1 is complete here: its owner divides, and starts the all-gather with it
-            target.div_(size)
-            gather_sends.append(_post_send(target, right, messages + k, group))
-    for i in range(messages):  # all-gather step t receives chunk rank - t and forwards it at step t + 1
-        step, k = divmod(i, pieces)
-        _wait(gather_recvs.pop(i))
-        if step < steps - 1:
-            gather_sends.append(_post_send(segs[(rank - step) % size][k], right, messages + i + pieces, group))
-    for request in gather_sends:
-        _wait(request)
+    if reduce:
+        slots = torch.empty(min(RECEIVE_SLOTS, messages), -(-largest // pieces), dtype=flat.dtype,
+                            device=flat.device)
+
+        def reduce_target(i: int) -> torch.Tensor:  # reduce-scatter step s receives chunk owned - 2 - s
+            step, k = divmod(i, pieces)
+            return piece(owned - 2 - step, k)
+
+        def post_reduce_recv(i: int):
+            if i >= messages:
+                return None
+            return _post_recv(slots[i % len(slots), :reduce_target(i).numel()], left, i, group)
+
+        # Receives are posted before their message can arrive (gloo moves a payload only into a posted buffer).
+        reduce_recvs = {i: post_reduce_recv(i) for i in range(len(slots))}
+        reduce_sends = {k: _post_send(piece(owned - 1, k), right, k, group) for k in range(pieces)}  # own data
+        for i in range(messages):
+            step, k = divmod(i, pieces)
+            target = reduce_target(i)
+            _wait(reduce_recvs.pop(i))
+            # What this rank sent at this step (chunk owned - 1 - step) is final for the reduce-scatter: once the
+            # send is done, the all-gather receive for that segment (at step `step`) can be posted into place.
+            _wait(reduce_sends.pop(i))
+            if gather:
+                gather_recvs[i] = _post_recv(piece(owned - 1 - step, k), left, messages + i, group)
+            target.add_(slots[i % len(slots), :target.numel()])
+            reduce_recvs[i + len(slots)] = post_reduce_recv(i + len(slots))  # the slot is free again
+            if step < steps - 1:  # forward the partial sum at once: the pipeline
+                reduce_sends[i + pieces] = _post_send(target, right, i + pieces, group)
+            else:  # the owned chunk is complete here: divide, and start the all-gather with it
+                if divide:
+                    target.div_(size)
+                if gather:
+                    gather_sends.append(_post_send(target, right, messages + k, group))
+    elif gather:  # the all-gather alone: every receive lands in place, so all are posted up front
+        gather_recvs = {i: _post_recv(piece(owned - 1 - i // pieces, i % pieces), left, messages + i, group)
+                        for i in range(messages)}
+        gather_sends = [_post_send(piece(owned, k), right, messages + k, group) for k in range(pieces)]
+    if gather:
+        for i in range(messages):  # all-gather step s receives chunk owned - 1 - s and forwards it at step s + 1
+            step, k = divmod(i, pieces)
+            _wait(gather_recvs.pop(i))
+            if step < steps - 1:
+                gather_sends.append(_post_send(piece(owned - 1 - step, k), right, messages + i + pieces, group))
+        for request in gather_sends:
+            _wait(request)
 
 
 def ring_allreduce(send: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,
@@ -261,7 +285,37 @@ def ring_allreduce(send: torch.Tensor, rank: int, size: int, group: dist.Process
     at most RECEIVE_SLOTS segments. See the module docstring for the steps and costs. Returns ``send``.
     """
     _check_args(send, rank, size, group, segment_elements, "ring_allreduce")
-    return _in_place_on_contiguous(_ring, send, rank, size, group, segment_elements)
+    return _in_place_on_contiguous(_ring, send, rank, size, group, segment_elements, 1, True, True, True)
+
+
+def ring_reduce_scatter(flat: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,
+                        segment_elements: int = SEGMENT_ELEMENTS) -> torch.Tensor:
+    """Sum chunk ``rank`` of ``flat`` over the group, in place, with the ring's pipelined reduce-scatter.
+
+    ``flat``: 1-D, contiguous, floating, of ``size`` equal chunks (the caller pads it to a multiple of ``size``).
+    On return chunk ``rank``, flat[rank * c:(rank + 1) * c], holds the sum over ranks of their chunk ``rank``;
+    that view is returned. The OTHER CHUNKS OF ``flat`` ARE SCRATCH afterwards (partial sums). Sends p - 1
+    chunks per rank, (p-1)/p of the vector; extra memory at most RECEIVE_SLOTS segments; point-to-point only.
+    Bad input raises before any message is sent.
+    """
+    _check_chunked(flat, rank, size, group, segment_elements, "ring_reduce_scatter")
+    _ring(flat, rank, size, group, segment_elements, 0, True, False)
+    chunk = flat.numel() // size
+    return flat[rank * chunk:(rank + 1) * chunk]
+
+
+def ring_all_gather(flat: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,
+                    segment_elements: int = SEGMENT_ELEMENTS) -> torch.Tensor:
+    """Gather every rank's own chunk into ``flat`` in place, with the ring's pipelined all-gather.
+
+    ``flat``: 1-D, contiguous, floating, of ``size`` equal chunks. On return chunk i of ``flat`` on every rank is
+    rank i's chunk i, bit for bit (copies only); the rest of ``flat`` was overwritten. Returns ``flat``. Sends
+    p - 1 chunks per rank, (p-1)/p of the vector; no extra memory (receives land in place); point-to-point only.
+    Bad input raises before any message is sent.
+    """
+    _check_chunked(flat, rank, size, group, segment_elements, "ring_all_gather")
+    _ring(flat, rank, size, group, segment_elements, 0, False, True)
+    return flat
 
 
 def _receive_and_add(target: torch.Tensor, src: int, slots: torch.Tensor, tag: int, group,
@@ -360,13 +414,17 @@ def torch_allreduce(send: torch.Tensor, rank: int, size: int, group: dist.Proces
 
 
 ALGORITHMS = {"ring": ring_allreduce, "butterfly": butterfly_allreduce, "torch": torch_allreduce}
+# What AllreduceThread.submit runs: fn(flat, rank, size, group, segment_elements), in place.
+Operation = Callable[[torch.Tensor, int, int, Any, int], Any]
 
 
 class AllreduceThread:
     """Averages tensors with one of ALGORITHMS on a background thread, over a process group of its own.
 
     ``submit(tensor)`` queues an in-place average and returns a concurrent.futures.Future (``.result()`` waits
-    and re-raises the thread's exception; once it returns, ``tensor`` holds the average for any stream). Jobs
+    and re-raises the thread's exception; once it returns, ``tensor`` holds the average for any stream).
+    ``submit(flat, operation=ring_reduce_scatter)`` (or ``ring_all_gather``, or any in-place
+    ``fn(flat, rank, size, group, segment_elements)``) runs that instead, the same way. Jobs
     run one at a time in submission order, so every rank that submits the same sequence runs the same sequence
     of messages. The group is made here with dist.new_group, which every rank of the default group must call at
     the same point: the thread's messages then cannot mix with collectives the caller's thread issues on the
@@ -394,14 +452,17 @@ class AllreduceThread:
         self._stream: Any = None  # the thread's CUDA stream, made with the first CUDA tensor
         self._pinned: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
-    def submit(self, tensor: torch.Tensor) -> Future:
+    def submit(self, tensor: torch.Tensor, operation: Operation | None = None) -> Future:
+        """Queue ``operation(tensor, rank, size, group, segment_elements)`` (default: this thread's all-reduce),
+        in place on ``tensor``; the Future's result is the operation's (on a CUDA tensor: None)."""
+        operation = operation or self._algorithm
         if tensor.device.type != "cuda":
-            return self._executor.submit(self._algorithm, tensor, self.rank, self.size, self.group, self._segment)
+            return self._executor.submit(operation, tensor, self.rank, self.size, self.group, self._segment)
         written = torch.cuda.Event()
         written.record()  # on the caller's current stream, after the kernels that wrote ``tensor``
-        return self._executor.submit(self._average_cuda, tensor, written)
+        return self._executor.submit(self._run_cuda, operation, tensor, written)
 
-    def _average_cuda(self, tensor: torch.Tensor, written: Any) -> None:
+    def _run_cuda(self, operation: Operation, tensor: torch.Tensor, written: Any) -> None:
         if self._stream is None:
             self._stream = torch.cuda.Stream(tensor.device)
         stream = self._stream
@@ -411,10 +472,10 @@ class AllreduceThread:
                 host = self._pinned_like(tensor)
                 host.copy_(tensor, non_blocking=True)
                 stream.synchronize()  # the host copy has landed (this thread waits, nothing else does)
-                self._algorithm(host, self.rank, self.size, self.group, self._segment)
+                operation(host, self.rank, self.size, self.group, self._segment)
                 tensor.copy_(host, non_blocking=True)
             else:
-                self._algorithm(tensor, self.rank, self.size, self.group, self._segment)
+                operation(tensor, self.rank, self.size, self.group, self._segment)
         # The result is in ``tensor`` before result() returns. It also keeps a pinned buffer from being refilled
         # by the next job while its copy back may still be reading it.
         stream.synchronize()
@@ -427,409 +488,44 @@ class AllreduceThread:
         return self._pinned[key]
 
     def close(self) -> None:
+        """Finish the queued jobs, stop the thread, destroy the group; a second call does nothing."""
         self._executor.shutdown(wait=True)
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        group, self.group = self.group, None
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Benchmark
+# A check under torchrun
 # ----------------------------------------------------------------------------------------------------------
-class _AllocationTracker(TorchFunctionMode):
-    """Adds up the bytes of every new tensor storage returned by a torch function or Tensor method called from
-    Python (outputs not sharing an input's storage: views are free, .contiguous() copies are not). Memory that
-    C++ allocates out of sight (gloo's own scratch inside torch.distributed.all_reduce) is not seen."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in inputs and storage.nbytes():
-                inputs.add(storage.data_ptr())
-                self.bytes += storage.nbytes()
-        return out
+def _reduce_scatter_all_gather(flat: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The all-reduce from the halves, as ZeRO uses them: pad to p equal chunks, sum this rank's chunk, divide,
+    gather."""
+    padded = torch.zeros(-(-flat.numel() // size) * size, dtype=flat.dtype)
+    padded[:flat.numel()] = flat
+    ring_reduce_scatter(padded, rank, size).div_(size)
+    return ring_all_gather(padded, rank, size)[:flat.numel()]
 
 
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            yield from _tensors(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _tensors(item)
-
-
-def tracked_allocation_bytes(fn) -> int:
-    """Bytes of new tensor storage made by torch calls from Python while ``fn()`` runs. A sum, so an upper bound on the
-    extra peak; for ring and butterfly, which allocate one buffer, it is the peak."""
-    with _AllocationTracker() as tracker:
-        fn()
-    return tracker.bytes
-
-
-def benchmark_inputs(rank: int, size: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s float32 input, and the float64 mean of all ranks' inputs (each rank rebuilds it)."""
-    def make(r: int) -> torch.Tensor:
-        return torch.randn(n, generator=torch.Generator().manual_seed(seed * 100_003 + r))
-
-    total = torch.zeros(n, dtype=torch.float64)
-    for r in range(size):
-        total += make(r)  # float32 into float64: exact
-    return make(rank), total.div_(size)
-
-
-PINGPONG_LENGTHS = [10_000, 100_000, 1_000_000, 4_000_000]
-
-
-def pingpong_worker(rank: int, size: int, lengths: list[int], reps: int) -> list[dict]:
-    """One-way message time between ranks 0 and 1 (half the round trip; the other ranks wait at a barrier), as
-    the least time over ``reps`` round trips per length: the alpha-beta model describes an unhindered message."""
-    rows = []
-    for n in lengths:
-        buffer, times = torch.zeros(n), []
-        for _ in range(reps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, 1)
-                dist.recv(buffer, 1)
-            elif rank == 1:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-            times.append((time.perf_counter() - start) / 2 * 1e3)
-        rows.append({"elements": n, "one_way_ms_min": min(times[1:]),
-                     "one_way_ms_median": utils.median(times[1:])})
-    return rows
-
-
-def fit_alpha_beta(rows: list[dict]) -> dict:
-    """Least squares t = alpha + beta * n over the ping-pong's (elements, one-way ms) points."""
-    xs, ys = [r["elements"] for r in rows], [r["one_way_ms_min"] for r in rows]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    beta = max(beta, 0.0)  # short lengths only: noise can outweigh the per-element cost and tilt the slope
-    alpha = max(mean_y - beta * mean_x, min(ys))  # a steep fit can push the intercept below any measurement
-    return {"alpha_ms": alpha, "beta_ms_per_element": beta, "beta_gb_per_s": 4 / (beta * 1e6) if beta else None,
-            "points": rows}
-
-
-def predicted_ms(algo: str, p: int, n: int, model: dict, segment: int) -> float:
-    """The alpha-beta model of the module docstring for one call (the adds are not modelled)."""
-    alpha, beta = model["alpha_ms"], model["beta_ms_per_element"]
-    if p == 1:
-        return 0.0
-    if algo == "butterfly":
-        q = 1 << (p.bit_length() - 1)
-        extra = 0 if q == p else 2 * alpha + 2 * n * beta
-        return 2 * math.log2(q) * alpha + 2 * n * (q - 1) / q * beta + extra
-    # Every rank sends 2(p - 1) chunks of n/p elements in sequence, K segments each; gloo's ring (torch) is
-    # modelled unsegmented, K = 1. Segments add messages; what they save (the adds overlapped) is not alpha-beta.
-    pieces = -(-math.ceil(n / p) // segment) if algo == "ring" else 1
-    return 2 * (p - 1) * pieces * alpha + 2 * (p - 1) * n / p * beta
-
-
-@contextlib.contextmanager
-def pinned(rank: int, cpus: list[int] | None):
-    """Every thread of this process (gloo's included) on CPU cpus[rank % len(cpus)] for the block; None: as is."""
-    if not cpus:
-        yield
-        return
-    threads = [int(t) for t in os.listdir("/proc/self/task")]
-    before = {t: os.sched_getaffinity(t) for t in threads}
-    for t in threads:
-        os.sched_setaffinity(t, {cpus[rank % len(cpus)]})
-    try:
-        yield
-    finally:
-        for t, mask in before.items():
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(t, mask)
-
-
-def thread_schedstat_ns() -> dict[int, tuple[int, int]]:
-    """Per thread of this process: (ns run on a CPU, ns spent runnable but waiting on a run queue), from Linux's
-    /proc/self/task/*/schedstat; {} where it does not exist. Shows where a call's time goes: computing, waiting
-    for a message (neither), or ready to run but waiting for a CPU."""
-    out = {}
-    with contextlib.suppress(OSError):
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError, ValueError):
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
-                    run_ns, wait_ns = map(int, f.read().split()[:2])
-                out[int(tid)] = (run_ns, wait_ns)
-    return out
-
-
-def _thread_deltas_us(before: dict, after: dict, caller: int) -> tuple[float, float, float]:
-    """(caller's CPU, caller's run-queue wait, every other thread's CPU) between two thread_schedstat_ns, in us."""
-    def delta(tid: int, field: int) -> float:
-        return (after[tid][field] - before.get(tid, (0, 0))[field]) / 1e3
-
-    others = sum(delta(t, 0) for t in after if t != caller)
-    return (delta(caller, 0), delta(caller, 1), others) if caller in after else (0.0, 0.0, others)
-
-
-def bench_worker(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: float, min_iters: int,
-                 max_iters: int, rounds: int, segment: int, cpus: list[int] | None = None) -> list[dict]:
-    with pinned(rank, cpus):
-        return _bench(rank, size, n, algos, seed, budget_s, min_iters, max_iters, rounds, segment)
-
-
-def _bench(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: float, min_iters: int,
-           max_iters: int, rounds: int, segment: int) -> list[dict]:
-    """Every algorithm at one (size, n) on every rank of a LocalGroup; rank 0's list is the result rows.
-
-    Timed calls are spread over ``rounds`` rounds, the algorithms' order reversed every other round, so that a
-    change in the machine's load falls on all of them alike; each row's median pools all its rounds."""
-    data, reference = benchmark_inputs(rank, size, n, seed)
-    rows = {}
-    for algo in algos:
-        allreduce = ALGORITHMS[algo]
-        # Accuracy and identity on a fresh copy of the inputs, before the timing loop keeps averaging in place.
-        result = allreduce(data.clone(), rank, size, segment_elements=segment)
-        error = utils.max_across_ranks(float((result.double() - reference).abs().max()))
-        rank0 = result.clone()
-        dist.broadcast(rank0, 0)
-        identical = utils.max_across_ranks(float(not torch.equal(rank0, result))) == 0.0
-        work = data.clone()
-        extra_bytes = utils.max_across_ranks(tracked_allocation_bytes(
-            lambda: allreduce(work, rank, size, segment_elements=segment)))
-        probe = utils.time_calls_ms(lambda: allreduce(work, rank, size, segment_elements=segment),
-                                    torch.device("cpu"), iters=3, warmup=1)
-        probe_ms = utils.max_across_ranks(utils.median(probe))
-        iters = int(min(max_iters, max(min_iters, budget_s * 1e3 / max(probe_ms, 1e-3))))
-        rows[algo] = {"workers": size, "elements": n, "algo": algo, "iters": -(-iters // rounds) * rounds,
-                      "extra_peak_bytes": int(extra_bytes), "max_abs_error": error,
-                      "identical_across_ranks": identical, "times": []}
-        del result, rank0, work
-    work = data.clone()
-    caller = threading.get_native_id()
-    threads_us = {algo: [0.0, 0.0, 0.0] for algo in algos}
-    for round_index in range(rounds):
-        for algo in (algos if round_index % 2 == 0 else algos[::-1]):
-            allreduce = ALGORITHMS[algo]
-            before = thread_schedstat_ns()
-            rows[algo]["times"] += utils.time_calls_ms(
-                lambda: allreduce(work, rank, size, segment_elements=segment), torch.device("cpu"),
-                iters=rows[algo]["iters"] // rounds, warmup=1)
-            deltas = _thread_deltas_us(before, thread_schedstat_ns(), caller)
-            threads_us[algo] = [a + b for a, b in zip(threads_us[algo], deltas)]
-    out = []
-    for algo in algos:
-        row = rows[algo]
-        times = row.pop("times")
-        calls = len(times) + rounds  # each round's warm-up call falls inside the accounting too
-        row["caller_cpu_us"], row["caller_runqueue_us"], row["other_threads_cpu_us"] = (
-            utils.max_across_ranks(v / calls) for v in threads_us[algo])
-        row["median_ms"] = utils.max_across_ranks(utils.median(times))
-        row["min_ms"] = utils.max_across_ranks(min(times))
-        # The spread shows two-mode timings (calls whose wake-ups waited for a busy CPU, and calls that did not).
-        row["p10_ms"] = utils.max_across_ranks(utils.percentile(times, 10))
-        row["p90_ms"] = utils.max_across_ranks(utils.percentile(times, 90))
-        out.append(row)
-    return out
-
-
-def segment_sweep_worker(rank: int, size: int, n: int, segments: list[int], rounds: int, iters: int) -> list[dict]:
-    """The ring's median time at length n for each segment size, alternating rounds as in bench_worker."""
-    work = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-    times: dict[int, list[float]] = {s: [] for s in segments}
-    for round_index in range(rounds):
-        for segment in (segments if round_index % 2 == 0 else segments[::-1]):
-            times[segment] += utils.time_calls_ms(lambda: ring_allreduce(work, rank, size, segment_elements=segment),
-                                                  torch.device("cpu"), iters=iters, warmup=1)
-    return [{"workers": size, "elements": n, "segment_elements": s,
-             "median_ms": utils.max_across_ranks(utils.median(times[s]))} for s in segments]
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(float(v)) if "e" in v.lower() else int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _cpu_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated CPU numbers, got {text!r}") from None
-    allowed = os.sched_getaffinity(0)
-    if not values or not set(values) <= allowed:
-        raise argparse.ArgumentTypeError(f"CPUs {text!r} not all in this process's set {sorted(allowed)}")
-    return values
-
-
-def _algo_list(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in values if v not in ALGORITHMS]
-    if not values or unknown:
-        raise argparse.ArgumentTypeError(f"unknown algorithm(s) {unknown or text!r}: choose from "
-                                         f"{','.join(ALGORITHMS)}")
-    return values
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Benchmark ring and butterfly all-reduce against "
-                                                 "torch.distributed.all_reduce (gloo, CPU).")
-    parser.add_argument("--workers", type=_int_list, default=[2, 4, 8],
-                        help="comma-separated world sizes (default 2,4,8)")
-    parser.add_argument("--sizes", type=_int_list, default=[1000, 10000, 100000, 1000000, 10000000, 25000000],
-                        help="comma-separated vector lengths in float32 elements, 1e6 notation allowed "
-                             "(default 1e3,1e4,1e5,1e6,1e7,2.5e7)")
-    parser.add_argument("--algos", type=_algo_list, default=list(ALGORITHMS),
-                        help="comma-separated subset of ring,butterfly,torch (default all)")
-    parser.add_argument("--torch-max-workers", type=int, default=16,
-                        help="run torch.distributed.all_reduce only up to this many workers (default 16)")
-    parser.add_argument("--budget-s", type=float, default=1.0,
-                        help="timed seconds per configuration; sets the iteration count (default 1.0)")
-    parser.add_argument("--min-iters", type=int, default=6)
-    parser.add_argument("--max-iters", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="alternating rounds the timed calls are spread over (default 3)")
-    parser.add_argument("--segment", type=int, default=SEGMENT_ELEMENTS,
-                        help=f"ring and butterfly segment, elements (default {SEGMENT_ELEMENTS})")
-    parser.add_argument("--segment-sweep", type=_int_list, default=None, metavar="SEGMENTS",
-                        help="also time the ring with each of these segment sizes at the largest length")
-    parser.add_argument("--cpus", type=_cpu_list, default=None,
-                        help="pin worker r (all its threads) to CPU cpus[r %% len] while timing, e.g. 0 puts every "
-                             "worker on CPU 0 (default: the scheduler places them)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for any one group call")
-    parser.add_argument("--json", default=None,
-                        help=f"results file (default results/allreduce-{utils.machine_tag()}.json)")
-    args = parser.parse_args(argv)
-    if args.budget_s <= 0 or args.min_iters < 1 or args.max_iters < args.min_iters or args.rounds < 1:
-        parser.error("need --budget-s > 0, 1 <= --min-iters <= --max-iters and --rounds >= 1")
-    if args.segment < 1:
-        parser.error("--segment must be positive")
-    return args
-
-
-def _ratios(rows: list[dict]) -> list[dict]:
-    by_key = {(r["workers"], r["elements"], r["algo"]): r["median_ms"] for r in rows}
-    out = []
-    for (workers, n, algo), ring_ms in sorted(by_key.items()):
-        if algo != "ring":
-            continue
-        torch_ms, butterfly_ms = by_key.get((workers, n, "torch")), by_key.get((workers, n, "butterfly"))
-        out.append({"workers": workers, "elements": n,
-                    "ring_over_torch": ring_ms / torch_ms if torch_ms else None,
-                    "ring_over_butterfly": ring_ms / butterfly_ms if butterfly_ms else None})
-    return out
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    json_path = args.json or os.path.join("results", f"allreduce-{utils.machine_tag()}.json")
-    progress = None
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-        progress = tqdm(total=len(args.workers) * len(args.sizes), file=sys.stderr, desc="all-reduce", leave=False)
-    say = progress.write if progress is not None else partial(print, flush=True)
-
-    header = f"{'workers':>7} {'elements':>9} {'algo':>9} {'median ms':>10} {'model ms':>9} {'iters':>5} " \
-             f"{'extra KiB':>9} {'max abs err':>11} {'identical':>9}"
-    rows, models, sweep, started, load_before = [], {}, [], time.perf_counter(), os.getloadavg()
-    print(header, flush=True)
-    for workers in args.workers:
-        algos = [a for a in args.algos if not (a == "torch" and workers > args.torch_max_workers)]
-        with utils.LocalGroup(workers, timeout_s=args.timeout, start_timeout_s=args.timeout) as group:
-            if workers > 1:
-                # Lengths up to the largest benchmarked (at least two points for the fit).
-                lengths = [1] + [m for m in PINGPONG_LENGTHS if m <= max(10_000, max(args.sizes))]
-                points = group.run(pingpong_worker, lengths, 10)[0]
-                models[workers] = fit_alpha_beta(points)
-                m = models[workers]
-                say(f"{workers:>7} ping-pong: alpha {m['alpha_ms'] * 1e3:.0f} us, "
-                    f"beta {m['beta_ms_per_element'] * 1e6:.2f} ns/element"
-                    + (f" ({m['beta_gb_per_s']:.2f} GB/s)" if m["beta_gb_per_s"] else ""))
-            for n in args.sizes:
-                for row in group.run(bench_worker, n, algos, args.seed, args.budget_s, args.min_iters,
-                                     args.max_iters, args.rounds, args.segment, args.cpus)[0]:
-                    row["predicted_ms"] = predicted_ms(row["algo"], workers, n, models[workers], args.segment) \
-                        if workers > 1 else 0.0
-                    rows.append(row)
-                    say(f"{workers:>7} {n:>9} {row['algo']:>9} {row['median_ms']:>10.3f} {row['predicted_ms']:>9.3f} "
-                        f"{row['iters']:>5} {row['extra_peak_bytes'] / 1024:>9.1f} {row['max_abs_error']:>11.2e} "
-                        f"{str(row['identical_across_ranks']):>9}")
-                if progress is not None:
-                    progress.update()
-            if args.segment_sweep and workers > 1:
-                for row in group.run(segment_sweep_worker, max(args.sizes), args.segment_sweep, args.rounds, 2)[0]:
-                    sweep.append(row)
-                    say(f"{workers:>7} {row['elements']:>9} ring with segment {row['segment_elements']:>8}: "
-                        f"{row['median_ms']:.1f} ms")
-    if progress is not None:
-        progress.close()
-
-    ratios = _ratios(rows)
-    if ratios:
-        print("\nring / torch and ring / butterfly (median times; < 1 means the ring is faster)")
-        for r in ratios:
-            fmt = lambda v: f"{v:.2f}" if v is not None else "-"
-            print(f"{r['workers']:>7} {r['elements']:>9}  ring/torch {fmt(r['ring_over_torch']):>6}  "
-                  f"ring/butterfly {fmt(r['ring_over_butterfly']):>6}")
-    if rows and any(r["caller_cpu_us"] for r in rows):
-        print("\nper call, us (largest across ranks; the barrier before each call included): the calling thread's CPU "
-              "time, its wait for a CPU while ready to run, and the CPU time of the process's other threads (gloo's)")
-        for r in rows:
-            print(f"{r['workers']:>7} {r['elements']:>9} {r['algo']:>9}  caller CPU {r['caller_cpu_us']:>8.0f}  "
-                  f"waiting for a CPU {r['caller_runqueue_us']:>8.0f}  "
-                  f"gloo threads CPU {r['other_threads_cpu_us']:>8.0f}")
-    payload = {
-        "benchmark": "allreduce",
-        "command": " ".join(["python", "allreduce.py"] + (sys.argv[1:] if argv is None else list(argv))),
-        "machine": utils.machine_info(),
-        "settings": {"workers": args.workers, "sizes": args.sizes, "algos": args.algos, "dtype": "float32",
-                     "torch_max_workers": args.torch_max_workers, "budget_s": args.budget_s,
-                     "min_iters": args.min_iters, "max_iters": args.max_iters, "rounds": args.rounds,
-                     "segment_elements": args.segment, "receive_slots": RECEIVE_SLOTS, "cpus": args.cpus,
-                     "seed": args.seed},
-        "method": {
-            "time": "median over the timed calls of one rank's wall time per call (each call starts after a "
-                    "barrier), the largest such median across ranks; iterations adaptive: 3 probe calls, then "
-                    "budget_s / probe median, clamped to [min_iters, max_iters], spread over `rounds` rounds in "
-                    "alternating algorithm order",
-            "p10_ms/p90_ms": "10th and 90th percentile of one rank's call times, the largest across ranks",
-            "predicted_ms": "alpha-beta model (predicted_ms in allreduce.py) with alpha and beta fitted per "
-                            "worker count to a ping-pong between ranks 0 and 1 (least one-way time per length)",
-            "extra_peak_bytes": "bytes of new tensor storage returned by torch functions and Tensor methods "
-                                "during one call (a TorchFunctionMode), max over ranks; a sum of allocations, "
-                                "so an upper bound on the peak; gloo's internal scratch in "
-                                "torch.distributed.all_reduce is invisible to it, so the torch figure is a "
-                                "lower bound",
-            "caller_cpu_us/caller_runqueue_us/other_threads_cpu_us": "per timed call (barrier and each round's "
-                "warm-up call included), from Linux schedstat: CPU time of the thread that calls the all-reduce, the "
-                "time it was ready to run but waiting for a CPU, and the CPU time of the process's other threads "
-                "(gloo's I/O and work threads); largest across ranks; 0 where /proc has no schedstat",
-            "max_abs_error": "max over ranks and elements of |result - float64 mean of all ranks' float32 inputs|",
-            "torch": "torch.distributed.all_reduce(SUM) on gloo, then a division by the world size",
-        },
-        "wall_time_s": time.perf_counter() - started,
-        # The machine may be shared: the 1/5/15-minute load averages say how busy it was around the run.
-        "load_average_before": list(load_before),
-        "load_average_after": list(os.getloadavg()),
-        "alpha_beta": {str(w): m for w, m in models.items()},
-        "segment_sweep": sweep,
-        "results": rows,
-        "ratios": ratios,
-    }
-    utils.write_json(json_path, payload)
-    print(f"\nwrote {json_path} ({payload['wall_time_s']:.0f} s)")
-    return payload
+def main() -> None:
+    """Average one vector with each algorithm; rank 0 says whether every rank agrees with the float64 mean."""
+    ctx = utils.init_distributed("cpu", "gloo")
+    rank, size, n = ctx.rank, ctx.world_size, 1_000_003  # not divisible by 2, 3, 4, 5, 6, 7 or 8
+    inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+    mean = torch.stack([x.double() for x in inputs]).mean(0)
+    tolerance = 2 * (size + 1) * torch.finfo(torch.float32).eps * max(float(x.abs().max()) for x in inputs)
+    runs = {"ring": lambda x: ring_allreduce(x, rank, size), "butterfly": lambda x: butterfly_allreduce(x, rank, size),
+            "reduce-scatter + all-gather": lambda x: _reduce_scatter_all_gather(x, rank, size)}
+    for name, run in runs.items():
+        result = run(inputs[rank].clone())
+        error = utils.max_across_ranks(float((result.double() - mean).abs().max()))
+        first = result.clone()
+        dist.broadcast(first, 0)
+        differ = utils.max_across_ranks(float(not torch.equal(first, result)))
+        utils.print0(f"{name:>28}: {size} ranks, {n} elements: max error vs the float64 mean {error:.1e} "
+                     f"(tolerance {tolerance:.1e}), ranks bit-identical: {differ == 0} -> "
+                     + ("agree" if error <= tolerance and differ == 0 else "DISAGREE"))
+    utils.cleanup_distributed()
 
 
 if __name__ == "__main__":

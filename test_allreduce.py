@@ -1,5 +1,6 @@
-"""Tests for allreduce.py: ring and butterfly all-reduce against the float64 mean, on local gloo groups, and the
-trainer averaging its gradients with them.
+"""Tests for allreduce.py: ring and butterfly all-reduce against the float64 mean, the ring's halves
+(reduce-scatter, all-gather) against the float64 sum and the ranks' own chunks, on local gloo groups, the trainer
+averaging its gradients with them, and allreduce_benchmark.py's command line.
 
 Each world size is one LocalGroup (the session-wide ``local_group`` fixture); every length, dtype, segment size
 and algorithm for that world size runs inside a single ``group.run`` call, and the results come back to be
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import allreduce
+import allreduce_benchmark
 
 WORLD_SIZES = [1, 2, 3, 5, 8]
 LENGTHS = [1, 3, 1000, 1001, 4097]
@@ -87,7 +89,7 @@ def average_all_cases(rank: int, world_size: int) -> dict:
                 out[(algo, str(dtype), length, segment)] = {
                     "result": send.clone(), "in_place": send.data_ptr() == pointer and send.shape == shape
                     and returned is send, "counts": dict(counts), "posts": list(posts),
-                    "allocated": allreduce.tracked_allocation_bytes(
+                    "allocated": allreduce_benchmark.tracked_allocation_bytes(
                         lambda: fn(send.clone(), rank, world_size, segment_elements=segment))
                     - send.numel() * send.element_size(),  # minus the clone's own storage
                 }
@@ -212,45 +214,243 @@ def test_non_contiguous_view_is_averaged_in_place(local_group):
 
 def test_benchmark_smoke(tmp_path, capsys):
     out = tmp_path / "allreduce.json"
-    payload = allreduce.main(["--workers", "2", "--sizes", "100", "--algos", "ring,butterfly,torch",
-                              "--budget-s", "0.01", "--min-iters", "2", "--max-iters", "3", "--rounds", "2",
-                              "--segment", "16", "--segment-sweep", "8,50", "--json", str(out)])
+    payload = allreduce_benchmark.main(["--workers", "2", "--sizes", "100", "--algos", "ring,butterfly,torch",
+                                        "--collectives", "allreduce,reduce_scatter,all_gather",
+                                        "--budget-s", "0.01", "--min-iters", "2", "--max-iters", "3", "--rounds", "2",
+                                        "--segment", "16", "--segment-sweep", "8,50", "--json", str(out)])
     written = json.loads(out.read_text())
-    assert written["results"] == payload["results"] and len(written["results"]) == 3
+    assert written["results"] == payload["results"] and len(written["results"]) == 3 + 2 + 2
     for row in written["results"]:
-        assert row["identical_across_ranks"] and row["max_abs_error"] < 1e-6 and row["median_ms"] > 0
+        assert row["max_abs_error"] < 1e-5 and row["median_ms"] > 0
+        assert row["identical_across_ranks"] is (None if row.get("collective") == "reduce_scatter" else True), row
         assert row["predicted_ms"] > 0 and row["iters"] in (2, 4)  # 2 rounds of 1 or 2 calls
         assert row["caller_cpu_us"] >= 0 and row["caller_runqueue_us"] >= 0 and row["other_threads_cpu_us"] >= 0
+    halves = [(r.get("collective"), r["algo"]) for r in written["results"] if "collective" in r]
+    assert halves == [("reduce_scatter", "ring"), ("reduce_scatter", "torch"), ("all_gather", "ring"),
+                      ("all_gather", "torch")]
+    ring_all_gather = next(r for r in written["results"] if r.get("collective") == "all_gather" and r["algo"] == "ring")
+    assert ring_all_gather["max_abs_error"] == 0.0 and ring_all_gather["extra_peak_bytes"] == 0
     model = written["alpha_beta"]["2"]
     assert model["alpha_ms"] > 0 and model["beta_ms_per_element"] >= 0 and len(model["points"]) == 2
     assert [r["segment_elements"] for r in written["segment_sweep"]] == [8, 50]
     assert {"cpu_model", "torch"} <= set(written["machine"]) and written["ratios"][0]["ring_over_torch"] > 0
-    assert "ring" in capsys.readouterr().out
+    assert {r.get("collective") for r in written["ratios"]} == {None, "reduce_scatter", "all_gather"}
+    assert written["command"].startswith("python allreduce_benchmark.py ")
+    printed = capsys.readouterr().out
+    assert "ring" in printed and "rs-ring" in printed and "ag-torch" in printed
 
 
 def test_thread_accounting():
     # Synthetic: the caller's own CPU and run-queue wait; every other thread's CPU, a new thread counted from 0.
     before = {1: (0, 0), 2: (5_000, 7)}
     after = {1: (3_000, 1_000), 2: (8_000, 9), 3: (2_000, 4)}
-    assert allreduce._thread_deltas_us(before, after, 1) == (3.0, 1.0, 5.0)
+    assert allreduce_benchmark._thread_deltas_us(before, after, 1) == (3.0, 1.0, 5.0)
     # Real: the calling thread's schedstat run time is the CPU time time.thread_time() reads (both the kernel's
     # sum of execution time), so 20 ms of computing here shows as at least 20 ms.
-    before = allreduce.thread_schedstat_ns()
+    before = allreduce_benchmark.thread_schedstat_ns()
     if not before:
         pytest.skip("no /proc/self/task/*/schedstat on this system")
     start = time.thread_time()
     while time.thread_time() - start < 0.02:
         pass
-    caller_us, _, _ = allreduce._thread_deltas_us(before, allreduce.thread_schedstat_ns(), threading.get_native_id())
+    after = allreduce_benchmark.thread_schedstat_ns()
+    caller_us, _, _ = allreduce_benchmark._thread_deltas_us(before, after, threading.get_native_id())
     assert caller_us >= 19_000, caller_us
 
 
 def test_bad_cli_arguments_exit_with_one_line(capsys):
-    for argv in (["--workers", "0"], ["--algos", "ring,tree"], ["--sizes", "ten"]):
+    for argv in (["--workers", "0"], ["--algos", "ring,tree"], ["--sizes", "ten"], ["--collectives", "gather"]):
         with pytest.raises(SystemExit) as exit_info:
-            allreduce.parse_args(argv)
+            allreduce_benchmark.parse_args(argv)
         assert exit_info.value.code == 2
         assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The ring's halves: reduce-scatter and all-gather
+# ----------------------------------------------------------------------------------------------------------
+HALF_CHUNKS = [1, 3, 7, 600]  # chunk lengths; 600 > SMALL_SEGMENT: 3 segments per chunk, pipelined
+HALF_WORLD_SIZES = [1, 2, 3, 4, 5]
+
+
+def half_input(rank: int, chunk: int, world_size: int, dtype: torch.dtype, integers: bool) -> torch.Tensor:
+    """Rank ``rank``'s vector of ``world_size`` chunks: integers in [-1000, 1000] (every sum of them is exact in
+    float32 and float64, in any order) or N(0, 1) values."""
+    generator = torch.Generator().manual_seed(7919 * chunk + 31 * world_size + rank)
+    n = chunk * world_size
+    if integers:
+        return torch.randint(-1000, 1001, (n,), generator=generator).to(dtype)
+    return torch.randn(n, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def half_cases() -> list[tuple[int, int, torch.dtype, bool]]:
+    """(chunk, segment, dtype, integers): each chunk with the default segment, and the long one also with
+    SMALL_SEGMENT and the 7 with segments of 2 (4 per chunk), so the pipeline runs with several segments."""
+    cases = []
+    for dtype in DTYPES:
+        for chunk in HALF_CHUNKS:
+            segments = [allreduce.SEGMENT_ELEMENTS] + ([SMALL_SEGMENT] if chunk > SMALL_SEGMENT else []) \
+                + ([2] if chunk == 7 else [])
+            cases += [(chunk, segment, dtype, integers) for segment in segments for integers in (True, False)]
+    return cases
+
+
+def run_halves(rank: int, world_size: int) -> dict:
+    """Every half_cases case on this rank through ring_reduce_scatter and ring_all_gather, with every collective
+    banned and the point-to-point calls counted; sent_bytes() read around each call."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES + POINT_TO_POINT}
+    counts = {}
+
+    def banned(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"collective dist.{name} called inside a ring half")
+        return call
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    out = {}
+    try:
+        for chunk, segment, dtype, integers in half_cases():
+            flat = half_input(rank, chunk, world_size, dtype, integers)
+            mine = slice(rank * chunk, (rank + 1) * chunk)
+            gather_in = torch.full_like(flat, float("nan"))  # every place but this rank's chunk must be written
+            gather_in[mine] = flat[mine]
+            for name, fn, tensor in (("reduce_scatter", allreduce.ring_reduce_scatter, flat),
+                                     ("all_gather", allreduce.ring_all_gather, gather_in)):
+                counts.clear()
+                for banned_name in COLLECTIVES:
+                    setattr(dist, banned_name, banned(banned_name))
+                for counted_name in POINT_TO_POINT:
+                    setattr(dist, counted_name, counted(counted_name))
+                before = allreduce.sent_bytes()
+                try:
+                    returned = fn(tensor, rank, world_size, segment_elements=segment)
+                finally:
+                    for original_name, original in originals.items():
+                        setattr(dist, original_name, original)
+                out[(name, chunk, segment, str(dtype), integers)] = {
+                    "result": returned.clone(), "view": returned.data_ptr() == tensor[mine].data_ptr()
+                    if name == "reduce_scatter" else returned is tensor,
+                    "sent_bytes": allreduce.sent_bytes() - before, "counts": dict(counts)}
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return out
+
+
+@pytest.mark.parametrize("world_size", HALF_WORLD_SIZES)
+def test_ring_halves_exact(local_group, world_size):
+    """Reduce-scatter: chunk r on rank r is the sum over ranks, bit for bit against the float64 sum for integer
+    inputs (exact in any order), and within (p - 1) eps sum_r |x_r| for N(0, 1) inputs: each of the p - 1 additions
+    of a partial sum rounds by at most eps/2 of its magnitude, which is at most sum_r |x_r| (a bound doubled).
+    All-gather: every rank's vector is every rank's own chunk, bit for bit. Point-to-point calls only, and each
+    half sends exactly p - 1 chunks per rank."""
+    per_rank = local_group(world_size).run(run_halves)
+    worst = 0.0
+    for chunk, segment, dtype, integers in half_cases():
+        inputs = [half_input(r, chunk, world_size, dtype, integers) for r in range(world_size)]
+        total = sum(x.double() for x in inputs)
+        gathered = torch.cat([inputs[r][r * chunk:(r + 1) * chunk] for r in range(world_size)])
+        bound = (world_size - 1) * torch.finfo(dtype).eps * sum(x.double().abs() for x in inputs)
+        itemsize = torch.finfo(dtype).bits // 8
+        for rank, results in enumerate(per_rank):
+            mine = slice(rank * chunk, (rank + 1) * chunk)
+            for name in ("reduce_scatter", "all_gather"):
+                case = results[(name, chunk, segment, str(dtype), integers)]
+                where = f"{name} p={world_size} chunk {chunk} segment {segment} {dtype} integers={integers} rank {rank}"
+                assert case["view"], f"{where}: not the input's chunk / the input itself"
+                assert case["sent_bytes"] == (world_size - 1) * chunk * itemsize, (where, case["sent_bytes"])
+                assert set(case["counts"]) <= {"isend", "irecv"}, (where, case["counts"])
+                if world_size > 1:
+                    messages = (world_size - 1) * -(-chunk // segment)
+                    assert case["counts"] == {"isend": messages, "irecv": messages}, (where, case["counts"])
+                result = case["result"]
+                if name == "all_gather":
+                    assert torch.equal(result, gathered), f"{where}: differs from the ranks' own chunks"
+                elif integers:
+                    assert torch.equal(result, total[mine].to(dtype)), f"{where}: not the exact sum"
+                else:
+                    error = (result.double() - total[mine]).abs()
+                    assert bool((error <= bound[mine]).all()), f"{where}: error {float(error.max()):.2e}"
+                    worst = max(worst, float((error / bound[mine].clamp_min(1e-300)).max()))
+    print(f"\np={world_size}: reduce-scatter's worst error / bound {worst:.3f} (random inputs)")
+
+
+def reject_bad_halves(rank: int, world_size: int) -> list[tuple[str, str]]:
+    """Every bad input to each half, with the point-to-point calls made to raise: (error type, message) each."""
+    originals = {name: getattr(dist, name) for name in POINT_TO_POINT}
+
+    def sent(*args, **kwargs):
+        raise AssertionError("a message was sent before the input was checked")
+
+    bad = [(torch.arange(4), rank, world_size), (torch.zeros(2, 2), rank, world_size),
+           (torch.zeros(8)[::2], rank, world_size), (torch.zeros(5), rank, world_size),
+           (torch.zeros(4), rank, world_size + 1), (torch.zeros(4), (rank + 1) % world_size, world_size),
+           ([0.0] * 4, rank, world_size)]
+    out = []
+    for name in POINT_TO_POINT:
+        setattr(dist, name, sent)
+    try:
+        for fn in (allreduce.ring_reduce_scatter, allreduce.ring_all_gather):
+            for tensor, r, p in bad:
+                try:
+                    fn(tensor, r, p)
+                    out.append(("none", fn.__name__))
+                except (TypeError, ValueError) as error:
+                    out.append((type(error).__name__, str(error)))
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return out
+
+
+def test_ring_halves_reject_bad_input_before_sending(local_group):
+    per_rank = local_group(2).run(reject_bad_halves)
+    for messages in per_rank:
+        assert len(messages) == 14
+        for (kind, message), name in zip(messages, ["ring_reduce_scatter"] * 7 + ["ring_all_gather"] * 7):
+            assert kind in ("TypeError", "ValueError") and message.startswith(f"{name}: "), (kind, message)
+            assert "\n" not in message, message
+        expected = ["floating-point", "1-D", "contiguous", "equal chunks", "do not match", "do not match",
+                    "torch.Tensor"] * 2
+        assert all(word in message for word, (_, message) in zip(expected, messages)), messages
+
+
+def halves_on_a_thread(rank: int, world_size: int) -> dict:
+    """An AllreduceThread's group running ring_reduce_scatter then ring_all_gather (the sum of every chunk on
+    every rank), while the main thread runs collectives on the default group; close() twice."""
+    averager = allreduce.AllreduceThread("ring", timeout_s=60, segment_elements=4)
+    flat = half_input(rank, 7, world_size, torch.float64, integers=True)
+    scattered = averager.submit(flat, operation=allreduce.ring_reduce_scatter)
+    default_group_sums = []
+    for _ in range(10):  # interleaves with the thread's messages on its own group
+        value = torch.tensor([float(rank)], dtype=torch.float64)
+        dist.all_reduce(value)
+        default_group_sums.append(float(value))
+    chunk = scattered.result(timeout=60).clone()
+    gathered = averager.submit(flat, operation=allreduce.ring_all_gather).result(timeout=60)
+    averaged = averager.submit(half_input(rank, 7, world_size, torch.float64, integers=True)).result(timeout=60)
+    averager.close()
+    averager.close()  # a second close does nothing: above all, it must not destroy the default group (None)
+    value = torch.tensor([1.0], dtype=torch.float64)
+    dist.all_reduce(value)
+    return {"chunk": chunk, "gathered": gathered is flat and flat.clone(), "averaged": averaged,
+            "default group": default_group_sums + [float(value)], "closed": averager.group is None}
+
+
+def test_halves_on_the_communication_thread(local_group):
+    world_size = 3
+    per_rank = local_group(world_size).run(halves_on_a_thread)
+    total = sum(half_input(r, 7, world_size, torch.float64, integers=True) for r in range(world_size))
+    for rank, out in enumerate(per_rank):
+        assert torch.equal(out["chunk"], total[rank * 7:(rank + 1) * 7]), rank
+        assert torch.equal(out["gathered"], total), rank  # each rank's summed chunk, gathered
+        torch.testing.assert_close(out["averaged"], total / world_size, rtol=0, atol=1e-12)
+        assert out["default group"] == [3.0] * 10 + [3.0] and out["closed"]
 
 
 # ----------------------------------------------------------------------------------------------------------
