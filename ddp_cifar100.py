@@ -99,8 +99,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tqdm import tqdm
 
 import utils
-from data import FolderData, MemoryData, derive_seed, load_data
 import zero
+from data import FolderData, MemoryData, derive_seed, load_data
 from gradsync import DDPSync, GradientSync, broadcast_state, make_ddp
 from models import MODELS, build_model
 from utils import UsageError
@@ -175,16 +175,12 @@ def trajectory_config(args: argparse.Namespace, world_size: int, schedule_steps:
                "scheduler", "amp", "seed", "augment", "image_size")}
     # A run is its global batch, not its number of processes: B x K x W samples per step (the same sample
     # order, and SyncBatchNorm's statistics over the same B x W samples per micro-batch, for any split).
-    config["global_batch"] = global_batch(args.batch_size, args.grad_accum, world_size)
+    config["global_batch"] = args.batch_size * args.grad_accum * world_size
     config["dropout"] = args.dropout if args.model == "net" else None
     config["sizes"] = [len(data.train), data.val_size, data.num_classes] if args.dataset != "cifar100" else None
     config["norm"] = "local" if args.norm == "local" else "synchronized"  # custom and torch compute the same
     config["schedule_steps"] = schedule_steps if args.scheduler == "onecycle" else None
     return config
-
-
-def global_batch(batch_size: int, grad_accum: int, world_size: int) -> int:
-    return batch_size * grad_accum * world_size
 
 
 def split_dependent(args: argparse.Namespace) -> list[str]:
@@ -215,7 +211,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}); "
                          f"delete it to start afresh") from None
     required = ("model", "optimizer", "scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps",
-                "micro_batches_total", "fingerprint", "config", "history", "epoch_sums", "world_size")
+                "micro_batches_total", "fingerprint", "config", "history", "epoch_sums")
     if not isinstance(state, dict) or any(key not in state for key in required):
         raise UsageError(f"cannot read checkpoint {path}: not a checkpoint of this script; delete it to start afresh")
     return state
@@ -245,13 +241,15 @@ def check_compatible(state: dict[str, Any], config: dict[str, Any], path: str, a
     if state["fingerprint"] == fingerprint(config):
         return
     saved = state["config"]
-    if saved.get("global_batch") != config["global_batch"] and saved.get("grad_accum") == args.grad_accum:
+    if "global_batch" in saved and saved["global_batch"] != config["global_batch"] \
+            and saved.get("grad_accum") == args.grad_accum:
+        saved_size, saved_world = saved["global_batch"] // (args.grad_accum * state["world_size"]), state["world_size"]
         per_process, rest = divmod(saved["global_batch"], args.grad_accum * world_size)
         advice = (f"--batch-size {per_process} keeps it on {world_size} processes" if per_process and not rest else
                   f"no --batch-size keeps it on {world_size} processes with --grad-accum {args.grad_accum}")
         raise UsageError(f"checkpoint {path} is from a run with a global batch of {saved['global_batch']} "
-                         f"(batch size x grad-accum x processes = {saved['global_batch'] // (args.grad_accum * state['world_size'])} "
-                         f"x {args.grad_accum} x {state['world_size']}), not {config['global_batch']}: {advice}")
+                         f"(batch size x grad-accum x processes = {saved_size} x {args.grad_accum} x {saved_world}), "
+                         f"not {config['global_batch']}: {advice}")
     differences = [f"{key} {saved.get(key)!r} != {config.get(key)!r}" for key in sorted(config)
                    if saved.get(key) != config.get(key)]
     raise UsageError(f"checkpoint {path} is from another configuration ({', '.join(differences) or 'fingerprint'})"
@@ -664,7 +662,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         run.first_step = position.optimizer_steps
         trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
         utils.print0(f"{args.model} ({trainable:,} parameters, {run.data.num_classes} classes) on "
-                     f"{run.ctx.world_size} x {run.device.type} ({run.ctx.backend}), grad-sync {args.grad_sync}, "
+                     f"{run.ctx.world_size} x {run.device.type} ({run.ctx.backend}), grad-sync {args.grad_sync}"
+                     f"{f' --zero {args.zero}' if args.zero else ''}, {args.optimizer}, "
                      f"norm {args.norm}, {args.batch_size} x {args.grad_accum} x {run.ctx.world_size} samples "
                      f"per step, {run.steps_per_epoch} steps per epoch")
         utils.reset_peak_memory(run.device)

@@ -1,9 +1,13 @@
 """Gradient averaging for data-parallel training: hand-written, accumulation-aware and bucketed
 (``GradientSync``), or PyTorch's DistributedDataParallel behind the same small interface (``DDPSync``).
 
+    optimizer = torch.optim.SGD(sync.parameters(), ...)
     sync.prepare(sync=last_micro_batch_of_window)   # before each backward
     sync.finish()                                   # before the optimizer step of a window
-    sync.zero_grad()                                # after it
+    sync.gather_params()                            # after it (nothing here; zero.py's stages gather shards)
+    sync.zero_grad()                                # then
+
+zero.py's ZeRO stages are subclasses of GradientSync: the same buckets and hooks, other collectives.
 
 Only the last micro-batch of a window communicates: gradients live in flat buckets (each parameter's .grad is
 a view into one), filled in reverse parameter order the way backward produces them. With overlap on, a

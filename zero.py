@@ -68,6 +68,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import utils
+from allreduce import ring_all_gather, ring_reduce_scatter
 from gradsync import DDPSync, GradientSync, gradient_view, size_text
 
 
@@ -125,10 +126,13 @@ class ZeroStage1(GradientSync):
         """Average ``flat`` over ranks into this rank's shard of it, asynchronously (divide first, then SUM)."""
         flat.div_(self.world_size)
         if self.averager is not None:
-            from allreduce import ring_reduce_scatter
             return self.averager.submit(flat, operation=ring_reduce_scatter)
-        self.nominal_sent += self.shard_of(flat).numel() * (self.world_size - 1) * flat.element_size()
+        self.nominal_sent += self._one_way_bytes(flat)
         return dist.reduce_scatter_tensor(self.shard_of(flat), flat, async_op=True)
+
+    def _one_way_bytes(self, flat: torch.Tensor) -> int:
+        """What a ring sends per rank in one reduce-scatter or all-gather of ``flat``: W-1 of its W shards."""
+        return self.shard_of(flat).numel() * (self.world_size - 1) * flat.element_size()
 
     def _start(self, index: int) -> Any:
         return self._reduce_scatter(self.flats[index])
@@ -143,10 +147,9 @@ class ZeroStage1(GradientSync):
         for name, flat in zip(self.gather_names, self.param_flats):
             with utils.profiled(name) as span:
                 if self.averager is not None:
-                    from allreduce import ring_all_gather
                     handle = self.averager.submit(flat, operation=ring_all_gather)
                 else:
-                    self.nominal_sent += self.shard_of(flat).numel() * (self.world_size - 1) * flat.element_size()
+                    self.nominal_sent += self._one_way_bytes(flat)
                     handle = dist.all_gather_into_tensor(flat, self.shard_of(flat), async_op=True)
                 if span is not None:
                     span._call_end_callbacks_on_future(self._landed(handle))

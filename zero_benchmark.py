@@ -86,13 +86,13 @@ def summarize(config: dict, metrics: dict, weights_difference: float | None) -> 
             "attempts": metrics["attempts"]}
 
 
-def print_rows(rows: list[dict]) -> None:
+def print_rows(rows: list[dict], reference: str) -> None:
     header = (f"{'configuration':<34}{'weights MB':>11}{'grads MB':>9}{'state MB':>9}{'(formula)':>20}"
               f"{'sent MB':>8}{'(2Psi)':>7}{'step ms':>9}{'vs st.0':>8}{'loss':>8}{'max |dw|':>10}")
     print(header)
     print("-" * len(header))
     baseline = {(r["model"], r["nproc"], r["grad_accum"]): r["step_time_ms_median"] for r in rows
-                if r["label"].startswith("stage 0")}  # the first collective's
+                if r["label"] == reference}
     for r in rows:
         held, expected = r["state_bytes"], r["expected"]
         mb = lambda b: f"{b / 1e6:.2f}" if b is not None else "-"  # noqa: E731
@@ -189,7 +189,7 @@ def main(argv=None) -> dict:
         metrics, weights = chosen[config["name"]]
         reference = chosen[config["name"].rsplit("/", 1)[0] + f"/stage 0 {args.allreduces[0]}"][1]
         rows.append(summarize(config, metrics, max_weight_difference(reference, weights)))
-    print_rows(rows)
+    print_rows(rows, f"stage 0 {args.allreduces[0]}")
     payload = {"benchmark": "zero", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
                "command": " ".join(["python", "zero_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
                "settings": {k: v for k, v in vars(args).items() if k != "json"},
