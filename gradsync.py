@@ -118,6 +118,7 @@ class GradientSync:
         self.pending: list[int] = []
         self.launched = 0
         self.handles: list[Any] = []
+        self.unlanded: dict[int, torch.futures.Future] = {}  # profiled ranges of Works without a future
 
     def flat_length(self, bucket: list[nn.Parameter]) -> int:
         """Elements of a bucket's flat buffer: its parameters' (the sharded stages pad to a multiple of W)."""
@@ -167,12 +168,18 @@ class GradientSync:
 
     def _landed(self, handle: Any) -> torch.futures.Future:
         """A torch Future that completes with ``handle``: c10d's Work has one; the averager's
-        concurrent.futures.Future is bridged to one from its thread."""
-        if self.averager is None:
+        concurrent.futures.Future is bridged to one from its thread. A Work without one (gloo's
+        reduce_scatter_tensor: "Work::getFuture not implemented") gets one that _wait completes once it has
+        waited for the Work, so its range closes when the wait sees it done."""
+        if self.averager is not None:
+            landed: torch.futures.Future = torch.futures.Future()
+            handle.add_done_callback(lambda _: landed.set_result(None))
+            return landed
+        try:
             return handle.get_future()
-        landed: torch.futures.Future = torch.futures.Future()
-        handle.add_done_callback(lambda _: landed.set_result(None))
-        return landed
+        except RuntimeError:
+            self.unlanded[id(handle)] = torch.futures.Future()
+            return self.unlanded[id(handle)]
 
     def finish(self) -> None:
         """Launch what the hooks have not (all of it in after-backward mode) and wait for every bucket."""
@@ -186,6 +193,8 @@ class GradientSync:
     def _wait(self, handles: list[Any]) -> None:
         for handle in handles:
             handle.wait() if self.averager is None else handle.result()  # re-raises the thread's error
+            if id(handle) in self.unlanded:
+                self.unlanded.pop(id(handle)).set_result(None)
 
     def parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates: every trainable parameter, in the model's order (ZeRO: this rank's

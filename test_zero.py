@@ -57,6 +57,9 @@ def stage_runs(request, local_group):
                      for stage in (1, 2)]
     if world_size == 2:
         variants += [("ddp", ["--grad-sync", "ddp"]), ("zero redundancy", ["--grad-sync", "ddp", "--zero", "1"])]
+        # channels-last weights: the flat weight and the flat gradient must still match element by element
+        variants += [("stage 0 channels-last", ["--zero", "0", "--channels-last"]),
+                     ("stage 2 torch channels-last", ["--zero", "2", "--channels-last"])]
     ranks = local_group(world_size).run(train_variants, BASE + OPTIMIZERS[world_size], variants)
     return world_size, ranks
 
@@ -68,17 +71,19 @@ def test_the_rings_thread_is_closed_when_training_ends(stage_runs):
 
 def test_sharded_stages_match_stage_0(stage_runs):
     world_size, ranks = stage_runs
-    reference = ranks[0]["stage 0"]["state"]
+    references = {"": ranks[0]["stage 0"]["state"], " channels-last": ranks[0]["stage 0 channels-last"]["state"]
+                  if world_size == 2 else None}
     # 64 samples per rank: 8 micro-batches, 3 steps (the last window short); 43: 6 micro-batches (the last of
     # 3 samples), 2 steps
     assert ranks[0]["stage 0"]["metrics"]["optimizer_steps"] == {2: 3, 3: 2}[world_size]
     for name in (name for name in ranks[0] if name != "threads left"):
         # every rank ends with the same weights: the all-gather made the model whole everywhere
         assert all(max_difference(ranks[0][name]["state"], r[name]["state"]) == 0 for r in ranks), name
+        reference = references[" channels-last" if name.endswith(" channels-last") else ""]
         worst = max_difference(reference, ranks[0][name]["state"])
         print(f"\n{world_size} processes, {OPTIMIZERS[world_size][1]}, {name} vs stage 0 (float64): max |dw| = "
               f"{worst:.1e}")
-        if name == "stage 1 torch" or (world_size == 2 and not name.startswith("stage 2")):
+        if name in ("stage 1 torch", "stage 0 channels-last") or (world_size == 2 and not name.startswith("stage 2")):
             # the same sums in the same order as stage 0: gloo's reduce-scatter adds the ranks as its all-reduce
             # does; and a sum of two ranks is the same in any order (the ring's, DDP's)
             assert worst == 0, name
@@ -217,6 +222,27 @@ def overflow_in_one_shard(rank, world_size, zero_stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(local_group, stage):
     assert local_group(2).run(overflow_in_one_shard, stage) == [(2.0, True), (2.0, True)]
+
+
+def profiled_ranges(rank, world_size, argv, directory):
+    """A profiled trainer run; the names of the ranges in this rank's trace."""
+    import json
+    train_in_group(rank, world_size, argv + ["--profile", directory])
+    with open(f"{directory}/rank{rank}.pt.trace.json") as f:
+        return [e["name"] for e in json.load(f)["traceEvents"] if e.get("cat") == "user_annotation"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_profile_shows_each_buckets_reduce_scatter_and_all_gather(local_group, tmp_path, stage):
+    """--profile on the sharded stages (gloo's reduce_scatter_tensor has no future to close a range with)."""
+    argv = BASE + ["--optimizer", "sgd", "--zero", str(stage), "--max-steps", "2", "--profile-steps", "1:2"]
+    names = local_group(2).run(profiled_ranges, argv, str(tmp_path))[0]
+    buckets = bucket_count(torch.float32)
+    scatters = [n for n in names if n.startswith("reduce_scatter bucket ")]
+    gathers = [n for n in names if n.startswith("all_gather bucket ")]
+    assert len(gathers) == buckets  # one step profiled
+    assert len(scatters) == buckets * (3 if stage == 2 else 1)  # a window of 3 micro-batches
+    assert "reduce_scatter wait" in names and "all_gather wait" in names
 
 
 # ----------------------------------------------------------------------------------------------------------

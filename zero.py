@@ -227,8 +227,10 @@ class ZeroStage2(ZeroStage1):
             raise ValueError("ZeRO stage 2 reduce-scatters each bucket as backward completes it; syncing after "
                              "backward would keep every full gradient (use stage 1 for that)")
         super().__init__(model, bucket_mb, True, allreduce, timeout_s)
-        self.place = {id(p): (index, start) for index, bucket in enumerate(self.buckets)
-                      for p, start in zip(bucket, self.offsets[index])}
+        # each parameter's place in its bucket's buffer, as (first element, strides): gradient_view's layout,
+        # worked out once here rather than in every hook call
+        self.place = {id(p): (start, gradient_view(torch.empty(p.numel(), device="meta"), p).stride())
+                      for index, bucket in enumerate(self.buckets) for p, start in zip(bucket, self.offsets[index])}
         self.numels = [sum(p.numel() for p in bucket) for bucket in self.buckets]
         self.buffer_length = max(self.flat_length(bucket) for bucket in self.buckets)
         self.pool: list[torch.Tensor] = []  # free full-gradient buffers, each buffer_length long
@@ -258,8 +260,8 @@ class ZeroStage2(ZeroStage1):
         if buffer is None:
             buffer = self.filling[index] = self._acquire()
             buffer[self.numels[index]:self.flat_length(self.buckets[index])].zero_()  # the padding
-        start = self.place[id(param)][1]
-        gradient_view(buffer[start:start + param.numel()], param).copy_(param.grad)
+        start, strides = self.place[id(param)]
+        buffer.as_strided(param.shape, strides, start).copy_(param.grad)  # the pool's buffers start at offset 0
         param.grad = None  # the full gradient does not outlive this copy
         self.pending[index] -= 1
         while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
