@@ -340,22 +340,18 @@ def _cpu_list(text: str) -> list[int]:
     return values
 
 
-def _algo_list(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in values if v not in ALGORITHMS]
-    if not values or unknown:
-        raise argparse.ArgumentTypeError(f"unknown algorithm(s) {unknown or text!r}: choose from "
-                                         f"{','.join(ALGORITHMS)}")
-    return values
+def _choice_list(choices, what: str):
+    """An argparse type: a comma-separated non-empty subset of ``choices`` (``what`` names them in the error)."""
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [v for v in values if v not in choices]
+        if not values or unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {unknown or text!r}: choose from {','.join(choices)}")
+        return values
+    return parse
 
 
-def _collective_list(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in values if v not in COLLECTIVES]
-    if not values or unknown:
-        raise argparse.ArgumentTypeError(f"unknown collective(s) {unknown or text!r}: choose from "
-                                         f"{','.join(COLLECTIVES)}")
-    return values
+_algo_list, _collective_list = _choice_list(ALGORITHMS, "algorithm"), _choice_list(COLLECTIVES, "collective")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
