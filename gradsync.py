@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -106,14 +107,17 @@ class GradientSync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = assign_buckets(self.params, bucket_mb)
         self.sizes = [len(b) for b in self.buckets]
-        self.flats: list[torch.Tensor | None] = [self._gradient_buffer(bucket) for bucket in self.buckets]
+        # each parameter's first element in its bucket's flat, and each flat's length
+        self.offsets = [list(accumulate((p.numel() for p in bucket[:-1]), initial=0)) for bucket in self.buckets]
+        self.lengths = [self.flat_length(bucket) for bucket in self.buckets]
+        self.flats: list[torch.Tensor | None] = [self._gradient_buffer(index) for index in range(len(self.buckets))]
         if overlap:
             for index, bucket in enumerate(self.buckets):
                 for p in bucket:
                     p.register_post_accumulate_grad_hook(partial(self._grad_ready, index))
         self.range_names = [f"{self.collective} bucket {index} "
-                            f"({size_text(self.flat_length(bucket) * bucket[0].element_size())})"
-                            for index, bucket in enumerate(self.buckets)]
+                            f"({size_text(length * bucket[0].element_size())})"
+                            for index, (bucket, length) in enumerate(zip(self.buckets, self.lengths))]
         self.sync = False
         self.pending: list[int] = []
         self.launched = 0
@@ -124,13 +128,12 @@ class GradientSync:
         """Elements of a bucket's flat buffer: its parameters' (the sharded stages pad to a multiple of W)."""
         return sum(p.numel() for p in bucket)
 
-    def _gradient_buffer(self, bucket: list[nn.Parameter]) -> torch.Tensor | None:
-        """The bucket's flat gradient buffer, with every parameter's .grad a view into it."""
-        flat = torch.zeros(self.flat_length(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-        offset = 0
-        for p in bucket:
-            p.grad = gradient_view(flat[offset:offset + p.numel()], p)
-            offset += p.numel()
+    def _gradient_buffer(self, index: int) -> torch.Tensor | None:
+        """Bucket ``index``'s flat gradient buffer, with every parameter's .grad a view into it."""
+        bucket = self.buckets[index]
+        flat = torch.zeros(self.lengths[index], dtype=bucket[0].dtype, device=bucket[0].device)
+        for p, start in zip(bucket, self.offsets[index]):
+            p.grad = gradient_view(flat[start:start + p.numel()], p)
         return flat
 
     def prepare(self, sync: bool) -> None:

@@ -6,6 +6,7 @@ Each world size is one LocalGroup (the session-wide ``local_group`` fixture); ev
 and algorithm for that world size runs inside a single ``group.run`` call, and the results come back to be
 checked here. Small segment sizes exercise the pipeline (many segments per chunk) on moderate lengths.
 """
+import contextlib
 import json
 import threading
 import time
@@ -47,55 +48,59 @@ def tolerance(world_size: int, length: int, dtype: torch.dtype) -> float:
     return 2 * (world_size + 1) * torch.finfo(dtype).eps * largest
 
 
-def average_all_cases(rank: int, world_size: int) -> dict:
-    """Every (algorithm, dtype, length) case on this rank, with collectives banned and p2p calls counted."""
+@contextlib.contextmanager
+def point_to_point_only(inside: str):
+    """During the block every torch.distributed collective raises, and the point-to-point calls are recorded:
+    yields {"counts": calls per name, "elements_sent": elements posted by send/isend, "posts": (call, tag) in the
+    order this rank made them}. torch.distributed is restored afterwards, whatever happens."""
     originals = {name: getattr(dist, name) for name in COLLECTIVES + POINT_TO_POINT}
-    counts, posts = {}, []  # posts: (call, tag) in the order this rank made them
+    calls = {"counts": {}, "elements_sent": 0, "posts": []}
 
     def banned(name):
         def call(*args, **kwargs):
-            raise AssertionError(f"collective dist.{name} called inside the all-reduce")
+            raise AssertionError(f"collective dist.{name} called inside {inside}")
         return call
 
     def counted(name):
         def call(*args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            posts.append((name, kwargs.get("tag", 0)))
+            calls["counts"][name] = calls["counts"].get(name, 0) + 1
+            calls["posts"].append((name, kwargs.get("tag", 0)))
             if name in ("send", "isend"):
-                counts["elements_sent"] = counts.get("elements_sent", 0) + args[0].numel()
+                calls["elements_sent"] += args[0].numel()
             return originals[name](*args, **kwargs)
         return call
 
-    cases = [(length, segment, dtype) for dtype in DTYPES for length in LENGTHS
-             for segment in [allreduce.SEGMENT_ELEMENTS] + ([SMALL_SEGMENT] if length > SMALL_SEGMENT else [])]
-    out = {}
+    for name in COLLECTIVES:
+        setattr(dist, name, banned(name))
+    for name in POINT_TO_POINT:
+        setattr(dist, name, counted(name))
     try:
-        for algo in ALGOS:
-            fn = getattr(allreduce, f"{algo}_allreduce")
-            for length, segment, dtype in cases + [LONG]:
-                send = make_input(rank, length, dtype).reshape(SHAPES.get(length, (length,)))
-                pointer, shape = send.data_ptr(), send.shape
-                counts.clear()
-                posts.clear()
-                for name in COLLECTIVES:
-                    setattr(dist, name, banned(name))
-                for name in POINT_TO_POINT:
-                    setattr(dist, name, counted(name))
-                try:
-                    returned = fn(send, rank, world_size, segment_elements=segment)
-                finally:
-                    for name, original in originals.items():
-                        setattr(dist, name, original)
-                out[(algo, str(dtype), length, segment)] = {
-                    "result": send.clone(), "in_place": send.data_ptr() == pointer and send.shape == shape
-                    and returned is send, "counts": dict(counts), "posts": list(posts),
-                    "allocated": allreduce_benchmark.tracked_allocation_bytes(
-                        lambda: fn(send.clone(), rank, world_size, segment_elements=segment))
-                    - send.numel() * send.element_size(),  # minus the clone's own storage
-                }
+        yield calls
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+def average_all_cases(rank: int, world_size: int) -> dict:
+    """Every (algorithm, dtype, length) case on this rank, with collectives banned and p2p calls counted."""
+    cases = [(length, segment, dtype) for dtype in DTYPES for length in LENGTHS
+             for segment in [allreduce.SEGMENT_ELEMENTS] + ([SMALL_SEGMENT] if length > SMALL_SEGMENT else [])]
+    out = {}
+    for algo in ALGOS:
+        fn = getattr(allreduce, f"{algo}_allreduce")
+        for length, segment, dtype in cases + [LONG]:
+            send = make_input(rank, length, dtype).reshape(SHAPES.get(length, (length,)))
+            pointer, shape = send.data_ptr(), send.shape
+            with point_to_point_only("the all-reduce") as calls:
+                returned = fn(send, rank, world_size, segment_elements=segment)
+            sent = {"elements_sent": calls["elements_sent"]} if calls["elements_sent"] else {}
+            out[(algo, str(dtype), length, segment)] = {
+                "result": send.clone(), "in_place": send.data_ptr() == pointer and send.shape == shape
+                and returned is send, "counts": {**calls["counts"], **sent}, "posts": calls["posts"],
+                "allocated": allreduce_benchmark.tracked_allocation_bytes(
+                    lambda: fn(send.clone(), rank, world_size, segment_elements=segment))
+                - send.numel() * send.element_size(),  # minus the clone's own storage
+            }
     return out
 
 
@@ -298,47 +303,21 @@ def half_cases() -> list[tuple[int, int, torch.dtype, bool]]:
 def run_halves(rank: int, world_size: int) -> dict:
     """Every half_cases case on this rank through ring_reduce_scatter and ring_all_gather, with every collective
     banned and the point-to-point calls counted; sent_bytes() read around each call."""
-    originals = {name: getattr(dist, name) for name in COLLECTIVES + POINT_TO_POINT}
-    counts = {}
-
-    def banned(name):
-        def call(*args, **kwargs):
-            raise AssertionError(f"collective dist.{name} called inside a ring half")
-        return call
-
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            return originals[name](*args, **kwargs)
-        return call
-
     out = {}
-    try:
-        for chunk, segment, dtype, integers in half_cases():
-            flat = half_input(rank, chunk, world_size, dtype, integers)
-            mine = slice(rank * chunk, (rank + 1) * chunk)
-            gather_in = torch.full_like(flat, float("nan"))  # every place but this rank's chunk must be written
-            gather_in[mine] = flat[mine]
-            for name, fn, tensor in (("reduce_scatter", allreduce.ring_reduce_scatter, flat),
-                                     ("all_gather", allreduce.ring_all_gather, gather_in)):
-                counts.clear()
-                for banned_name in COLLECTIVES:
-                    setattr(dist, banned_name, banned(banned_name))
-                for counted_name in POINT_TO_POINT:
-                    setattr(dist, counted_name, counted(counted_name))
-                before = allreduce.sent_bytes()
-                try:
-                    returned = fn(tensor, rank, world_size, segment_elements=segment)
-                finally:
-                    for original_name, original in originals.items():
-                        setattr(dist, original_name, original)
-                out[(name, chunk, segment, str(dtype), integers)] = {
-                    "result": returned.clone(), "view": returned.data_ptr() == tensor[mine].data_ptr()
-                    if name == "reduce_scatter" else returned is tensor,
-                    "sent_bytes": allreduce.sent_bytes() - before, "counts": dict(counts)}
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    for chunk, segment, dtype, integers in half_cases():
+        flat = half_input(rank, chunk, world_size, dtype, integers)
+        mine = slice(rank * chunk, (rank + 1) * chunk)
+        gather_in = torch.full_like(flat, float("nan"))  # every place but this rank's chunk must be written
+        gather_in[mine] = flat[mine]
+        for name, fn, tensor in (("reduce_scatter", allreduce.ring_reduce_scatter, flat),
+                                 ("all_gather", allreduce.ring_all_gather, gather_in)):
+            before = allreduce.sent_bytes()
+            with point_to_point_only("a ring half") as calls:
+                returned = fn(tensor, rank, world_size, segment_elements=segment)
+            out[(name, chunk, segment, str(dtype), integers)] = {
+                "result": returned.clone(), "view": returned.data_ptr() == tensor[mine].data_ptr()
+                if name == "reduce_scatter" else returned is tensor,
+                "sent_bytes": allreduce.sent_bytes() - before, "counts": calls["counts"]}
     return out
 
 

@@ -84,12 +84,6 @@ class ZeroStage1(GradientSync):
             raise ValueError(f"ZeRO runs on torch's or the ring's reduce-scatter and all-gather, not {allreduce!r}")
         self.rank = dist.get_rank()
         super().__init__(model, bucket_mb, overlap, allreduce, timeout_s)
-        self.offsets = []  # per bucket: each parameter's first element in the flat
-        for bucket in self.buckets:
-            starts = [0]
-            for p in bucket[:-1]:
-                starts.append(starts[-1] + p.numel())
-            self.offsets.append(starts)
         self.param_flats = [self._parameter_buffer(index) for index in range(len(self.buckets))]
         self.shards = [nn.Parameter(self.shard_of(flat)) for flat in self.param_flats]
         for index, shard in enumerate(self.shards):
@@ -110,7 +104,7 @@ class ZeroStage1(GradientSync):
         """The bucket's parameters moved into one padded flat tensor; each parameter becomes a view into it, laid
         out as its gradient is (gradient_view), so the flat weight and the flat gradient match element by element."""
         bucket = self.buckets[index]
-        flat = torch.zeros(self.flat_length(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+        flat = torch.zeros(self.lengths[index], dtype=bucket[0].dtype, device=bucket[0].device)
         with torch.no_grad():
             for p, start in zip(bucket, self.offsets[index]):
                 view = gradient_view(flat[start:start + p.numel()], p)
@@ -206,14 +200,15 @@ class ZeroStage1(GradientSync):
             for key in saved[0]:
                 first = saved[0][key]
                 if torch.is_tensor(first) and first.dim() > 0:
-                    flat = torch.zeros(self.flat_length(bucket), dtype=first.dtype)
+                    flat = torch.zeros(self.lengths[index], dtype=first.dtype)
                     for p, start, entry in zip(bucket, self.offsets[index], saved):
                         gradient_view(flat[start:start + p.numel()], p).copy_(entry[key])
                     state.setdefault(index, {})[key] = self.shard_of(flat).clone()
                 else:
                     state.setdefault(index, {})[key] = first.clone() if torch.is_tensor(first) else first
         group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
-        optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(len(self.shards)))}]})
+        group["params"] = list(range(len(self.shards)))  # the shard params, one per bucket
+        optimizer.load_state_dict({"state": state, "param_groups": [group]})
 
 
 class ZeroStage2(ZeroStage1):
@@ -230,16 +225,17 @@ class ZeroStage2(ZeroStage1):
         # each parameter's place in its bucket's buffer, as (first element, strides): gradient_view's layout,
         # worked out once here rather than in every hook call
         self.place = {id(p): (start, gradient_view(torch.empty(p.numel(), device="meta"), p).stride())
-                      for index, bucket in enumerate(self.buckets) for p, start in zip(bucket, self.offsets[index])}
+                      for index, bucket in enumerate(self.buckets)
+                      for p, start in zip(bucket, self.offsets[index])}
         self.numels = [sum(p.numel() for p in bucket) for bucket in self.buckets]
-        self.buffer_length = max(self.flat_length(bucket) for bucket in self.buckets)
+        self.buffer_length = max(self.lengths)
         self.pool: list[torch.Tensor] = []  # free full-gradient buffers, each buffer_length long
         self.filling: dict[int, torch.Tensor] = {}  # bucket index -> the buffer its gradients are copied into
         self.in_flight: list[tuple[int, torch.Tensor, Any]] = []  # (bucket, its buffer, handle), launch order
         self.buffers_made = 0  # the most full buffers alive at once, over the run (the pool's high-water mark)
 
-    def _gradient_buffer(self, bucket: list[nn.Parameter]) -> None:
-        for p in bucket:
+    def _gradient_buffer(self, index: int) -> None:
+        for p in self.buckets[index]:
             p.grad = None  # autograd allocates each gradient; the hook copies it out and frees it
         return None
 
@@ -259,7 +255,7 @@ class ZeroStage2(ZeroStage1):
         buffer = self.filling.get(index)
         if buffer is None:
             buffer = self.filling[index] = self._acquire()
-            buffer[self.numels[index]:self.flat_length(self.buckets[index])].zero_()  # the padding
+            buffer[self.numels[index]:self.lengths[index]].zero_()  # the padding
         start, strides = self.place[id(param)]
         buffer.as_strided(param.shape, strides, start).copy_(param.grad)  # the pool's buffers start at offset 0
         param.grad = None  # the full gradient does not outlive this copy
@@ -280,7 +276,7 @@ class ZeroStage2(ZeroStage1):
         return self.pool.pop()
 
     def _flat(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[:self.flat_length(self.buckets[index])]
+        return buffer[:self.lengths[index]]
 
     def _land_oldest(self) -> None:
         index, buffer, handle = self.in_flight.pop(0)
