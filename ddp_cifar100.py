@@ -80,6 +80,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -102,7 +103,7 @@ import utils
 import zero
 from data import FolderData, MemoryData, derive_seed, load_data
 from gradsync import DDPSync, GradientSync, broadcast_state, make_ddp
-from models import MODELS, build_model
+from models import MODELS, blocks, build_model
 from utils import UsageError
 
 WARMUP_STEPS = 3  # optimizer steps left out of the step-time statistics (allocator and autograd warm-up)
@@ -138,15 +139,26 @@ def scatter_shard(total: int, comm_device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: MemoryData | FolderData, batch_size: int, device: torch.device,
-             comm_device: torch.device, amp_dtype: torch.dtype | None) -> dict[str, Any]:
+             comm_device: torch.device, amp_dtype: torch.dtype | None,
+             lockstep_image: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """Loss, top-1 and top-5 accuracy over all of ``data``'s validation set (exact on rank 0; the other ranks
-    get their shard's figures)."""
+    get their shard's figures).
+
+    ``lockstep_image`` (C, H, W): the model gathers its parameters in every forward (--zero 3, FSDP2), which
+    every rank must join, so a rank whose shard has fewer batches runs empty ones of that shape until it has
+    run as many forwards as the busiest rank."""
     was_training = model.training
     model.eval()
     shard = scatter_shard(data.val_size, comm_device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     counts = torch.zeros(3, dtype=torch.int64, device=device)  # correct top-1, correct top-5, seen
-    for images, labels in data.val_batches(shard, batch_size):
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = data.val_batches(shard, batch_size)
+    if lockstep_image is not None:
+        forwards = torch.tensor([math.ceil(len(shard) / batch_size)], device=comm_device)
+        dist.all_reduce(forwards, op=dist.ReduceOp.MAX)
+        empty = (torch.zeros(0, *lockstep_image, device=device), torch.zeros(0, dtype=torch.int64, device=device))
+        batches = itertools.chain(batches, itertools.repeat(empty, int(forwards) - math.ceil(len(shard) / batch_size)))
+    for images, labels in batches:
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             logits = model(images)
         loss_sum += F.cross_entropy(logits.float() if amp_dtype else logits, labels, reduction="none").double().sum()
@@ -331,7 +343,7 @@ class Run:
     data: MemoryData | FolderData
     model: nn.Module  # the bare model: checkpoints and evaluation
     forward: nn.Module  # what the training step calls: the model, or DDP around it
-    sync: GradientSync | DDPSync  # the replicated sync, zero.py's sharded stages, or DDP
+    sync: GradientSync | DDPSync | zero.FSDPSync  # replicated, zero.py's sharded stages, DDP or FSDP2
     optimizer: torch.optim.Optimizer  # over sync.parameters(): this rank's shards with --zero 1/2
     scheduler: Any
     scaler: torch.amp.GradScaler
@@ -369,7 +381,7 @@ def make_scaler(args: argparse.Namespace, device: torch.device, **settings: Any)
     """--amp fp16's gradient scaler (disabled otherwise). With sharded gradients each rank sees its shard alone,
     so whether any is inf must be agreed on: ShardedGradScaler all-reduces it. Replicated gradients are the same
     everywhere."""
-    sharded = args.grad_sync == "custom" and args.zero > 0
+    sharded = (args.grad_sync == "custom" and args.zero > 0) or args.grad_sync == "fsdp"
     kind = ShardedGradScaler if sharded else torch.amp.GradScaler
     return kind(device.type, enabled=args.amp == "fp16", **settings)
 
@@ -405,10 +417,13 @@ def set_up(args: argparse.Namespace) -> Run:
     if args.grad_sync == "ddp":
         forward = make_ddp(model, device, args.bucket_mb)
         optimizer = make_optimizer(args, model.parameters(), zero_redundancy=args.zero == 1)
-        sync: GradientSync | DDPSync = DDPSync(forward, optimizer)
+        sync: GradientSync | DDPSync | zero.FSDPSync = DDPSync(forward, optimizer)
+    elif args.grad_sync == "fsdp":
+        sync = zero.FSDPSync(model, blocks(model), args.zero)
+        optimizer = make_optimizer(args, sync.parameters())
     else:
         sync = zero.make_sync(args.zero, model, args.bucket_mb, args.sync_mode == "overlap", args.allreduce,
-                              args.timeout)
+                              args.timeout, blocks(model))
         optimizer = make_optimizer(args, sync.parameters())
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
     schedule_steps = args.epochs * steps_per_epoch
@@ -441,14 +456,14 @@ def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
     position = Position(optimizer_steps=state["optimizer_steps"], micro_batches=state["micro_batches_total"])
     if run.args.eval_only:
         try:
-            run.model.load_state_dict(state["model"])
+            run.sync.load_model_state(run.model, state["model"])
         except RuntimeError as exc:
             raise UsageError(f"checkpoint {path} does not fit --model {run.args.model}: "
                              f"{str(exc).splitlines()[0]}") from None
         return position, list(state["history"]), [0.0, 0.0, 0.0]
     world_size = run.ctx.world_size
     check_compatible(state, run.config, path, run.args, world_size)
-    run.model.load_state_dict(state["model"])
+    run.sync.load_model_state(run.model, state["model"])
     run.sync.load_optimizer_state(run.optimizer, state["optimizer"])
     if run.scheduler is not None:
         run.scheduler.load_state_dict(state["scheduler"])
@@ -477,10 +492,11 @@ def checkpoint(run: Run, position: Position, history: list[dict[str, Any]], sums
     if run.checkpoint_path is None:
         return
     optimizer_state = run.sync.optimizer_state(run.optimizer)
+    model_state = run.sync.model_state(run.model)  # --zero 3, fsdp: gathered one unit at a time
     if run.ctx.rank != 0:
         return
     save_checkpoint(run.checkpoint_path, {
-        "model": run.model.state_dict(), "optimizer": optimizer_state, "world_size": run.ctx.world_size,
+        "model": model_state, "optimizer": optimizer_state, "world_size": run.ctx.world_size,
         "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
         "scaler": run.scaler.state_dict(), "epoch": position.epoch, "micro_batch": position.micro_batch,
         "optimizer_steps": position.optimizer_steps, "micro_batches_total": position.micro_batches,
@@ -621,7 +637,10 @@ def start_profiler(run: Run, position: Position) -> Any:
 
 def validate(run: Run) -> dict[str, Any]:
     broadcast_state(run.model, buffers_only=True)  # evaluate with rank 0's running statistics everywhere
-    return evaluate(run.model, run.data, max(run.args.batch_size, 256), run.device, run.comm_device, run.amp_dtype)
+    args = run.args
+    lockstep = args.zero == 3 or args.grad_sync == "fsdp"  # parameters gathered in every forward
+    return evaluate(run.model, run.data, max(args.batch_size, 256), run.device, run.comm_device, run.amp_dtype,
+                    (3, args.image_size, args.image_size) if lockstep else None)
 
 
 def end_epoch(run: Run, position: Position, history: list[dict[str, Any]], sums: EpochSums,
@@ -695,6 +714,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             utils.print0(f"evaluation | val loss {val['val_loss']:.4f} acc {100 * val['val_acc']:.2f}% top-5 "
                          f"{100 * val['val_acc5']:.2f}% ({val['val_correct']}/{val['val_total']})")
         metrics = summarize(run, position, history, final, trainable, train_time, samples_trained, wall_start)
+        run.sync.release_model()  # --zero 3: every unit gathered, so the model handed back is whole
     finally:
         if run.profiler is not None:  # stopped by an error: leave no profiler running in this process
             run.profiler.stop()
@@ -702,7 +722,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         run.data.close()
     if run.ctx.rank == 0 and args.metrics_out:
         utils.write_json(args.metrics_out, metrics)
-    metrics["model"] = run.model  # for in-process callers (tests); not part of the JSON
+    metrics["model"] = run.model  # for in-process callers (tests), whole (release_model); not part of the JSON
     return metrics
 
 
@@ -722,6 +742,7 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         "state_bytes": {key: int(utils.max_across_ranks(value)) for key, value in (run.state_bytes or
                         {"params": 0, "grads": 0, "optimizer": 0}).items()},
         "sent_bytes_per_step": sent_per_step(run, position),
+        "gathered_peak": gathered_peak(run),
         "wall_time_s": time.perf_counter() - wall_start, "train_time_s": train_time,
         "samples_per_s": samples_trained / train_time if train_time else 0.0,
         "step_time_ms_median": statistics.median(steps) if steps else None,
@@ -732,6 +753,13 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         "epochs": history + ([final] if final.get("complete") is False else []),
         "fingerprint": fingerprint(run.config), "config": vars(run.args),
     }
+
+
+def gathered_peak(run: Run) -> dict[str, int] | None:
+    """--zero 3: the most units gathered at once besides the root, and the most bytes of full parameters
+    (root included), on the busiest rank; None for the other syncs."""
+    peak = getattr(run.sync, "peak", None)
+    return None if peak is None else {key: int(utils.max_across_ranks(value)) for key, value in peak.items()}
 
 
 def sent_per_step(run: Run, position: Position) -> float | None:
@@ -772,10 +800,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "(weights=None; a ViT takes --image-size, which its patch size must divide)")
     add("--channels-last", action="store_true", help="model and batches in channels-last memory format")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
-    add("--grad-sync", choices=("custom", "ddp"), default="custom")
-    add("--zero", type=int, choices=(0, 1, 2), default=0,
-        help="ZeRO stage (zero.py): 0 replicated; 1 optimizer state sharded over the processes; 2 gradients too. "
-             "With --grad-sync ddp, 1 is PyTorch's ZeroRedundancyOptimizer")
+    add("--grad-sync", choices=("custom", "ddp", "fsdp"), default="custom",
+        help="custom: gradsync.py / zero.py, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's fully_shard "
+             "on the model's blocks and the root (with --zero 2 or 3)")
+    add("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+        help="ZeRO stage (zero.py): 0 replicated; 1 optimizer state sharded over the processes; 2 gradients too; "
+             "3 parameters too, gathered one unit (block) at a time with prefetch (--bucket-mb plays no part). "
+             "With --grad-sync ddp, 1 is PyTorch's ZeroRedundancyOptimizer; with fsdp, 3 reshards after forward "
+             "and 2 does not")
     add("--optimizer", choices=("sgd", "adamw"), default="sgd",
         help="SGD with --momentum and --weight-decay, or AdamW with --weight-decay (decoupled)")
     add("--allreduce", choices=("torch", "ring", "butterfly"), default="torch",
@@ -828,17 +860,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"{flag} must not be negative, got {value}")
     if not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.allreduce != "torch" and args.grad_sync == "ddp":
-        raise UsageError(f"--allreduce {args.allreduce} is for --grad-sync custom (DDP uses its own all-reduce)")
+    if args.allreduce != "torch" and args.grad_sync != "custom":
+        raise UsageError(f"--allreduce {args.allreduce} is for --grad-sync custom ({args.grad_sync} uses its own "
+                         f"collectives)")
+    if args.grad_sync == "fsdp" and args.zero not in (2, 3):
+        raise UsageError(f"--grad-sync fsdp takes --zero 2 (no reshard after forward) or 3 (reshard after "
+                         f"forward), got --zero {args.zero}")
     if args.grad_sync == "ddp" and args.zero > 1:
         raise UsageError(f"--grad-sync ddp takes --zero 0 or 1 (ZeroRedundancyOptimizer); --zero {args.zero} is "
                          f"--grad-sync custom")
     if args.zero and args.allreduce == "butterfly":
         raise UsageError(f"--zero {args.zero} runs on reduce-scatter and all-gather: --allreduce torch or ring "
                          f"(the butterfly has no halves here)")
-    if args.zero == 2 and args.sync_mode == "after":
-        raise UsageError("--zero 2 reduce-scatters each bucket as backward completes it; --sync-mode after would "
-                         "keep every full gradient (use --zero 1)")
+    if args.zero >= 2 and args.sync_mode == "after" and args.grad_sync == "custom":
+        raise UsageError(f"--zero {args.zero} reduce-scatters gradients as backward completes them; --sync-mode "
+                         f"after would keep every full gradient (use --zero 1)")
     if args.log_dir and importlib.util.find_spec("tensorboard") is None:  # every rank, before any collective
         raise UsageError("--log-dir needs the tensorboard package (pip install tensorboard)")
     args.profile_steps = parse_profile_steps(args.profile_steps, args.profile)

@@ -95,6 +95,7 @@ class GradientSync:
     """
 
     collective = "allreduce"  # what a bucket's range is called in profiler traces
+    group_word = "bucket"  # what a group of parameters is called there (zero.py's stage 3: "unit")
 
     def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
                  timeout_s: float | None = None):
@@ -105,7 +106,7 @@ class GradientSync:
         self.averager = None if allreduce == "torch" else AllreduceThread(allreduce, timeout_s)
         self.ring_sent_at_start, self.nominal_sent = sent_bytes(), 0  # for sent_bytes()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = assign_buckets(self.params, bucket_mb)
+        self.buckets = self.group(model, bucket_mb)
         self.sizes = [len(b) for b in self.buckets]
         # each parameter's first element in its bucket's flat, and each flat's length
         self.offsets = [list(accumulate((p.numel() for p in bucket[:-1]), initial=0)) for bucket in self.buckets]
@@ -115,7 +116,7 @@ class GradientSync:
             for index, bucket in enumerate(self.buckets):
                 for p in bucket:
                     p.register_post_accumulate_grad_hook(partial(self._grad_ready, index))
-        self.range_names = [f"{self.collective} bucket {index} "
+        self.range_names = [f"{self.collective} {self.group_word} {index} "
                             f"({size_text(length * bucket[0].element_size())})"
                             for index, (bucket, length) in enumerate(zip(self.buckets, self.lengths))]
         self.sync = False
@@ -123,6 +124,10 @@ class GradientSync:
         self.launched = 0
         self.handles: list[Any] = []
         self.unlanded: dict[int, torch.futures.Future] = {}  # profiled ranges of Works without a future
+
+    def group(self, model: nn.Module, bucket_mb: float) -> list[list[nn.Parameter]]:
+        """The trainable parameters in buckets (assign_buckets); zero.py's stage 3 groups them by unit."""
+        return assign_buckets(self.params, bucket_mb)
 
     def flat_length(self, bucket: list[nn.Parameter]) -> int:
         """Elements of a bucket's flat buffer: its parameters' (the sharded stages pad to a multiple of W)."""
@@ -149,11 +154,11 @@ class GradientSync:
             return
         self.pending[index] -= 1
         while self.launched < len(self.flats) and self.pending[self.launched] == 0:
-            self._launch()
+            self._launch(self.launched)
 
-    def _launch(self) -> None:
-        with utils.profiled(self.range_names[self.launched]) as span:
-            handle = self._start(self.launched)
+    def _launch(self, index: int) -> None:
+        with utils.profiled(self.range_names[index]) as span:
+            handle = self._start(index)
             if span is not None:  # the range ends when the average lands, not when the launch returns:
                 # record_function's hand-over to a future (what torch.distributed.rpc's profiling uses)
                 span._call_end_callbacks_on_future(self._landed(handle))
@@ -187,7 +192,7 @@ class GradientSync:
     def finish(self) -> None:
         """Launch what the hooks have not (all of it in after-backward mode) and wait for every bucket."""
         while self.launched < len(self.flats):
-            self._launch()
+            self._launch(self.launched)
         with utils.profiled(f"{self.collective} wait"):
             self._wait(self.handles)
         self.handles = []
@@ -211,6 +216,18 @@ class GradientSync:
         """The optimizer's state_dict over the model's trainable parameters, in their order: the form every sync
         saves and loads (zero.py's sharded stages assemble it from their shards)."""
         return optimizer.state_dict()
+
+    def model_state(self, model: nn.Module) -> dict[str, Any] | None:
+        """The model's whole state_dict, for rank 0 to save (every rank calls it: zero.py's stage 3 gathers its
+        units); the other ranks may get None."""
+        return model.state_dict()
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load a whole state_dict (every rank calls it, with the same one); a mismatch raises RuntimeError."""
+        model.load_state_dict(state)
+
+    def release_model(self) -> None:
+        """After training: leave the model whole and ordinary for the caller (zero.py's stage 3 gathers it)."""
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
@@ -277,6 +294,15 @@ class DDPSync:
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)  # ZeroRedundancyOptimizer keeps its own partition of it
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        return model.state_dict()
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        model.load_state_dict(state)
+
+    def release_model(self) -> None:
+        pass
 
     def sent_bytes(self) -> None:
         return None  # inside DDP's reducer and gloo: not counted

@@ -87,6 +87,20 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, in module order: the units that ZeRO stage 3 and FSDP2 gather one at a time.
+    torchvision's BasicBlock and Bottleneck (ResNets) and EncoderBlock (ViTs), the small ResNet's BasicBlock;
+    a model with none of them (the small net) has its layers that hold parameters. What no block owns (a
+    ResNet's stem and classifier, a ViT's patch embedding, class token, position embedding, last LayerNorm and
+    head) stays with the root."""
+    from torchvision.models.resnet import BasicBlock as TorchvisionBasicBlock, Bottleneck
+    from torchvision.models.vision_transformer import EncoderBlock
+
+    kinds = (BasicBlock, TorchvisionBasicBlock, Bottleneck, EncoderBlock)
+    found = [m for m in model.modules() if isinstance(m, kinds)]
+    return found or [child for child in model.children() if any(True for _ in child.parameters())]
+
+
 def build_model(name: str, dropout: float, norm: str, num_classes: int = NUM_CLASSES, image_size: int = 32
                 ) -> nn.Module:
     """The model with its BatchNorm layers as --norm says (local = plain per-process BatchNorm).

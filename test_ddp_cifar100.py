@@ -49,7 +49,8 @@ def train_in_group(rank, world_size, argv, dtype="float32"):
     finally:
         torch.set_default_dtype(previous)
     model = metrics.pop("model")
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "metrics": metrics}
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return {"state": {k: v.detach().clone() for k, v in state.items()}, "metrics": metrics}  # FSDP2: DTensors
 
 
 def try_train_in_group(rank, world_size, argv):

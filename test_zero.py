@@ -54,9 +54,10 @@ def stage_runs(request, local_group):
     variants = [("stage 0", ["--zero", "0"])]
     for allreduce in ("torch", "ring"):
         variants += [(f"stage {stage} {allreduce}", ["--zero", str(stage), "--allreduce", allreduce])
-                     for stage in (1, 2)]
+                     for stage in (1, 2, 3)]
     if world_size == 2:
         variants += [("ddp", ["--grad-sync", "ddp"]), ("zero redundancy", ["--grad-sync", "ddp", "--zero", "1"])]
+        variants += [(f"fsdp {stage}", ["--grad-sync", "fsdp", "--zero", str(stage)]) for stage in (2, 3)]
         # channels-last weights: the flat weight and the flat gradient must still match element by element
         variants += [("stage 0 channels-last", ["--zero", "0", "--channels-last"]),
                      ("stage 2 torch channels-last", ["--zero", "2", "--channels-last"])]
@@ -83,7 +84,8 @@ def test_sharded_stages_match_stage_0(stage_runs):
         worst = max_difference(reference, ranks[0][name]["state"])
         print(f"\n{world_size} processes, {OPTIMIZERS[world_size][1]}, {name} vs stage 0 (float64): max |dw| = "
               f"{worst:.1e}")
-        if name in ("stage 1 torch", "stage 0 channels-last") or (world_size == 2 and not name.startswith("stage 2")):
+        if name in ("stage 1 torch", "stage 0 channels-last") or \
+                (world_size == 2 and not name.startswith(("stage 2", "stage 3", "fsdp"))):
             # the same sums in the same order as stage 0: gloo's reduce-scatter adds the ranks as its all-reduce
             # does; and a sum of two ranks is the same in any order (the ring's, DDP's)
             assert worst == 0, name

@@ -61,6 +61,7 @@ So a checkpoint of any stage loads into any stage at any world size.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -88,7 +89,8 @@ class ZeroStage1(GradientSync):
         self.shards = [nn.Parameter(self.shard_of(flat)) for flat in self.param_flats]
         for index, shard in enumerate(self.shards):
             shard.grad = self._shard_gradient(index)
-        self.gather_names = [f"all_gather bucket {index} ({size_text(flat.numel() * flat.element_size())})"
+        self.gather_names = [f"all_gather {self.group_word} {index} "
+                             f"({size_text(flat.numel() * flat.element_size())})"
                              for index, flat in enumerate(self.param_flats)]
 
     def flat_length(self, bucket: list[nn.Parameter]) -> int:
@@ -252,6 +254,13 @@ class ZeroStage2(ZeroStage1):
         self.handles = []
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        self._copy_out(index, param)
+        self.pending[index] -= 1
+        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+            self._launch(self.launched)
+
+    def _copy_out(self, index: int, param: torch.Tensor) -> None:
+        """Copy ``param``'s new gradient into its place in bucket ``index``'s buffer, and free it."""
         buffer = self.filling.get(index)
         if buffer is None:
             buffer = self.filling[index] = self._acquire()
@@ -259,9 +268,6 @@ class ZeroStage2(ZeroStage1):
         start, strides = self.place[id(param)]
         buffer.as_strided(param.shape, strides, start).copy_(param.grad)  # the pool's buffers start at offset 0
         param.grad = None  # the full gradient does not outlive this copy
-        self.pending[index] -= 1
-        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
-            self._launch()
 
     def _acquire(self) -> torch.Tensor:
         """A free buffer: from the pool, else the oldest bucket in flight lands and frees its own, else (every
@@ -306,10 +312,310 @@ class ZeroStage2(ZeroStage1):
         return self.pool + list(self.filling.values()) + [flat for _, flat, _ in self.in_flight]
 
 
+class ZeroStage3(ZeroStage2):
+    """Parameters sharded too: each unit (a block of the model, or the root for the parameters no block owns)
+    keeps 1/W of its flat parameters and gathers the whole only around its forward and its backward, the next
+    unit's all-gather running while the current one computes (module docstring, "Stage 3").
+
+    Gradients go as in stage 2 (copied out as autograd produces them, reduce-scattered per micro-batch into the
+    shard accumulators), one unit per buffer, launched when the unit's last gradient is in."""
+
+    group_word = "unit"
+    max_gathered = 2  # units whose full parameters may be in place at once, besides the root
+
+    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool = True, allreduce: str = "torch",
+                 timeout_s: float | None = None, blocks: list[nn.Module] = ()):
+        # the units: the root (if it owns a trainable parameter no block does) and the blocks, in module order
+        owner: dict[int, nn.Module] = {}
+        for module in [model, *blocks]:  # a block claims its parameters from the root (an inner block, from outer)
+            owner.update((id(p), module) for p in module.parameters())
+        self.units = [m for m in [model, *blocks] if any(owner[id(p)] is m for p in m.parameters()
+                                                         if p.requires_grad)]
+        self.owner = owner
+        super().__init__(model, bucket_mb, overlap, allreduce, timeout_s)
+        for shard in self.shards:  # the shards take storage of their own: the full flats are freed between uses
+            shard.data = shard.data.clone()
+        self.root = 0 if self.units[0] is model else None
+        self.gathering: dict[int, Any] = {}  # unit -> its all-gather in flight
+        self.gathered: set[int] = set()  # units whose full parameters are in place
+        self.wanted: int | None = None  # a prefetch held back by max_gathered, launched when a unit is freed
+        self.order: list[int] = []  # the units in the order the last forward ran them (empty before the first)
+        self.recording: list[int] = []
+        self.backward_begun: set[int] = set()
+        self.peak = {"units": 0, "bytes": 0}  # most units gathered at once besides the root; most full bytes
+        self.spans: dict[str, Any] = {}  # open "unit I forward/backward" ranges
+        for index in range(len(self.units)):
+            self._free(index)
+        self.hooks = [model.register_forward_pre_hook(self._pass_starts),
+                      model.register_forward_hook(self._pass_ends)]
+        for index, unit in enumerate(self.units):
+            self.hooks += [unit.register_forward_pre_hook(partial(self._before_forward, index)),
+                           unit.register_forward_hook(partial(self._after_forward, index))]
+
+    def group(self, model: nn.Module, bucket_mb: float) -> list[list[nn.Parameter]]:
+        """One group per unit: its trainable parameters in module order (``bucket_mb`` plays no part)."""
+        return [[p for p in unit.parameters() if p.requires_grad and self.owner[id(p)] is unit]
+                for unit in self.units]
+
+    # ------------------------------------------------------------------------------------------------------
+    # Gathering and freeing a unit's full parameters
+    # ------------------------------------------------------------------------------------------------------
+    def _gather(self, index: int) -> None:
+        """Give unit ``index``'s flat its storage back, put this rank's shard in place and launch the
+        all-gather of the others' (asynchronously, like the reduce-scatters)."""
+        flat = self.param_flats[index]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        self.shard_of(flat).copy_(self.shards[index])
+        with utils.profiled(self.gather_names[index]) as span, torch.no_grad():
+            if self.averager is not None:
+                handle = self.averager.submit(flat, operation=ring_all_gather)
+            else:
+                self.nominal_sent += self._one_way_bytes(flat)
+                handle = dist.all_gather_into_tensor(flat, self.shard_of(flat), async_op=True)
+            if span is not None:
+                span._call_end_callbacks_on_future(self._landed(handle))
+        self.gathering[index] = handle
+        held = set(self.gathering) | self.gathered
+        self.peak["units"] = max(self.peak["units"], len(held - {self.root}))
+        self.peak["bytes"] = max(self.peak["bytes"], sum(self.param_flats[i].numel() for i in held)
+                                 * flat.element_size())
+
+    def _materialize(self, index: int) -> None:
+        """Unit ``index``'s full parameters in place: wait for its prefetch, or gather it now."""
+        if index in self.gathered:
+            return
+        if index not in self.gathering:
+            self._gather(index)
+        with utils.profiled("all_gather wait"):
+            self._wait([self.gathering.pop(index)])
+        self.gathered.add(index)
+
+    def _free(self, index: int) -> None:
+        """Drop unit ``index``'s full parameters (the views stay, on a storage of 0 bytes), and launch a
+        prefetch that max_gathered held back."""
+        self.param_flats[index].untyped_storage().resize_(0)
+        self.gathered.discard(index)
+        if self.wanted is not None:
+            wanted, self.wanted = self.wanted, None
+            self._prefetch(wanted)
+
+    def _prefetch(self, index: int | None) -> None:
+        """Launch unit ``index``'s all-gather ahead of its use, unless max_gathered units are already held."""
+        if index is None or index in self.gathered or index in self.gathering:
+            return
+        if len((set(self.gathering) | self.gathered) - {self.root}) >= self.max_gathered:
+            self.wanted = index
+            return
+        self._gather(index)
+
+    @staticmethod
+    def _after(order: list[int], index: int) -> int | None:
+        position = order.index(index) if index in order else -1
+        return order[position + 1] if 0 <= position < len(order) - 1 else None
+
+    # ------------------------------------------------------------------------------------------------------
+    # Hooks: forward (module hooks), backward (a hook on each unit's output; the gradients' hooks)
+    # ------------------------------------------------------------------------------------------------------
+    def _open(self, name: str) -> None:
+        span = utils.profiled(name)
+        span.__enter__()
+        self.spans[name] = span
+
+    def _close(self, name: str) -> None:
+        span = self.spans.pop(name, None)
+        if span is not None:
+            span.__exit__(None, None, None)
+
+    def _pass_starts(self, model: nn.Module, args: Any) -> None:
+        self.recording = []
+        if torch.is_grad_enabled():
+            self.backward_begun = set()
+
+    def _pass_ends(self, model: nn.Module, args: Any, output: Any) -> None:
+        self.order = self.recording  # backward runs it in reverse; the next forward prefetches along it
+
+    def _before_forward(self, index: int, module: nn.Module, args: Any) -> None:
+        self.recording.append(index)
+        self._open(f"unit {index} forward")
+        self._materialize(index)
+        self._prefetch(self._after(self.order, index))
+
+    def _after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        self._close(f"unit {index} forward")
+        if not torch.is_grad_enabled():
+            self._free(index)  # evaluation: no backward will come
+            return
+        for tensor in (output if isinstance(output, (tuple, list)) else [output]):
+            if torch.is_tensor(tensor) and tensor.requires_grad:
+                tensor.register_hook(partial(self._before_backward, index))
+        if index != self.root:  # the root (stem and head) is used at both ends of forward and backward: kept
+            self._free(index)
+
+    def _before_backward(self, index: int, grad: torch.Tensor) -> None:
+        """The gradient of unit ``index``'s output is ready: its backward is about to run."""
+        if index not in self.backward_begun:
+            self.backward_begun.add(index)
+            self._open(f"unit {index} backward")
+            self._materialize(index)
+            self._prefetch(self._after(self.order[::-1], index))
+
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        self._copy_out(index, param)
+        self.pending[index] -= 1
+        if self.pending[index] == 0:  # the unit's backward is done: average its gradients, free its parameters
+            self._launch(index)
+            self._free(index)
+            self._close(f"unit {index} backward")
+
+    def prepare(self, sync: bool) -> None:
+        self._check_complete()
+        super().prepare(sync)
+
+    def finish(self) -> None:
+        self._check_complete()
+        super().finish()
+
+    def _check_complete(self) -> None:
+        """Every unit's gradients reduce-scattered in the last backward (a parameter left without a gradient
+        would leave its unit waiting, and its all-gathers out of step with the other ranks')."""
+        if self.launched not in (0, len(self.units)):
+            waiting = [index for index, count in enumerate(self.pending) if count]
+            raise RuntimeError(f"ZeRO stage 3: unit(s) {waiting} got no gradient for some parameter in the last "
+                               f"backward; every trainable parameter must take part in the loss")
+
+    def gather_params(self) -> None:
+        """Nothing after the step: the optimizer updated the shards, which the next forward gathers."""
+
+    # ------------------------------------------------------------------------------------------------------
+    # The whole model: checkpoints, and the trained model handed back
+    # ------------------------------------------------------------------------------------------------------
+    def _names(self, model: nn.Module) -> dict[int, list[str]]:
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        return names
+
+    def model_state(self, model: nn.Module) -> dict[str, Any] | None:
+        """The whole state_dict on rank 0's CPU, gathered one unit at a time (None on the other ranks)."""
+        gathered: dict[str, torch.Tensor] = {}
+        names = self._names(model)
+        for index, unit_params in enumerate(self.buckets):
+            self._materialize(index)
+            if self.rank == 0:
+                for p in unit_params:
+                    gathered.update((name, p.detach().cpu().clone()) for name in names[id(p)])
+            self._free(index)
+        if self.rank != 0:
+            return None
+        return {key: gathered.get(key, value) for key, value in model.state_dict().items()}
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load a whole state_dict (every rank has it): unit by unit into a full flat, whose slice becomes this
+        rank's shard; buffers as they are."""
+        expected = model.state_dict().keys()
+        if set(state) != set(expected):
+            raise RuntimeError(f"Error(s) in loading state_dict: missing keys {sorted(set(expected) - set(state))}, "
+                               f"unexpected keys {sorted(set(state) - set(expected))}")
+        names = self._names(model)
+        with torch.no_grad():
+            for index, unit_params in enumerate(self.buckets):
+                flat = self.param_flats[index]
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+                flat.zero_()  # the padding
+                for p in unit_params:
+                    p.copy_(state[names[id(p)][0]])
+                self.shards[index].copy_(self.shard_of(flat))
+                self._free(index)
+            for name, buffer in model.named_buffers():
+                buffer.copy_(state[name])
+
+    def release_model(self) -> None:
+        """Gather every unit for good and remove the hooks: the model is whole and ordinary again (the sync is
+        done)."""
+        for index in range(len(self.units)):
+            self._materialize(index)
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+
 def make_sync(stage: int, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
-              timeout_s: float | None = None) -> GradientSync:
-    """The hand-written sync for ZeRO ``stage`` 0 (replicated: gradsync.GradientSync), 1 or 2."""
+              timeout_s: float | None = None, blocks: list[nn.Module] = ()) -> GradientSync:
+    """The hand-written sync for ZeRO ``stage`` 0 (replicated: gradsync.GradientSync), 1, 2 or 3 (whose units
+    are ``blocks`` and the root)."""
+    if stage == 3:
+        return ZeroStage3(model, bucket_mb, overlap, allreduce, timeout_s, blocks)
     return (GradientSync, ZeroStage1, ZeroStage2)[stage](model, bucket_mb, overlap, allreduce, timeout_s)
+
+
+class FSDPSync:
+    """PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard) on the same units, behind the sync interface: the
+    anchor for stage 3 (``reshard_after_forward`` True) and, with it False, for a stage 2 whose parameters are
+    sharded between steps. Accumulation is FSDP2's own: set_requires_gradient_sync(False) keeps the unsharded
+    gradients until the window's last micro-batch reduce-scatters them. Checkpoints go through
+    torch.distributed.checkpoint's full state dicts, turned into the same form as ours (parameters by index)."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], stage: int):
+        from torch.distributed.fsdp import fully_shard
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=stage == 3)
+        fully_shard(model, reshard_after_forward=stage == 3)
+        self.model = model
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())  # DTensors: each rank's shard of every parameter
+
+    def prepare(self, sync: bool) -> None:
+        self.model.set_requires_gradient_sync(sync)
+
+    def finish(self) -> None:
+        pass  # FSDP2 waits for its reduce-scatters at the end of backward
+
+    def gather_params(self) -> None:
+        pass  # gathered at the next forward
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=False)  # keep the sharded gradients, as our accumulators are kept
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        full = get_optimizer_state_dict(self.model, optimizer, options=self._options())  # keyed by name
+        if dist.get_rank() != 0:
+            return None
+        index = {name: i for i, name in enumerate(self.names)}
+        return {"state": {index[name]: value for name, value in full["state"].items()},
+                "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                                 for group in full["param_groups"]]}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        named = {"state": {self.names[i]: value for i, value in state["state"].items()},
+                 "param_groups": [{**group, "params": [self.names[i] for i in group["params"]]}
+                                  for group in state["param_groups"]]}
+        set_optimizer_state_dict(self.model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+    def model_state(self, model: nn.Module) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        state = get_model_state_dict(model, options=self._options())
+        return state if dist.get_rank() == 0 else None
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+    def release_model(self) -> None:
+        pass  # the parameters stay DTensors: full_tensor() gathers one
+
+    def sent_bytes(self) -> None:
+        return None  # inside FSDP2 and gloo: not counted
+
+    def close(self) -> None:
+        pass
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: GradientSync | DDPSync
@@ -320,6 +626,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Gradie
     def held(tensors) -> int:
         storages = {}
         for t in tensors:
+            t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
             if t is not None:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())
@@ -328,5 +635,5 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Gradie
     local = getattr(optimizer, "optim", optimizer)
     grads = [p.grad for p in list(model.parameters()) + optimized]
     grads += getattr(sync, "held_gradient_buffers", list)()
-    return {"params": held(model.parameters()), "grads": held(grads),
+    return {"params": held(list(model.parameters()) + optimized), "grads": held(grads),
             "optimizer": held(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))}
