@@ -18,11 +18,15 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import ddp_cifar100 as trainer
 import zero
 from gradsync import assign_buckets
-from test_ddp_cifar100 import TINY, max_difference, train_in_group, try_train_in_group
+from data import MemoryData
+from models import blocks
+from test_ddp_cifar100 import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
+                               try_train_in_group)
 
 # 1 epoch: 64 samples per rank at 2 processes (43 at 3: uneven shards of the data too) in micro-batches of 8,
 # grad-accum 3, so the last window is short; buckets of at most 20 kB, so the small ResNet's 83,892 parameters
@@ -93,9 +97,20 @@ def test_sharded_stages_match_stage_0(stage_runs):
             assert worst < 1e-11, name
 
 
+def units_padded(world_size: int) -> tuple[list[int], int]:
+    """The small ResNet's units for stage 3 (the root, then its blocks): each one's padded flat length."""
+    model = trainer.build_model("resnet", 0.0, "custom")
+    sync_units = [model] + blocks(model)
+    owned = [sum(p.numel() for p in unit.parameters()) for unit in sync_units]
+    owned[0] -= sum(owned[1:])  # the root owns what no block does
+    return [-(-n // world_size) * world_size for n in owned], len(sync_units)
+
+
 def test_state_bytes_follow_the_formula(stage_runs):
     """Between steps: weights Psi, gradients Psi (stage 0, 1) or Psi/W (stage 2), state 2 Psi/W (AdamW) or Psi/W
-    (SGD's momentum), each within the padding: less than one element per bucket and rank."""
+    (SGD's momentum), each within the padding: less than one element per bucket and rank. Stage 3: 4 Psi/W
+    bytes of weights, gradients and each state tensor, exactly the padded units' shards; FSDP2 the same within
+    its own padding (each parameter's rows to a multiple of W)."""
     world_size, ranks = stage_runs
     psi = ranks[0]["stage 0"]["metrics"]["trainable_parameters"]
     tensors = len([p for p in trainer.build_model("resnet", 0.0, "local").parameters()])
@@ -115,6 +130,18 @@ def test_state_bytes_follow_the_formula(stage_runs):
             state = held["optimizer"] / ITEM - (buckets if per_element == 2 else 0)
             assert per_element * psi / world_size <= state < per_element * (psi / world_size + buckets)
             print(f"\n{world_size} processes, stage {stage} {allreduce}: {held} (Psi = {psi})")
+        padded, units = units_padded(world_size)
+        shard = ITEM * sum(padded) // world_size
+        held = ranks[0][f"stage 3 {allreduce}"]["metrics"]["state_bytes"]
+        assert held == {"params": shard, "grads": shard,
+                        "optimizer": per_element * shard + (ITEM * units if per_element == 2 else 0)}, held
+        print(f"\n{world_size} processes, stage 3 {allreduce}: {held} (Psi = {psi})")
+    for stage in (2, 3) if world_size == 2 else ():
+        held = ranks[0][f"fsdp {stage}"]["metrics"]["state_bytes"]
+        print(f"\n{world_size} processes, fsdp {stage}: {held} (Psi = {psi})")
+        for key, per_param in (("params", 1), ("grads", 1), ("optimizer", per_element)):
+            assert ITEM * per_param * psi / world_size <= held[key] < 1.01 * ITEM * per_param * psi / world_size + \
+                ITEM * tensors, key
 
 
 def test_bytes_sent_per_step(stage_runs):
@@ -134,6 +161,27 @@ def test_bytes_sent_per_step(stage_runs):
     # stage 0: all_reduce, 2 (W-1)/W per bucket, counted in whole bytes (under a byte per bucket off)
     buckets = bucket_count(torch.float64)
     assert abs(metrics["sent_bytes_per_step"] - 2 * one_way * psi) < buckets
+    # stage 3, per micro-batch: every unit all-gathered before its forward, every unit but the root (kept
+    # gathered from its forward to its backward's end) again before its backward, every unit reduce-scattered;
+    # and the evaluation at the epoch's end (one forward of 50 samples per rank) gathers every unit once more
+    padded, _ = units_padded(world_size)
+    per_micro_batch = 3 * sum(padded) - padded[0]
+    for allreduce in ("torch", "ring"):
+        sent = ranks[0][f"stage 3 {allreduce}"]["metrics"]["sent_bytes_per_step"]
+        expected = one_way * (per_micro_batch * metrics["micro_batches"] + sum(padded)) / metrics["optimizer_steps"]
+        assert sent == pytest.approx(expected, rel=1e-12), allreduce
+
+
+def test_stage_3_gathers_at_most_two_units_besides_the_root(stage_runs):
+    """The most full parameter buffers alive at once: the root and two blocks (the one computing and the one
+    prefetched), never three of the small ResNet's three blocks; in bytes, at most the root and the two largest."""
+    world_size, ranks = stage_runs
+    padded, _ = units_padded(world_size)
+    for allreduce in ("torch", "ring"):
+        peak = ranks[0][f"stage 3 {allreduce}"]["metrics"]["gathered_peak"]
+        print(f"\n{world_size} processes, stage 3 {allreduce}: {peak} (units {padded} elements)")
+        assert peak["units"] == 2  # 1 would mean no prefetch; 3, no reshard after forward
+        assert padded[0] + max(padded[1:]) < peak["bytes"] / ITEM <= padded[0] + sum(sorted(padded[1:])[-2:])
 
 
 def count_collectives(rank, world_size, argv):
@@ -208,7 +256,7 @@ def overflow_in_one_shard(rank, world_size, zero_stage):
     optimizer = torch.optim.SGD(sync.parameters(), lr=0.1)
     scaler = trainer.make_scaler(trainer.parse_args(TINY + ["--amp", "fp16", "--zero", str(zero_stage)]),
                                  torch.device("cpu"), init_scale=4.0)
-    before = [p.detach().clone() for p in model.parameters()]
+    before = [p.detach().clone() for p in sync.parameters()]  # the shards: stage 3's model is not whole
     sync.prepare(True)
     scaler.scale(model(torch.ones(2, 4)).sum()).backward()
     sync.finish()
@@ -218,10 +266,10 @@ def overflow_in_one_shard(rank, world_size, zero_stage):
     scaler.step(optimizer)
     sync.gather_params()
     scaler.update()
-    return scaler.get_scale(), all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    return scaler.get_scale(), all(torch.equal(b, p) for b, p in zip(before, sync.parameters()))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(local_group, stage):
     assert local_group(2).run(overflow_in_one_shard, stage) == [(2.0, True), (2.0, True)]
 
@@ -247,6 +295,57 @@ def test_profile_shows_each_buckets_reduce_scatter_and_all_gather(local_group, t
     assert "reduce_scatter wait" in names and "all_gather wait" in names
 
 
+def profiled_events(rank, world_size, argv, directory):
+    """A profiled trainer run; this rank's named ranges as (name, start, end) in microseconds."""
+    import json
+    train_in_group(rank, world_size, argv + ["--profile", directory])
+    with open(f"{directory}/rank{rank}.pt.trace.json") as f:
+        return [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in json.load(f)["traceEvents"]
+                if e.get("cat") == "user_annotation"]
+
+
+def test_stage_3_prefetches_the_next_unit_while_the_current_one_computes(local_group, tmp_path):
+    """In a profiled step (3 micro-batches), unit I+1's all-gather is launched inside unit I's forward range, and
+    in backward unit I-1's inside unit I's (the root's holds the launch of the last block's): the order the
+    first step recorded, 0 1 2 3 forward and its reverse backward. Every unit is reduce-scattered per
+    micro-batch."""
+    argv = BASE + ["--optimizer", "sgd", "--zero", "3", "--max-steps", "2", "--profile-steps", "1:2"]
+    for events in local_group(2).run(profiled_events, argv, str(tmp_path)):
+        def ranges(prefix):
+            return sorted((start, end, name) for name, start, end in events if name.startswith(prefix))
+
+        for phase, pairs in (("forward", [(0, 1), (1, 2), (2, 3)]), ("backward", [(0, 3), (3, 2), (2, 1)])):
+            for unit, following in pairs:
+                spans = ranges(f"unit {unit} {phase}")
+                gathers = [start for start, _, _ in ranges(f"all_gather unit {following} (")]
+                assert len(spans) == 3, (phase, unit)
+                for start, end, _ in spans:
+                    assert any(start <= g <= end for g in gathers), (phase, unit, following)
+        for unit in range(4):
+            assert len(ranges(f"reduce_scatter unit {unit} (")) == 3
+
+
+def evaluate_sharded_in_group(rank, world_size, val_size, seed):
+    """The trainer's scattered evaluation of a stage 3 model, whose forwards every rank must join."""
+    model, data = model_and_labelled_set(val_size, seed)
+    zero.make_sync(3, model, 1.0, True, blocks=blocks(model))
+    memory = MemoryData(data, data, 100, seed, 16)
+    return trainer.evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None, (3, 32, 32))
+
+
+def test_evaluation_of_a_stage_3_model_keeps_every_rank_in_step(local_group):
+    """50 samples in batches of 16 on 3 processes: shards of 17, 17 and 16, so 2, 2 and 1 batches; the third rank
+    runs an empty batch, for the units' all-gathers of the second forward, and every sample counts once."""
+    val_size, seed = 50, 4
+    result = local_group(3).run(evaluate_sharded_in_group, val_size, seed, timeout_s=60)[0]
+    model, data = model_and_labelled_set(val_size, seed)
+    with torch.no_grad():
+        images, labels = normalized_batch(data, torch.arange(val_size))
+        logits = model(images)
+    assert (result["val_correct"], result["val_total"]) == (int((logits.argmax(1) == labels).sum()), val_size)
+    assert result["val_loss"] == pytest.approx(F.cross_entropy(logits.double(), labels).item(), rel=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints at another number of processes
 # ----------------------------------------------------------------------------------------------------------
@@ -262,16 +361,21 @@ def with_batch_size(argv, batch_size):
 
 @pytest.fixture(scope="module")
 def resumed_on_4(local_group, tmp_path_factory):
-    """Uninterrupted on 2 processes x 8 (stage 0). Interrupted: 3 steps on 2 x 8 (stage 2), then on 4 x 4 to step 6
-    with ZeroRedundancyOptimizer (which loads our gathered state), then on 4 x 4 to the end (stage 1, which loads
-    ZeroRedundancyOptimizer's consolidated state); and the resume on 4 x 8, which changes the global batch."""
+    """Uninterrupted on 2 processes x 8 (stage 0). Interrupted: 3 steps on 2 x 8 (stage 2), then on 4 x 4 to step 5
+    with ZeroRedundancyOptimizer (which loads our gathered state), to step 6 with stage 3 (which loads
+    ZeroRedundancyOptimizer's consolidated state and saves its units gathered), to step 7 with FSDP2 (which loads
+    that through torch.distributed.checkpoint), then to the end with stage 1 (which loads FSDP2's); and the
+    resume on 4 x 8, which changes the global batch."""
     directory = str(tmp_path_factory.mktemp("resume-on-4"))
     resumed = ["--checkpoint-dir", directory]
     whole = local_group(2).run(train_in_group, RESUME + ["--zero", "0"], "float64")
     first = local_group(2).run(train_in_group, RESUME + ["--zero", "2", "--max-steps", "3"] + resumed, "float64")
     refused = local_group(4).run(try_train_in_group, RESUME + ["--zero", "1"] + resumed)
     middle = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + ["--grad-sync", "ddp", "--zero", "1",
-                                                                              "--max-steps", "6"] + resumed, "float64")
+                                                                              "--max-steps", "5"] + resumed, "float64")
+    for flags, steps in ((["--zero", "3"], "6"), (["--grad-sync", "fsdp", "--zero", "3"], "7")):
+        local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + flags + ["--max-steps", steps] + resumed,
+                           "float64")
     second = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + ["--zero", "1"] + resumed, "float64")
     return {"whole": whole, "first": first, "middle": middle, "second": second, "refused": refused,
             "dir": directory}
@@ -280,12 +384,12 @@ def resumed_on_4(local_group, tmp_path_factory):
 def test_stopped_on_2_processes_resumed_on_4_ends_where_the_uninterrupted_run_ends(resumed_on_4):
     whole, first, second = resumed_on_4["whole"], resumed_on_4["first"], resumed_on_4["second"]
     assert first[0]["metrics"]["optimizer_steps"] == 3  # 4 steps per epoch: stopped inside the first
-    assert resumed_on_4["middle"][0]["metrics"]["optimizer_steps"] == 6  # inside the second
+    assert resumed_on_4["middle"][0]["metrics"]["optimizer_steps"] == 5  # inside the second
     assert second[0]["metrics"]["optimizer_steps"] == whole[0]["metrics"]["optimizer_steps"] == 8
     assert second[0]["metrics"]["world_size"] == 4
     worst = max_difference(whole[0]["state"], second[0]["state"])
-    print(f"\nstopped at step 3 on 2 processes (stage 2), resumed on 4 (ZeroRedundancyOptimizer to step 6, then "
-          f"stage 1) vs uninterrupted on 2 (stage 0), float64: max |dw| = {worst:.1e}")
+    print(f"\nstopped at step 3 on 2 processes (stage 2), resumed on 4 (ZeroRedundancyOptimizer to step 5, stage 3 "
+          f"to 6, FSDP2 to 7, then stage 1) vs uninterrupted on 2 (stage 0), float64: max |dw| = {worst:.1e}")
     assert worst < 1e-11  # stage 2's summation order (module docstring)
     for ours, theirs in zip(second[0]["metrics"]["epochs"], whole[0]["metrics"]["epochs"], strict=True):
         assert ours["val_correct"] == theirs["val_correct"]
@@ -317,8 +421,11 @@ def test_a_resume_that_changes_the_global_batch_names_the_batch_size_that_keeps_
 @pytest.mark.parametrize("flags,phrase", [
     (["--grad-sync", "ddp", "--zero", "2"], "--grad-sync ddp takes --zero 0 or 1"),
     (["--zero", "1", "--allreduce", "butterfly"], "--allreduce torch or ring"),
-    (["--zero", "2", "--sync-mode", "after"], "--zero 2 reduce-scatters each bucket"),
-    (["--zero", "3"], "invalid choice: 3"),
+    (["--zero", "2", "--sync-mode", "after"], "--zero 2 reduce-scatters gradients as backward"),
+    (["--zero", "3", "--sync-mode", "after"], "--zero 3 reduce-scatters gradients as backward"),
+    (["--zero", "4"], "invalid choice: 4"),
+    (["--grad-sync", "fsdp"], "--grad-sync fsdp takes --zero 2"),
+    (["--grad-sync", "fsdp", "--zero", "3", "--allreduce", "ring"], "--allreduce ring is for --grad-sync custom"),
 ])
 def test_zero_flags_are_checked_in_one_line(flags, phrase):
     with pytest.raises(trainer.UsageError, match=phrase):
