@@ -1,7 +1,8 @@
-"""ZeRO stages 1 and 2: data parallelism that shards the optimizer's state over the W ranks (stage 1), and the
-gradients too (stage 2), on flat buckets; behind the interface of gradsync.py, so the trainer's loop is the same.
+"""ZeRO stages 1 to 3: data parallelism that shards the optimizer's state over the W ranks (stage 1), the gradients
+too (stage 2), on flat buckets, and the parameters too (stage 3), on flat units gathered one or two at a time;
+behind the interface of gradsync.py, so the trainer's loop is the same. FSDPSync puts PyTorch's FSDP2 behind it.
 
-    sync = make_sync(stage, model, bucket_mb, overlap, allreduce)   # stage 0 is gradsync.GradientSync
+    sync = make_sync(stage, model, bucket_mb, overlap, allreduce, blocks=models.blocks(model))  # 0: GradientSync
     optimizer = torch.optim.AdamW(sync.parameters(), ...)           # ZeRO: this rank's shards only
     for each micro-batch: sync.prepare(sync=last_of_window); loss.backward()
     sync.finish(); optimizer.step(); sync.gather_params(); sync.zero_grad()
@@ -12,6 +13,7 @@ What a rank holds, for Psi parameters in fp32 trained with AdamW (two state tens
     0       4 Psi     4 Psi           8 Psi             16 Psi          (gradsync.GradientSync, DDP)
     1       4 Psi     4 Psi           8 Psi / W         8 Psi + 8 Psi / W
     2       4 Psi     4 Psi / W (+)   8 Psi / W         4 Psi + 12 Psi / W
+    3       4 Psi / W 4 Psi / W (+)   8 Psi / W         16 Psi / W      (+ during a step: the root and two units)
     (+ the gradient buckets in flight during backward)
 
 The layout. Parameters are grouped into buckets exactly as GradientSync groups gradients (reverse order, the first
@@ -54,10 +56,42 @@ collectives on the default group). ``sent_bytes()`` counts what this rank sends:
 for torch's collectives what an ideal ring sends, (W-1)/W of the buffer per call (gloo's reduce_scatter_tensor
 actually all-reduces, twice that).
 
+Stage 3 (ZeroStage3) keeps no whole parameter between steps. The model is cut into units: its blocks (models.blocks:
+a ResNet's Bottleneck or BasicBlock, a ViT's EncoderBlock) and the root, which owns what no block does (a ResNet's
+stem and classifier, a ViT's patch embedding, class token, position embedding and head). Each unit's parameters
+are one flat tensor padded to a multiple of W, as a bucket above, but the flat keeps its storage only while the
+unit is gathered: freeing it resizes the storage to 0 bytes, so the parameters stay views of it (their identity,
+shapes and autograd's saved references intact) with no memory behind them. Rank r keeps shard r in a tensor of
+its own, which the optimizer steps. One micro-batch:
+- forward: a hook before each unit's forward puts its flat back (storage, own shard copied in, all-gather of the
+  others' launched, or the prefetch launched earlier waited for) and then launches the all-gather of the next unit
+  in the order the previous forward ran them (recorded by the same hooks: the first forward has no prefetch);
+  after the unit's forward its flat is freed (reshard after forward), so it computes while the next is gathered;
+- backward: a hook on the unit's output fires when its gradient is ready, just before the unit's backward: the
+  unit is gathered again (the prefetch launched by the unit after it) and the unit before it in forward order is
+  prefetched. As in stage 2 each parameter's gradient is copied into the unit's buffer and freed as autograd
+  makes it; when the unit's last one is in, the buffer is averaged by reduce-scatter into the shard accumulator
+  and the unit's flat freed. Every rank runs the same graph, so the collectives come in the same order everywhere;
+- the root is used at both ends (stem first, head last, and the reverse in backward), so like FSDP2's root it stays
+  gathered from its forward to the end of its backward, and frees with its last gradient. Besides it at most two
+  units are ever gathered (max_gathered: the one computing and the one prefetched; a prefetch that would make a
+  third waits until a unit is freed), so during a step a rank holds 16 Psi/W plus the root, two units' parameters
+  and the gradient buffers in flight.
+Sent per rank and micro-batch: (W-1)/W of every unit twice in all-gathers (the root once) and once in the
+reduce-scatter, about 3 (W-1)/W Psi elements: 1.5 times a replicated step's all-reduce, and K times per optimizer
+step, since every micro-batch needs the parameters anyway (accumulating full gradients over the window instead
+would hold 4 Psi of gradients, stage 1's memory, to save K-1 reduce-scatters; FSDP2's set_requires_gradient_sync
+does that). Nothing is gathered after the step. The parameters are gathered in their own dtype: under autocast
+each op casts its weight as it would at stage 0, so the numerics are stage 0's; gathering a bf16 copy instead (as
+FSDP2's MixedPrecisionPolicy can) would halve the all-gathers and the gathered units but round the weights before
+the optimizer sees their gradients, and reduce the gradients in bf16. Evaluation runs the same hooks under
+no_grad (each unit freed after its forward, the root too), and every rank must run as many forwards.
+
 Checkpoints. ``optimizer_state`` gathers the sharded state to rank 0's CPU one bucket at a time (never the whole
 state on one GPU) and returns it as torch.optim's ordinary state_dict over the model's trainable parameters in
 their order: what a replicated optimizer has. ``load_optimizer_state`` cuts this rank's shards out of such a dict.
-So a checkpoint of any stage loads into any stage at any world size.
+So a checkpoint of any stage loads into any stage at any world size. ``model_state`` is the whole state_dict (stage 3
+gathers it to rank 0 one unit at a time) and ``load_model_state`` loads one (stage 3 cuts each unit's shard out).
 """
 from __future__ import annotations
 
