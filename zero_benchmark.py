@@ -1,31 +1,55 @@
-"""ZeRO stages against the replicated run, DDP and PyTorch's ZeroRedundancyOptimizer: what each rank holds, what it
-sends, how long a step takes, and where the weights end.
+"""ZeRO stages against the replicated run, DDP, PyTorch's ZeroRedundancyOptimizer and FSDP2: what each rank holds,
+what it sends, how long a step takes, and where the weights end.
 
-    python zero_benchmark.py [--quick] [--models vit,resnet] [--nprocs 2,4] [--grad-accums 1,2] [--json FILE]
+    python zero_benchmark.py [--quick] [--models vit,resnet] [--nprocs 2,4] [--grad-accums 1,2] [--rows ...]
     python zero_benchmark.py --device cuda --models vit_b_16,resnet50 --nprocs 2 --grad-accums 1 --amp bf16
+    python zero_benchmark.py --trace      # one profiled stage 3 run -> results/trace-zero3-<machine>.json
 
 Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run (training_benchmark.
 run_trainer) on the synthetic set with AdamW, SyncBatchNorm (``--norm custom``; the ViT has none) and buckets of at
-most --bucket-mb; for every (model, W, K = --grad-accum):
+most --bucket-mb; for every (model, W, K = --grad-accum), the rows (--rows picks groups; all by default):
 
-- ``ddp``: DistributedDataParallel with AdamW; ``zero-redundancy``: the same with ZeroRedundancyOptimizer
-  (``--grad-sync ddp --zero 1``), PyTorch's stage 1: DDP's all-reduce, then each parameter broadcast by its owner;
-- ``stage S torch`` / ``stage S ring``: ``--grad-sync custom --zero S`` for S = 0, 1, 2 on torch.distributed's
-  collectives or on allreduce.py's ring (all-reduce at stage 0, its reduce-scatter and all-gather halves above).
+- ``ddp`` (group ddp): DistributedDataParallel with AdamW; ``zero-redundancy`` (zero-redundancy): the same with
+  ZeroRedundancyOptimizer (``--grad-sync ddp --zero 1``), PyTorch's stage 1: DDP's all-reduce, then each parameter
+  broadcast by its owner;
+- ``stage S torch`` / ``stage S ring`` (stageS): ``--grad-sync custom --zero S`` for S = 0, 1, 2, 3 on
+  torch.distributed's collectives or on allreduce.py's ring (all-reduce at stage 0, its reduce-scatter and
+  all-gather halves above). Stage 3's units are the model's blocks and the root, each gathered around its forward
+  and its backward;
+- ``fsdp 3`` / ``fsdp 2`` (fsdp3, fsdp2): PyTorch's FSDP2, ``fully_shard`` on the same units (``--grad-sync fsdp
+  --zero 3|2``: parameters resharded after forward, or kept gathered until backward ends).
 
-Per row: ``state_bytes`` (the largest rank's weights, gradients and optimizer state between steps, from the
-trainer's metrics) beside the formula of zero.py's docstring; bytes each rank sends per step (counted at the ring's
-isend calls; for torch's collectives the trainer gives what a ring would send, and for DDP nothing: it is not
-counted) beside 2 (W-1)/W Psi x 4 bytes; the peak memory (the process's resident set on the CPU,
-torch.cuda.max_memory_allocated on a GPU, the largest rank's); the median optimizer-step time after the warm-up and its ratio to
-``stage 0 torch``; the loss over the steps run; and the largest difference of the final weights from ``stage 0
-torch`` (read from each run's checkpoint). Configurations run in alternating order over --repeats and each keeps
-its median run. Writes ``results/zero-<machine>.json``, which report.ipynb draws as stacked bars of memory per rank.
+Columns, per row: ``state_bytes`` (the largest rank's weights, gradients and optimizer state between steps, from
+the trainer's metrics) beside the formula (zero.py's docstring: 4/4/8 Psi bytes replicated, 8 Psi / W of state from
+stage 1, 4 Psi / W of gradients from stage 2, 4 Psi / W of weights at stage 3 and in both FSDP2 rows, which shard
+the parameters between steps); the bytes each rank sends per optimizer step (counted at the ring's isend calls;
+for torch's collectives the trainer gives what a ring would send; DDP and FSDP2: not counted) beside the formula,
+with one-way = (W-1)/W Psi x 4 bytes: 2 one-ways at stages 0 and 1, K + 1 at stage 2, 3K at stage 3 (per micro-batch
+an all-gather in forward, one in backward and a reduce-scatter). The measured stage 3 figure is the run's total
+over its optimizer steps, so it also holds the two whole-model all-gathers after the last step (the evaluation's
+forward and the checkpoint's gather; the runs stop at the epoch's end), padding, and misses the root, which
+backward does not gather again. Then the gathered peak (stage 3 ours: the most units whose full parameters were in
+place at once besides the root, and the most bytes of full parameters, root included); the peak memory (the
+process's resident set on the CPU, torch.cuda.max_memory_allocated on a GPU, the largest rank's); the median
+optimizer-step time after the warm-up and its ratio to ``stage 0 torch``; the loss over the steps run; and the
+largest difference of the final weights from ``stage 0 torch`` (read from each run's checkpoint). Configurations
+run in alternating order over --repeats and each keeps its median run. Writes ``results/zero-<machine>.json``,
+which report.ipynb draws as stacked bars of memory per rank.
+
+``--trace`` profiles instead one ``stage 3`` run (the first of --models, --nprocs, --grad-accums and --allreduces:
+by default the small ViT, 2 processes, K = 1, torch's collectives) over optimizer steps 3 and 4, keeps of each
+rank's Chrome trace only the named ranges (training_benchmark.merge_ranks: unit I forward / backward, all_gather
+unit I and reduce_scatter unit I from launch until landed, the waits, micro-batches, the optimizer step), and
+writes them as ``results/trace-zero3-<machine>.json``; it prints, per pair of units run one after the other,
+whether the next unit's all-gather began before this unit's compute ended (``unit_pairs``), which report.ipynb
+reads beside its timeline.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import statistics
 import sys
 import tempfile
 import time
@@ -34,28 +58,49 @@ from typing import Any
 
 import torch
 
+from ddp_cifar100 import WARMUP_STEPS
 from models import MODELS
-from training_benchmark import HERE, run_trainer
+from training_benchmark import HERE, merge_ranks, run_trainer
 from utils import machine_info, machine_tag, write_json
 
+ROW_GROUPS = ("ddp", "zero-redundancy", "stage0", "stage1", "stage2", "stage3", "fsdp3", "fsdp2")
+TRACE_STEPS = (WARMUP_STEPS, WARMUP_STEPS + 2)  # --trace: optimizer steps 3 and 4, after the trainer's warm-up
 
-def configurations(model: str, nproc: int, grad_accum: int, allreduces: list[str]) -> list[dict]:
-    rows = [("ddp", ["--grad-sync", "ddp"]), ("zero-redundancy", ["--grad-sync", "ddp", "--zero", "1"])]
-    rows += [(f"stage {stage} {allreduce}", ["--zero", str(stage), "--allreduce", allreduce])
-             for stage in (0, 1, 2) for allreduce in allreduces]
-    return [{"name": f"{model}/w{nproc}/k{grad_accum}/{name}", "label": name, "model": model, "nproc": nproc,
-             "grad_accum": grad_accum, "grad_sync": "ddp" if name in ("ddp", "zero-redundancy") else "custom",
-             "norm": "custom", "sync_mode": None, "flags": flags} for name, flags in rows]
+
+def row_kinds(allreduces: list[str]) -> list[tuple[str, str, str, list[str]]]:
+    """Every row the benchmark knows, in table order: (its --rows group, label, --grad-sync, the other flags)."""
+    kinds = [("ddp", "ddp", "ddp", []), ("zero-redundancy", "zero-redundancy", "ddp", ["--zero", "1"])]
+    kinds += [(f"stage{stage}", f"stage {stage} {allreduce}", "custom",
+               ["--zero", str(stage), "--allreduce", allreduce]) for stage in (0, 1, 2, 3) for allreduce in allreduces]
+    kinds += [(f"fsdp{stage}", f"fsdp {stage}", "fsdp", ["--zero", str(stage)]) for stage in (3, 2)]
+    return kinds
+
+
+def configurations(model: str, nproc: int, grad_accum: int, allreduces: list[str],
+                   rows: tuple[str, ...] | list[str] = ROW_GROUPS) -> list[dict]:
+    return [{"name": f"{model}/w{nproc}/k{grad_accum}/{label}", "label": label, "model": model, "nproc": nproc,
+             "grad_accum": grad_accum, "grad_sync": grad_sync, "norm": "custom", "sync_mode": None, "flags": flags}
+            for group, label, grad_sync, flags in row_kinds(allreduces) if group in rows]
+
+
+def stage_of(label: str) -> int:
+    """The ZeRO stage a row's label names: ddp 0, zero-redundancy 1, "stage S torch|ring" and "fsdp S" S."""
+    named = {"ddp": 0, "zero-redundancy": 1}
+    return named[label] if label in named else int(label.split()[1])
 
 
 def expected_bytes(label: str, psi: int, world_size: int, grad_accum: int) -> dict[str, Any]:
-    """zero.py's formulas for fp32 AdamW: weights, gradients, state (two tensors) per rank, and bytes sent."""
-    stage = {"ddp": 0, "zero-redundancy": 1}.get(label) if not label.startswith("stage") else int(label.split()[1])
-    sharded = world_size if stage >= 1 else 1
+    """zero.py's formulas for fp32 AdamW: weights, gradients, state (two tensors) per rank, and bytes sent per
+    optimizer step (None where the run does not count them: DDP, ZeroRedundancyOptimizer, FSDP2)."""
+    stage = stage_of(label)
+    params_sharded = stage == 3 or label.startswith("fsdp")  # FSDP2 at 2 too: sharded between steps
     one_way = 4 * psi * (world_size - 1) / world_size
-    sends = 2 * one_way if stage < 2 else (grad_accum + 1) * one_way
-    return {"params": 4 * psi, "grads": 4 * psi / (world_size if stage == 2 else 1), "optimizer": 8 * psi / sharded,
-            "sent_bytes_per_step": None if label in ("ddp", "zero-redundancy") else sends}
+    sends = {0: 2 * one_way, 1: 2 * one_way, 2: (grad_accum + 1) * one_way, 3: 3 * grad_accum * one_way}[stage]
+    counted = label.startswith("stage")
+    return {"params": 4 * psi / (world_size if params_sharded else 1),
+            "grads": 4 * psi / (world_size if stage >= 2 else 1),
+            "optimizer": 8 * psi / (world_size if stage >= 1 else 1),
+            "sent_bytes_per_step": sends if counted else None}
 
 
 def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -63,7 +108,7 @@ def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 
 
 def run_with_weights(config: dict, args: argparse.Namespace) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One trainer run; its metrics and its final weights (the checkpoint written when --max-steps stops it)."""
+    """One trainer run; its metrics and its final weights (the checkpoint written at the epoch's end)."""
     with tempfile.TemporaryDirectory(prefix="zerobench-") as tmp:
         run = dict(config, flags=config["flags"] + ["--checkpoint-dir", tmp])
         metrics = run_trainer(run, args)
@@ -79,6 +124,8 @@ def summarize(config: dict, metrics: dict, weights_difference: float | None) -> 
             "state_bytes": metrics["state_bytes"],
             "expected": expected_bytes(config["label"], psi, world_size, config["grad_accum"]),
             "sent_bytes_per_step": metrics["sent_bytes_per_step"],
+            "optimizer_steps": metrics["optimizer_steps"],  # what sent_bytes_per_step divides by
+            "gathered_peak": metrics.get("gathered_peak"),
             "step_time_ms_median": metrics["step_time_ms_median"],
             "step_time_ms_p10": metrics["step_time_ms_p10"], "step_time_ms_p90": metrics["step_time_ms_p90"],
             "peak_memory_mb": metrics["peak_memory_mb"], "train_loss": metrics["train_loss"],
@@ -86,9 +133,15 @@ def summarize(config: dict, metrics: dict, weights_difference: float | None) -> 
             "attempts": metrics["attempts"]}
 
 
+def gathered_text(peak: dict | None) -> str:
+    """"units / MB" of a row's gathered_peak, "-" where the run has none (every sync but our stage 3)."""
+    return "-" if peak is None else f"{peak['units']} / {peak['bytes'] / 1e6:.2f}"
+
+
 def print_rows(rows: list[dict], reference: str) -> None:
     header = (f"{'configuration':<34}{'weights MB':>11}{'grads MB':>9}{'state MB':>9}{'(formula)':>20}"
-              f"{'sent MB':>8}{'(2Psi)':>7}{'step ms':>9}{'vs st.0':>8}{'loss':>8}{'max |dw|':>10}")
+              f"{'sent MB':>8}{'(formula)':>10}{'gathered u/MB':>14}{'step ms':>9}{'vs st.0':>8}{'loss':>8}"
+              f"{'max |dw|':>10}")
     print(header)
     print("-" * len(header))
     baseline = {(r["model"], r["nproc"], r["grad_accum"]): r["step_time_ms_median"] for r in rows
@@ -100,11 +153,141 @@ def print_rows(rows: list[dict], reference: str) -> None:
         ratio = r["step_time_ms_median"] / baseline[(r["model"], r["nproc"], r["grad_accum"])]
         difference = r["max_weight_difference_vs_stage0"]
         print(f"{r['name']:<34}{mb(held['params']):>11}{mb(held['grads']):>9}{mb(held['optimizer']):>9}"
-              f"{formula:>20}{mb(r['sent_bytes_per_step']):>8}{mb(expected['sent_bytes_per_step']):>7}"
+              f"{formula:>20}{mb(r['sent_bytes_per_step']):>8}{mb(expected['sent_bytes_per_step']):>10}"
+              f"{gathered_text(r.get('gathered_peak')):>14}"
               f"{r['step_time_ms_median']:>9.1f}{ratio:>7.2f}x{r['train_loss']:>8.4f}"
               f"{difference if difference is not None else float('nan'):>10.1e}")
 
 
+# ----------------------------------------------------------------------------------------------------------
+# --trace: stage 3's units on a timeline, and what the prefetch hid
+# ----------------------------------------------------------------------------------------------------------
+UNIT_COMPUTE = re.compile(r"unit (\d+) (forward|backward)")
+UNIT_COLLECTIVE = re.compile(r"(all_gather|reduce_scatter) unit (\d+) ")
+
+
+def encloses(outer: dict, inner: dict) -> bool:
+    return outer is not inner and outer["ts"] <= inner["ts"] and \
+        inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
+
+
+def rank_units(events: list[dict], rank: int) -> tuple[list[dict], list[dict]]:
+    """One rank's block compute ranges (``unit I forward|backward`` with ``unit`` and ``kind``; the root's left
+    out: they enclose the whole pass, as the root stays gathered through it) and its units' collectives
+    (``all_gather|reduce_scatter unit I`` with ``unit`` and ``op``), each ordered by start."""
+    mine = sorted((e for e in events if e["pid"] == rank and e.get("ph", "X") == "X"), key=lambda e: e["ts"])
+    computes = [dict(e, unit=int(m[1]), kind=m[2]) for e in mine if (m := UNIT_COMPUTE.fullmatch(e["name"]))]
+    blocks = [c for c in computes if not any(encloses(c, other) for other in computes if other["kind"] == c["kind"])]
+    collectives = [dict(e, unit=int(m[2]), op=m[1]) for e in mine if (m := UNIT_COLLECTIVE.match(e["name"]))]
+    return blocks, collectives
+
+
+def serving_gather(collectives: list[dict], block: dict) -> dict | None:
+    """The all-gather that put ``block``'s unit in place for it: the unit's latest one begun before the block's
+    compute ended."""
+    end = block["ts"] + block["dur"]
+    gathers = [c for c in collectives if c["op"] == "all_gather" and c["unit"] == block["unit"] and c["ts"] < end]
+    return gathers[-1] if gathers else None
+
+
+def unit_pairs(events: list[dict]) -> list[dict]:
+    """Per rank, every pair of blocks computed one after the other in one pass (forward in module order, backward
+    in reverse): ``first``, then ``next``, with the all-gather that served ``next``. Each pair says whether that
+    gather began before ``first``'s compute ended (prefetched while it ran), whether it had landed when ``next``
+    began (nothing left to wait for), how long ``next`` waited for it (ms), and in backward whether ``first``'s
+    reduce-scatter landed before ``next``'s backward ended (hidden behind it)."""
+    pairs = []
+    for rank in sorted({e["pid"] for e in events}):
+        blocks, collectives = rank_units(events, rank)
+        for first, next_ in zip(blocks, blocks[1:]):
+            gather = serving_gather(collectives, next_)
+            if first["kind"] != next_["kind"] or gather is None:
+                continue  # forward's last block, then backward's first (or a backward, then the next forward)
+            landed = gather["ts"] + gather["dur"]
+            pair = {"rank": rank, "kind": first["kind"], "first": first["unit"], "next": next_["unit"],
+                    "gather_began_before_first_ended": gather["ts"] < first["ts"] + first["dur"],
+                    "gather_landed_before_next_began": landed <= next_["ts"],
+                    "wait_ms": max(0.0, landed - next_["ts"]) / 1e3}
+            if first["kind"] == "backward":
+                scatter = next((c for c in collectives if c["op"] == "reduce_scatter" and c["unit"] == first["unit"]
+                                and c["ts"] >= first["ts"]), None)
+                pair["scatter_landed_before_next_ended"] = None if scatter is None \
+                    else scatter["ts"] + scatter["dur"] <= next_["ts"] + next_["dur"]
+            pairs.append(pair)
+    return pairs
+
+
+def first_backward_gathers(events: list[dict]) -> list[dict]:
+    """Per rank and backward pass, the gather of backward's first block, which has no block before it to hide
+    behind: whether it began inside that block's backward range (gathered on demand, not prefetched) and the ms
+    from the backward's start until it landed."""
+    found = []
+    for rank in sorted({e["pid"] for e in events}):
+        blocks, collectives = rank_units(events, rank)
+        for previous, block in zip([None] + blocks, blocks):
+            starts_backward = block["kind"] == "backward" and (previous is None or previous["kind"] != "backward")
+            gather = serving_gather(collectives, block)
+            if not starts_backward or gather is None:
+                continue
+            found.append({"rank": rank, "unit": block["unit"], "began_inside": gather["ts"] >= block["ts"],
+                          "ms_until_landed": max(0.0, gather["ts"] + gather["dur"] - block["ts"]) / 1e3})
+    return found
+
+
+def trace_settings(args: argparse.Namespace) -> tuple[dict, SimpleNamespace]:
+    """--trace's one configuration (stage 3 on the first model, world size, grad-accum and collective of the
+    lists) and its trainer settings: the trainer stops after the profiled steps."""
+    model, nproc, grad_accum, allreduce = args.models[0], args.nprocs[0], args.grad_accums[0], args.allreduces[0]
+    config = configurations(model, nproc, grad_accum, [allreduce], ["stage3"])[0]
+    first, end = TRACE_STEPS
+    config["flags"] = config["flags"] + common_flags(args, end) + ["--profile-steps", f"{first}:{end}"]
+    settings = trainer_settings(args, config, end)
+    return config, settings
+
+
+def main_trace(args: argparse.Namespace, argv) -> dict:
+    """--trace: one profiled stage 3 run; both ranks' named ranges -> results/trace-zero3-<machine>.json."""
+    config, settings = trace_settings(args)
+    first, end = TRACE_STEPS
+    print(f"[{config['name']}] profiling steps {first} to {end - 1} ...", file=sys.stderr, flush=True)
+    load_before = os.getloadavg()
+    metrics = run_trainer(config, settings, profile=True)
+    events = merge_ranks(metrics.pop("traces"))
+    payload = {
+        "traceEvents": events, "displayTimeUnit": "ms",
+        "benchmark": "trace-zero3", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
+        "command": " ".join(["python", "zero_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "trainer_command": metrics["command"].replace(HERE + os.sep, ""),
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "config": config, "nproc": config["nproc"], "profiled_steps": list(TRACE_STEPS),
+        "trainable_parameters": metrics["trainable_parameters"], "gathered_peak": metrics["gathered_peak"],
+        "state_bytes": metrics["state_bytes"],
+        "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())}
+    write_json(args.json, payload)
+    print_pairs(events)
+    print(f"wrote {os.path.relpath(args.json, HERE)}")
+    return payload
+
+
+def print_pairs(events: list[dict]) -> None:
+    """--trace's summary of unit_pairs and first_backward_gathers, both ranks together."""
+    pairs = unit_pairs(events)
+    for kind in ("forward", "backward"):
+        mine = [p for p in pairs if p["kind"] == kind]
+        if mine:
+            print(f"{kind}: the next unit's all-gather began before this unit's {kind} ended in "
+                  f"{sum(p['gather_began_before_first_ended'] for p in mine)} of {len(mine)} pairs, had landed "
+                  f"when the next began in {sum(p['gather_landed_before_next_began'] for p in mine)}; median wait "
+                  f"{statistics.median(p['wait_ms'] for p in mine):.2f} ms")
+    for gather in first_backward_gathers(events):
+        print(f"rank {gather['rank']}: backward's first block, unit {gather['unit']}, "
+              f"{'gathered on demand' if gather['began_inside'] else 'prefetched'}: landed "
+              f"{gather['ms_until_landed']:.2f} ms after its backward began")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="seconds per run: 2 processes, tiny sizes (a test)")
@@ -113,6 +296,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "resnet50)")
     parser.add_argument("--allreduces", default="torch,ring",
                         help="our collectives: torch, ring or both (default torch,ring; the first is the reference)")
+    parser.add_argument("--rows", default=",".join(ROW_GROUPS),
+                        help=f"comma-separated row groups from {','.join(ROW_GROUPS)} (default all; stage0 is the "
+                             "reference and must be one)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: on a one-GPU machine the processes share it over gloo")
     parser.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
@@ -124,10 +310,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap for every sync, DDP's too")
     parser.add_argument("--repeats", type=int, default=1, help="run the list this many times; keep medians")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds allowed for one trainer run")
-    parser.add_argument("--json", default=None, help="default results/zero-<machine>.json")
+    parser.add_argument("--trace", action="store_true",
+                        help="profile one stage 3 run instead (see above); writes results/trace-zero3-<machine>.json")
+    parser.add_argument("--json", default=None,
+                        help="default results/zero-<machine>.json (--trace: results/trace-zero3-<machine>.json)")
     args = parser.parse_args(argv)
     try:
         args.models, args.allreduces = args.models.split(","), args.allreduces.split(",")
+        args.rows = args.rows.split(",")
         args.nprocs = [int(v) for v in args.nprocs.split(",")]
         args.grad_accums = [int(v) for v in args.grad_accums.split(",")]
     except ValueError:
@@ -135,20 +325,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     if set(args.models) - set(MODELS) or not args.allreduces \
             or set(args.allreduces) - {"torch", "ring"} or min(args.nprocs) < 2 or min(args.grad_accums) < 1 \
             or min(args.batch_size, args.steps, args.repeats) < 1:
-        parser.error(f"--models from {','.join(MODELS)}; --allreduces from torch,ring; --nprocs at least 2; --grad-accums, --batch-size, --steps and "
-                     "--repeats at least 1")
+        parser.error(f"--models from {','.join(MODELS)}; --allreduces from torch,ring; --nprocs at least 2; "
+                     "--grad-accums, --batch-size, --steps and --repeats at least 1")
+    if set(args.rows) - set(ROW_GROUPS):
+        parser.error(f"--rows from {','.join(ROW_GROUPS)}, got {','.join(args.rows)}")
+    if "stage0" not in args.rows and not args.trace:
+        parser.error("--rows must include stage0: every row's step time and final weights are compared with "
+                     f"stage 0 {args.allreduces[0]}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
     if args.quick:
         args.models, args.nprocs, args.grad_accums, args.steps, args.batch_size = ["resnet"], [2], [2], 2, 4
     tag = machine_tag(args.device) + (f"-{max(args.nprocs)}xgloo" if args.device == "cuda" else "")
-    args.json = args.json or os.path.join(HERE, "results", f"zero-{tag}.json")
+    stem = "trace-zero3" if args.trace else "zero"
+    args.json = args.json or os.path.join(HERE, "results", f"{stem}-{tag}.json")
     return args
 
 
-def trainer_settings(args: argparse.Namespace, config: dict) -> SimpleNamespace:
-    """What training_benchmark.trainer_command reads, for this configuration."""
-    steps = args.steps + 3  # the trainer leaves 3 warm-up steps out of its step-time statistics
+def common_flags(args: argparse.Namespace, max_steps: int) -> list[str]:
+    """The trainer flags every configuration shares: AdamW, the bucket cap, and where the run stops."""
+    return ["--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0.01", "--bucket-mb", str(args.bucket_mb),
+            "--max-steps", str(max_steps)]
+
+
+def trainer_settings(args: argparse.Namespace, config: dict, steps: int) -> SimpleNamespace:
+    """What training_benchmark.trainer_command reads, for this configuration: a synthetic set of exactly
+    ``steps`` optimizer steps, so the run ends at the epoch's end (evaluation and checkpoint included)."""
     samples = steps * args.batch_size * config["grad_accum"] * config["nproc"]
     return SimpleNamespace(
         nproc=config["nproc"], dataset="synthetic", model=config["model"], device=args.device,
@@ -159,11 +361,13 @@ def trainer_settings(args: argparse.Namespace, config: dict) -> SimpleNamespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.trace:
+        return main_trace(args, argv)
     configs = [c for model in args.models for nproc in args.nprocs for accum in args.grad_accums
-               for c in configurations(model, nproc, accum, args.allreduces)]
+               for c in configurations(model, nproc, accum, args.allreduces, args.rows)]
+    steps = args.steps + WARMUP_STEPS  # the trainer leaves the warm-up steps out of its step-time statistics
     for config in configs:
-        config["flags"] = config["flags"] + ["--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0.01",
-                                             "--bucket-mb", str(args.bucket_mb), "--max-steps", str(args.steps + 3)]
+        config["flags"] = config["flags"] + common_flags(args, steps)
     runs: dict[str, list[tuple[dict, dict]]] = {c["name"]: [] for c in configs}
     started, load_before = time.time(), os.getloadavg()
     progress = None
@@ -175,7 +379,7 @@ def main(argv=None) -> dict:
             if progress is None:
                 print(f"[{sum(map(len, runs.values())) + 1}/{len(configs) * args.repeats}] {config['name']} ...",
                       file=sys.stderr, flush=True)
-            runs[config["name"]].append(run_with_weights(config, trainer_settings(args, config)))
+            runs[config["name"]].append(run_with_weights(config, trainer_settings(args, config, steps)))
             if progress is not None:
                 progress.update()
     if progress is not None:
