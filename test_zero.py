@@ -305,9 +305,10 @@ def profiled_events(rank, world_size, argv, directory):
 
 
 def test_stage_3_prefetches_the_next_unit_while_the_current_one_computes(local_group, tmp_path):
-    """In a profiled step (3 micro-batches), unit I+1's all-gather is launched inside unit I's forward range, and
-    in backward unit I-1's inside unit I's (the root's holds the launch of the last block's): the order the
-    first step recorded, 0 1 2 3 forward and its reverse backward. Every unit is reduce-scattered per
+    """In a profiled step (3 micro-batches), unit I+1's all-gather is launched inside unit I's forward range and
+    before unit I+1's begins, and in backward unit I-1's inside unit I's and before unit I-1's begins (the
+    root's backward, which comes first, launches the last block's): the orders the forward recorded, 0 1 2 3
+    started and 1 2 3 0 finished, whose reverse the backward runs. Every unit is reduce-scattered per
     micro-batch."""
     argv = BASE + ["--optimizer", "sgd", "--zero", "3", "--max-steps", "2", "--profile-steps", "1:2"]
     for events in local_group(2).run(profiled_events, argv, str(tmp_path)):
@@ -318,9 +319,10 @@ def test_stage_3_prefetches_the_next_unit_while_the_current_one_computes(local_g
             for unit, following in pairs:
                 spans = ranges(f"unit {unit} {phase}")
                 gathers = [start for start, _, _ in ranges(f"all_gather unit {following} (")]
-                assert len(spans) == 3, (phase, unit)
-                for start, end, _ in spans:
-                    assert any(start <= g <= end for g in gathers), (phase, unit, following)
+                nexts = [start for start, _, _ in ranges(f"unit {following} {phase}")]
+                assert len(spans) == len(nexts) == 3, (phase, unit)
+                for (start, end, _), next_start in zip(spans, nexts):
+                    assert any(start <= g <= end and g < next_start for g in gathers), (phase, unit, following)
         for unit in range(4):
             assert len(ranges(f"reduce_scatter unit {unit} (")) == 3
 
@@ -362,20 +364,22 @@ def with_batch_size(argv, batch_size):
 @pytest.fixture(scope="module")
 def resumed_on_4(local_group, tmp_path_factory):
     """Uninterrupted on 2 processes x 8 (stage 0). Interrupted: 3 steps on 2 x 8 (stage 2), then on 4 x 4 to step 5
-    with ZeroRedundancyOptimizer (which loads our gathered state), to step 6 with stage 3 (which loads
-    ZeroRedundancyOptimizer's consolidated state and saves its units gathered), to step 7 with FSDP2 (which loads
-    that through torch.distributed.checkpoint), then to the end with stage 1 (which loads FSDP2's); and the
-    resume on 4 x 8, which changes the global batch."""
+    with FSDP2 without resharding after forward (which loads our gathered state through
+    torch.distributed.checkpoint, and saves after the first epoch's evaluation, whose forwards leave its units
+    gathered), to step 6 with ZeroRedundancyOptimizer (which loads FSDP2's), to step 7 with stage 3 (which loads
+    ZeroRedundancyOptimizer's consolidated state and saves its units gathered), then to the end with stage 1; and
+    the resume on 4 x 8, which changes the global batch."""
     directory = str(tmp_path_factory.mktemp("resume-on-4"))
     resumed = ["--checkpoint-dir", directory]
     whole = local_group(2).run(train_in_group, RESUME + ["--zero", "0"], "float64")
     first = local_group(2).run(train_in_group, RESUME + ["--zero", "2", "--max-steps", "3"] + resumed, "float64")
     refused = local_group(4).run(try_train_in_group, RESUME + ["--zero", "1"] + resumed)
-    middle = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + ["--grad-sync", "ddp", "--zero", "1",
-                                                                              "--max-steps", "5"] + resumed, "float64")
-    for flags, steps in ((["--zero", "3"], "6"), (["--grad-sync", "fsdp", "--zero", "3"], "7")):
-        local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + flags + ["--max-steps", steps] + resumed,
-                           "float64")
+    legs = {}
+    for name, flags, steps in (("fsdp", ["--grad-sync", "fsdp", "--zero", "2"], "5"),
+                               ("middle", ["--grad-sync", "ddp", "--zero", "1"], "6"), ("stage 3", ["--zero", "3"], "7")):
+        legs[name] = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + flags + ["--max-steps", steps]
+                                        + resumed, "float64")
+    middle = legs["middle"]
     second = local_group(4).run(train_in_group, with_batch_size(RESUME, 4) + ["--zero", "1"] + resumed, "float64")
     return {"whole": whole, "first": first, "middle": middle, "second": second, "refused": refused,
             "dir": directory}
@@ -384,12 +388,12 @@ def resumed_on_4(local_group, tmp_path_factory):
 def test_stopped_on_2_processes_resumed_on_4_ends_where_the_uninterrupted_run_ends(resumed_on_4):
     whole, first, second = resumed_on_4["whole"], resumed_on_4["first"], resumed_on_4["second"]
     assert first[0]["metrics"]["optimizer_steps"] == 3  # 4 steps per epoch: stopped inside the first
-    assert resumed_on_4["middle"][0]["metrics"]["optimizer_steps"] == 5  # inside the second
+    assert resumed_on_4["middle"][0]["metrics"]["optimizer_steps"] == 6  # inside the second
     assert second[0]["metrics"]["optimizer_steps"] == whole[0]["metrics"]["optimizer_steps"] == 8
     assert second[0]["metrics"]["world_size"] == 4
     worst = max_difference(whole[0]["state"], second[0]["state"])
-    print(f"\nstopped at step 3 on 2 processes (stage 2), resumed on 4 (ZeroRedundancyOptimizer to step 5, stage 3 "
-          f"to 6, FSDP2 to 7, then stage 1) vs uninterrupted on 2 (stage 0), float64: max |dw| = {worst:.1e}")
+    print(f"\nstopped at step 3 on 2 processes (stage 2), resumed on 4 (FSDP2 to step 5, ZeroRedundancyOptimizer to 6, "
+          f"stage 3 to 7, then stage 1) vs uninterrupted on 2 (stage 0), float64: max |dw| = {worst:.1e}")
     assert worst < 1e-11  # stage 2's summation order (module docstring)
     for ours, theirs in zip(second[0]["metrics"]["epochs"], whole[0]["metrics"]["epochs"], strict=True):
         assert ours["val_correct"] == theirs["val_correct"]

@@ -373,18 +373,23 @@ class ZeroStage3(ZeroStage2):
         self.gathering: dict[int, Any] = {}  # unit -> its all-gather in flight
         self.gathered: set[int] = set()  # units whose full parameters are in place
         self.wanted: int | None = None  # a prefetch held back by max_gathered, launched when a unit is freed
-        self.order: list[int] = []  # the units in the order the last forward ran them (empty before the first)
-        self.recording: list[int] = []
+        # the units in the order the last forward started them (the next forward prefetches along it) and in the
+        # reverse of the order it finished them (the backward's: the root, whose head ends the forward, first)
+        self.order: list[int] = []
+        self.backward_order: list[int] = []
+        self.recording: tuple[list[int], list[int]] = ([], [])
         self.backward_begun: set[int] = set()
         self.peak = {"units": 0, "bytes": 0}  # most units gathered at once besides the root; most full bytes
         self.spans: dict[str, Any] = {}  # open "unit I forward/backward" ranges
         for index in range(len(self.units)):
             self._free(index)
-        self.hooks = [model.register_forward_pre_hook(self._pass_starts),
-                      model.register_forward_hook(self._pass_ends)]
+        # hooks run in the order they were registered: the pass starts before the root's forward begins, and ends
+        # after the root's forward has finished (so the recorded orders include it)
+        self.hooks = [model.register_forward_pre_hook(self._pass_starts)]
         for index, unit in enumerate(self.units):
             self.hooks += [unit.register_forward_pre_hook(partial(self._before_forward, index)),
                            unit.register_forward_hook(partial(self._after_forward, index))]
+        self.hooks.append(model.register_forward_hook(self._pass_ends))
 
     def group(self, model: nn.Module, bucket_mb: float) -> list[list[nn.Parameter]]:
         """One group per unit: its trainable parameters in module order (``bucket_mb`` plays no part)."""
@@ -461,20 +466,22 @@ class ZeroStage3(ZeroStage2):
             span.__exit__(None, None, None)
 
     def _pass_starts(self, model: nn.Module, args: Any) -> None:
-        self.recording = []
+        self.recording = ([], [])
         if torch.is_grad_enabled():
             self.backward_begun = set()
 
     def _pass_ends(self, model: nn.Module, args: Any, output: Any) -> None:
-        self.order = self.recording  # backward runs it in reverse; the next forward prefetches along it
+        started, finished = self.recording
+        self.order, self.backward_order = started, finished[::-1]
 
     def _before_forward(self, index: int, module: nn.Module, args: Any) -> None:
-        self.recording.append(index)
+        self.recording[0].append(index)
         self._open(f"unit {index} forward")
         self._materialize(index)
         self._prefetch(self._after(self.order, index))
 
     def _after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        self.recording[1].append(index)
         self._close(f"unit {index} forward")
         if not torch.is_grad_enabled():
             self._free(index)  # evaluation: no backward will come
@@ -491,7 +498,7 @@ class ZeroStage3(ZeroStage2):
             self.backward_begun.add(index)
             self._open(f"unit {index} backward")
             self._materialize(index)
-            self._prefetch(self._after(self.order[::-1], index))
+            self._prefetch(self._after(self.backward_order, index))
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
         self._copy_out(index, param)
@@ -613,7 +620,14 @@ class FSDPSync:
         self.model.zero_grad(set_to_none=False)  # keep the sharded gradients, as our accumulators are kept
 
     def _options(self) -> Any:
+        """Full state dicts on rank 0's CPU. Called between steps, where every unit must be sharded: an
+        evaluation's forward with reshard_after_forward=False (--zero 2) leaves its units gathered (no backward
+        comes to reshard them), and the state dict would then miss the parameters the optimizer holds."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.fsdp import FSDPModule
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
