@@ -173,19 +173,23 @@ class ZeroStage1(GradientSync):
     def gather_params(self) -> None:
         """After the optimizer step: every rank's updated shards into every rank's parameters (all-gather in
         place, every bucket launched before any is waited for)."""
-        handles = []
-        for name, flat in zip(self.gather_names, self.param_flats):
-            with utils.profiled(name) as span:
-                if self.averager is not None:
-                    handle = self.averager.submit(flat, operation=ring_all_gather)
-                else:
-                    self.nominal_sent += self._one_way_bytes(flat)
-                    handle = dist.all_gather_into_tensor(flat, self.shard_of(flat), async_op=True)
-                if span is not None:
-                    span._call_end_callbacks_on_future(self._landed(handle))
-            handles.append(handle)
+        handles = [self._all_gather(index) for index in range(len(self.param_flats))]
         with utils.profiled("all_gather wait"):
             self._wait(handles)
+
+    def _all_gather(self, index: int) -> Any:
+        """Launch the all-gather of parameter flat ``index`` in place (every rank's shard r into slice r of every
+        rank's flat), under its profiler range until it lands; returns what _wait takes."""
+        flat = self.param_flats[index]
+        with utils.profiled(self.gather_names[index]) as span, torch.no_grad():  # gloo's in-place copies
+            if self.averager is not None:
+                handle = self.averager.submit(flat, operation=ring_all_gather)
+            else:
+                self.nominal_sent += self._one_way_bytes(flat)
+                handle = dist.all_gather_into_tensor(flat, self.shard_of(flat), async_op=True)
+            if span is not None:
+                span._call_end_callbacks_on_future(self._landed(handle))
+        return handle
 
     # ------------------------------------------------------------------------------------------------------
     # Checkpoints: the sharded state as an ordinary state_dict over the model's parameters, and back
@@ -405,15 +409,7 @@ class ZeroStage3(ZeroStage2):
         flat = self.param_flats[index]
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         self.shard_of(flat).copy_(self.shards[index])
-        with utils.profiled(self.gather_names[index]) as span, torch.no_grad():
-            if self.averager is not None:
-                handle = self.averager.submit(flat, operation=ring_all_gather)
-            else:
-                self.nominal_sent += self._one_way_bytes(flat)
-                handle = dist.all_gather_into_tensor(flat, self.shard_of(flat), async_op=True)
-            if span is not None:
-                span._call_end_callbacks_on_future(self._landed(handle))
-        self.gathering[index] = handle
+        self.gathering[index] = self._all_gather(index)
         held = set(self.gathering) | self.gathered
         self.peak["units"] = max(self.peak["units"], len(held - {self.root}))
         self.peak["bytes"] = max(self.peak["bytes"], sum(self.param_flats[i].numel() for i in held)
