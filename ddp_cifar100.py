@@ -431,7 +431,7 @@ def set_up(args: argparse.Namespace) -> Run:
         optimizer = make_optimizer(args, sync.parameters())
     else:
         sync = zero.make_sync(args.zero, model, args.bucket_mb, args.sync_mode == "overlap", args.allreduce,
-                              args.timeout, blocks(model))
+                              args.timeout, blocks(model), args.zero3_accumulate)
         optimizer = make_optimizer(args, sync.parameters())
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
     schedule_steps = args.epochs * steps_per_epoch
@@ -816,6 +816,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "3 parameters too, gathered one unit (block) at a time with prefetch (--bucket-mb plays no part). "
              "With --grad-sync ddp, 1 is PyTorch's ZeroRedundancyOptimizer; with fsdp, 3 reshards after forward "
              "and 2 does not")
+    add("--zero3-accumulate", choices=("sharded", "unsharded"), default=None,
+        help="--zero 3 with --grad-accum > 1: reduce-scatter every micro-batch into the shard accumulators "
+             "(sharded, the default: gradients Psi/W), or keep each unit's full gradient over the window and "
+             "reduce-scatter it once (unsharded: 4 Psi more during the window, K-1 fewer reduce-scatters, stage 0's "
+             "summation order; what FSDP2 does)")
     add("--optimizer", choices=("sgd", "adamw"), default="sgd",
         help="SGD with --momentum and --weight-decay, or AdamW with --weight-decay (decoupled)")
     add("--allreduce", choices=("torch", "ring", "butterfly"), default="torch",
@@ -883,6 +888,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.zero >= 2 and args.sync_mode == "after" and args.grad_sync == "custom":
         raise UsageError(f"--zero {args.zero} reduce-scatters gradients as backward completes them; --sync-mode "
                          f"after would keep every full gradient (use --zero 1)")
+    if args.zero3_accumulate is not None and (args.zero != 3 or args.grad_sync != "custom"):
+        raise UsageError(f"--zero3-accumulate is for --grad-sync custom --zero 3, not --grad-sync {args.grad_sync} "
+                         f"--zero {args.zero}")
+    args.zero3_accumulate = args.zero3_accumulate or "sharded"
     if args.log_dir and importlib.util.find_spec("tensorboard") is None:  # every rank, before any collective
         raise UsageError("--log-dir needs the tensorboard package (pip install tensorboard)")
     args.profile_steps = parse_profile_steps(args.profile_steps, args.profile)

@@ -18,6 +18,9 @@ def test_expected_bytes_are_zero_py_s_formulas():
     # stage 3: per micro-batch an all-gather in forward, one in backward and a reduce-scatter
     assert zero_benchmark.expected_bytes("stage 3 ring", psi, w, 2) == {
         "params": 1000, "grads": 1000, "optimizer": 2000, "sent_bytes_per_step": 2 * 3 * 3 / 4 * 4000}
+    # stage 3 accumulating unsharded: the reduce-scatter once per window
+    assert zero_benchmark.expected_bytes("stage 3 torch unsharded", psi, w, 2)["sent_bytes_per_step"] == \
+        5 * 3 / 4 * 4000
     assert zero_benchmark.expected_bytes("ddp", psi, w, 1)["optimizer"] == 8000
     assert zero_benchmark.expected_bytes("zero-redundancy", psi, w, 1)["optimizer"] == 2000
     assert zero_benchmark.expected_bytes("zero-redundancy", psi, w, 1)["sent_bytes_per_step"] is None
@@ -30,7 +33,8 @@ def test_configurations_cover_the_anchors_and_every_stage_on_each_collective():
     configs = zero_benchmark.configurations("vit", 2, 1, ["torch", "ring"])
     assert [c["label"] for c in configs] == [
         "ddp", "zero-redundancy", "stage 0 torch", "stage 0 ring", "stage 1 torch", "stage 1 ring", "stage 2 torch",
-        "stage 2 ring", "stage 3 torch", "stage 3 ring", "fsdp 3", "fsdp 2"]
+        "stage 2 ring", "stage 3 torch", "stage 3 ring", "stage 3 torch unsharded", "stage 3 ring unsharded",
+        "fsdp 3", "fsdp 2"]
     by_label = {c["label"]: c for c in configs}
     assert (by_label["stage 3 ring"]["grad_sync"], by_label["stage 3 ring"]["flags"]) == (
         "custom", ["--zero", "3", "--allreduce", "ring"])

@@ -326,7 +326,10 @@ class ZeroStage2(ZeroStage1):
         index, buffer, handle = self.in_flight.pop(0)
         self._wait([handle])
         self.shards[index].grad.add_(self.shard_of(self._flat(index, buffer)))
-        self.pool.append(buffer)
+        self._release(buffer)
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        self.pool.append(buffer)  # for a later bucket
 
     def _start(self, index: int) -> Any:
         buffer = self.filling.pop(index)
@@ -356,13 +359,20 @@ class ZeroStage3(ZeroStage2):
     unit's all-gather running while the current one computes (module docstring, "Stage 3").
 
     Gradients go as in stage 2 (copied out as autograd produces them, reduce-scattered per micro-batch into the
-    shard accumulators), one unit per buffer, launched when the unit's last gradient is in."""
+    shard accumulators), one unit per buffer, launched when the unit's last gradient is in. ``accumulate``
+    "unsharded" keeps instead each unit's full gradient over the window and reduce-scatters it on the last
+    micro-batch only (FSDP2's set_requires_gradient_sync): 4 Psi more during the window, K-1 fewer
+    reduce-scatters, and stage 0's summation order."""
 
     group_word = "unit"
     max_gathered = 2  # units whose full parameters may be in place at once, besides the root
 
     def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool = True, allreduce: str = "torch",
-                 timeout_s: float | None = None, blocks: list[nn.Module] = ()):
+                 timeout_s: float | None = None, blocks: list[nn.Module] = (), accumulate: str = "sharded"):
+        if accumulate not in ("sharded", "unsharded"):
+            raise ValueError(f"accumulate is 'sharded' or 'unsharded', not {accumulate!r}")
+        self.unsharded = accumulate == "unsharded"
+        self.units_done = 0
         # the units: the root (if it owns a trainable parameter no block does) and the blocks, in module order
         owner: dict[int, nn.Module] = {}
         for module in [model, *blocks]:  # a block claims its parameters from the root (an inner block, from outer)
@@ -500,22 +510,43 @@ class ZeroStage3(ZeroStage2):
         self._copy_out(index, param)
         self.pending[index] -= 1
         if self.pending[index] == 0:  # the unit's backward is done: average its gradients, free its parameters
-            self._launch(index)
+            self.units_done += 1
+            if self.sync or not self.unsharded:
+                self._launch(index)
             self._free(index)
             self._close(f"unit {index} backward")
+
+    def _copy_out(self, index: int, param: torch.Tensor) -> None:
+        """Sharded accumulation: stage 2's. Unsharded: add the gradient into the unit's own full buffer, kept
+        over the window (0 + g is g exactly, so the sums are stage 0's: each rank's micro-batches in turn)."""
+        if not self.unsharded:
+            return super()._copy_out(index, param)
+        buffer = self.filling.get(index)
+        if buffer is None:
+            buffer = self.filling[index] = torch.zeros(self.lengths[index], dtype=self.shards[0].dtype,
+                                                       device=self.shards[0].device)
+        start, strides = self.place[id(param)]
+        buffer.as_strided(param.shape, strides, start).add_(param.grad)
+        param.grad = None
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        if not self.unsharded:  # unsharded buffers are each unit's own length, not the pool's
+            super()._release(buffer)
 
     def prepare(self, sync: bool) -> None:
         self._check_complete()
         super().prepare(sync)
+        self.sync = sync
+        self.units_done = 0
 
     def finish(self) -> None:
         self._check_complete()
         super().finish()
 
     def _check_complete(self) -> None:
-        """Every unit's gradients reduce-scattered in the last backward (a parameter left without a gradient
-        would leave its unit waiting, and its all-gathers out of step with the other ranks')."""
-        if self.launched not in (0, len(self.units)):
+        """Every unit's gradients in, in the last backward (a parameter left without a gradient would leave its
+        unit waiting, and its all-gathers out of step with the other ranks')."""
+        if self.units_done not in (0, len(self.units)):
             waiting = [index for index, count in enumerate(self.pending) if count]
             raise RuntimeError(f"ZeRO stage 3: unit(s) {waiting} got no gradient for some parameter in the last "
                                f"backward; every trainable parameter must take part in the loss")
@@ -577,11 +608,12 @@ class ZeroStage3(ZeroStage2):
 
 
 def make_sync(stage: int, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
-              timeout_s: float | None = None, blocks: list[nn.Module] = ()) -> GradientSync:
+              timeout_s: float | None = None, blocks: list[nn.Module] = (), accumulate: str = "sharded"
+              ) -> GradientSync:
     """The hand-written sync for ZeRO ``stage`` 0 (replicated: gradsync.GradientSync), 1, 2 or 3 (whose units
-    are ``blocks`` and the root)."""
+    are ``blocks`` and the root, and which accumulates ``accumulate``: see ZeroStage3)."""
     if stage == 3:
-        return ZeroStage3(model, bucket_mb, overlap, allreduce, timeout_s, blocks)
+        return ZeroStage3(model, bucket_mb, overlap, allreduce, timeout_s, blocks, accumulate)
     return (GradientSync, ZeroStage1, ZeroStage2)[stage](model, bucket_mb, overlap, allreduce, timeout_s)
 
 

@@ -16,6 +16,8 @@ most --bucket-mb; for every (model, W, K = --grad-accum), the rows (--rows picks
   torch.distributed's collectives or on allreduce.py's ring (all-reduce at stage 0, its reduce-scatter and
   all-gather halves above). Stage 3's units are the model's blocks and the root, each gathered around its forward
   and its backward;
+- ``stage 3 torch unsharded`` / ``... ring unsharded`` (stage3u): stage 3 with ``--zero3-accumulate unsharded``,
+  each unit's full gradient kept over the window and reduce-scattered once (2K + 1 one-ways per step);
 - ``fsdp 3`` / ``fsdp 2`` (fsdp3, fsdp2): PyTorch's FSDP2, ``fully_shard`` on the same units (``--grad-sync fsdp
   --zero 3|2``: parameters resharded after forward, or kept gathered until backward ends).
 
@@ -63,7 +65,7 @@ from models import MODELS
 from training_benchmark import HERE, merge_ranks, run_trainer
 from utils import machine_info, machine_tag, write_json
 
-ROW_GROUPS = ("ddp", "zero-redundancy", "stage0", "stage1", "stage2", "stage3", "fsdp3", "fsdp2")
+ROW_GROUPS = ("ddp", "zero-redundancy", "stage0", "stage1", "stage2", "stage3", "stage3u", "fsdp3", "fsdp2")
 TRACE_STEPS = (WARMUP_STEPS, WARMUP_STEPS + 2)  # --trace: optimizer steps 3 and 4, after the trainer's warm-up
 
 
@@ -72,6 +74,8 @@ def row_kinds(allreduces: list[str]) -> list[tuple[str, str, str, list[str]]]:
     kinds = [("ddp", "ddp", "ddp", []), ("zero-redundancy", "zero-redundancy", "ddp", ["--zero", "1"])]
     kinds += [(f"stage{stage}", f"stage {stage} {allreduce}", "custom",
                ["--zero", str(stage), "--allreduce", allreduce]) for stage in (0, 1, 2, 3) for allreduce in allreduces]
+    kinds += [("stage3u", f"stage 3 {allreduce} unsharded", "custom",
+               ["--zero", "3", "--allreduce", allreduce, "--zero3-accumulate", "unsharded"]) for allreduce in allreduces]
     kinds += [(f"fsdp{stage}", f"fsdp {stage}", "fsdp", ["--zero", str(stage)]) for stage in (3, 2)]
     return kinds
 
@@ -96,6 +100,8 @@ def expected_bytes(label: str, psi: int, world_size: int, grad_accum: int) -> di
     params_sharded = stage == 3 or label.startswith("fsdp")  # FSDP2 at 2 too: sharded between steps
     one_way = 4 * psi * (world_size - 1) / world_size
     sends = {0: 2 * one_way, 1: 2 * one_way, 2: (grad_accum + 1) * one_way, 3: 3 * grad_accum * one_way}[stage]
+    if label.endswith("unsharded"):  # stage 3 reduce-scattering once per window
+        sends = (2 * grad_accum + 1) * one_way
     counted = label.startswith("stage")
     return {"params": 4 * psi / (world_size if params_sharded else 1),
             "grads": 4 * psi / (world_size if stage >= 2 else 1),
