@@ -79,9 +79,13 @@ its own, which the optimizer steps. One micro-batch:
   and the gradient buffers in flight.
 Sent per rank and micro-batch: (W-1)/W of every unit twice in all-gathers (the root once) and once in the
 reduce-scatter, about 3 (W-1)/W Psi elements: 1.5 times a replicated step's all-reduce, and K times per optimizer
-step, since every micro-batch needs the parameters anyway (accumulating full gradients over the window instead
-would hold 4 Psi of gradients, stage 1's memory, to save K-1 reduce-scatters; FSDP2's set_requires_gradient_sync
-does that). Nothing is gathered after the step. The parameters are gathered in their own dtype: under autocast
+step, since every micro-batch needs the parameters anyway. Nothing is gathered after the step. ``accumulate``
+"unsharded" (the trainer's --zero3-accumulate) is the alternative FSDP2's set_requires_gradient_sync takes: each
+unit's full gradient is kept over the window (added into as each micro-batch's backward produces it) and
+reduce-scattered on the last micro-batch only, which holds 4 Psi more during the window (stage 1's gradients) to
+save K-1 reduce-scatters, and sums each rank's micro-batches in stage 0's order: at 2 processes the weights are
+stage 0's bit for bit; at more, the ranks' sum associates as the collective chunks each unit, not as it chunks
+stage 0's buckets. The parameters are gathered in their own dtype: under autocast
 each op casts its weight as it would at stage 0, so the numerics are stage 0's; gathering a bf16 copy instead (as
 FSDP2's MixedPrecisionPolicy can) would halve the all-gathers and the gathered units but round the weights before
 the optimizer sees their gradients, and reduce the gradients in bf16. Evaluation runs the same hooks under

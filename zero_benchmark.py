@@ -145,7 +145,7 @@ def gathered_text(peak: dict | None) -> str:
 
 
 def print_rows(rows: list[dict], reference: str) -> None:
-    header = (f"{'configuration':<34}{'weights MB':>11}{'grads MB':>9}{'state MB':>9}{'(formula)':>20}"
+    header = (f"{'configuration':<40}{'weights MB':>11}{'grads MB':>9}{'state MB':>9}{'(formula)':>20}"
               f"{'sent MB':>8}{'(formula)':>10}{'gathered u/MB':>14}{'step ms':>9}{'vs st.0':>8}{'loss':>8}"
               f"{'max |dw|':>10}")
     print(header)
@@ -158,7 +158,7 @@ def print_rows(rows: list[dict], reference: str) -> None:
         formula = f"{mb(expected['params'])}/{mb(expected['grads'])}/{mb(expected['optimizer'])}"
         ratio = r["step_time_ms_median"] / baseline[(r["model"], r["nproc"], r["grad_accum"])]
         difference = r["max_weight_difference_vs_stage0"]
-        print(f"{r['name']:<34}{mb(held['params']):>11}{mb(held['grads']):>9}{mb(held['optimizer']):>9}"
+        print(f"{r['name']:<40}{mb(held['params']):>11}{mb(held['grads']):>9}{mb(held['optimizer']):>9}"
               f"{formula:>20}{mb(r['sent_bytes_per_step']):>8}{mb(expected['sent_bytes_per_step']):>10}"
               f"{gathered_text(r.get('gathered_peak')):>14}"
               f"{r['step_time_ms_median']:>9.1f}{ratio:>7.2f}x{r['train_loss']:>8.4f}"
