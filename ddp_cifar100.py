@@ -162,10 +162,11 @@ def evaluate(model: nn.Module, data: MemoryData | FolderData, batch_size: int, d
     counts = torch.zeros(3, dtype=torch.int64, device=device)  # correct top-1, correct top-5, seen
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = data.val_batches(shard, batch_size)
     if lockstep_image is not None:
-        forwards = torch.tensor([math.ceil(len(shard) / batch_size)], device=comm_device)
+        own = math.ceil(len(shard) / batch_size)
+        forwards = torch.tensor([own], device=comm_device)
         dist.all_reduce(forwards, op=dist.ReduceOp.MAX)
         empty = (torch.zeros(0, *lockstep_image, device=device), torch.zeros(0, dtype=torch.int64, device=device))
-        batches = itertools.chain(batches, itertools.repeat(empty, int(forwards) - math.ceil(len(shard) / batch_size)))
+        batches = itertools.chain(batches, itertools.repeat(empty, int(forwards) - own))
     for images, labels in batches:
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             logits = model(images)

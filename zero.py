@@ -376,7 +376,6 @@ class ZeroStage3(ZeroStage2):
         if accumulate not in ("sharded", "unsharded"):
             raise ValueError(f"accumulate is 'sharded' or 'unsharded', not {accumulate!r}")
         self.unsharded = accumulate == "unsharded"
-        self.units_done = 0
         # the units: the root (if it owns a trainable parameter no block does) and the blocks, in module order
         owner: dict[int, nn.Module] = {}
         for module in [model, *blocks]:  # a block claims its parameters from the root (an inner block, from outer)
@@ -420,14 +419,23 @@ class ZeroStage3(ZeroStage2):
     def _gather(self, index: int) -> None:
         """Give unit ``index``'s flat its storage back, put this rank's shard in place and launch the
         all-gather of the others' (asynchronously, like the reduce-scatters)."""
-        flat = self.param_flats[index]
-        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        flat = self._allocate(index)
         self.shard_of(flat).copy_(self.shards[index])
         self.gathering[index] = self._all_gather(index)
-        held = set(self.gathering) | self.gathered
+        held = self._held()
         self.peak["units"] = max(self.peak["units"], len(held - {self.root}))
         self.peak["bytes"] = max(self.peak["bytes"], sum(self.param_flats[i].numel() for i in held)
                                  * flat.element_size())
+
+    def _allocate(self, index: int) -> torch.Tensor:
+        """Unit ``index``'s flat with its storage back (contents undefined), for a gather or a load."""
+        flat = self.param_flats[index]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        return flat
+
+    def _held(self) -> set[int]:
+        """The units whose full flat has storage: gathered, or being gathered."""
+        return set(self.gathering) | self.gathered
 
     def _materialize(self, index: int) -> None:
         """Unit ``index``'s full parameters in place: wait for its prefetch, or gather it now."""
@@ -450,9 +458,9 @@ class ZeroStage3(ZeroStage2):
 
     def _prefetch(self, index: int | None) -> None:
         """Launch unit ``index``'s all-gather ahead of its use, unless max_gathered units are already held."""
-        if index is None or index in self.gathered or index in self.gathering:
+        if index is None or index in self._held():
             return
-        if len((set(self.gathering) | self.gathered) - {self.root}) >= self.max_gathered:
+        if len(self._held() - {self.root}) >= self.max_gathered:
             self.wanted = index
             return
         self._gather(index)
@@ -514,7 +522,6 @@ class ZeroStage3(ZeroStage2):
         self._copy_out(index, param)
         self.pending[index] -= 1
         if self.pending[index] == 0:  # the unit's backward is done: average its gradients, free its parameters
-            self.units_done += 1
             if self.sync or not self.unsharded:
                 self._launch(index)
             self._free(index)
@@ -541,7 +548,6 @@ class ZeroStage3(ZeroStage2):
         self._check_complete()
         super().prepare(sync)
         self.sync = sync
-        self.units_done = 0
 
     def finish(self) -> None:
         self._check_complete()
@@ -550,7 +556,8 @@ class ZeroStage3(ZeroStage2):
     def _check_complete(self) -> None:
         """Every unit's gradients in, in the last backward (a parameter left without a gradient would leave its
         unit waiting, and its all-gathers out of step with the other ranks')."""
-        if self.units_done not in (0, len(self.units)):
+        done = sum(count == 0 for count in self.pending)  # pending: per unit, gradients still to come
+        if done not in (0, len(self.units)):
             waiting = [index for index, count in enumerate(self.pending) if count]
             raise RuntimeError(f"ZeRO stage 3: unit(s) {waiting} got no gradient for some parameter in the last "
                                f"backward; every trainable parameter must take part in the loss")
@@ -591,8 +598,7 @@ class ZeroStage3(ZeroStage2):
         names = self._names(model)
         with torch.no_grad():
             for index, unit_params in enumerate(self.buckets):
-                flat = self.param_flats[index]
-                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+                flat = self._allocate(index)
                 flat.zero_()  # the padding
                 for p in unit_params:
                     p.copy_(state[names[id(p)][0]])
@@ -651,19 +657,23 @@ class FSDPSync:
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=False)  # keep the sharded gradients, as our accumulators are kept
 
-    def _options(self) -> Any:
-        """Full state dicts on rank 0's CPU. Called between steps, where every unit must be sharded: an
-        evaluation's forward with reshard_after_forward=False (--zero 2) leaves its units gathered (no backward
-        comes to reshard them), and the state dict would then miss the parameters the optimizer holds."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+    def _reshard(self) -> None:
+        """Every unit sharded, before a state dict: an evaluation's forward with reshard_after_forward=False
+        (--zero 2) leaves its units gathered (no backward comes to reshard them), and the state dict would then
+        miss the parameters the optimizer holds."""
         from torch.distributed.fsdp import FSDPModule
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+    def _options(self) -> Any:
+        """Full state dicts on rank 0's CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
         return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        self._reshard()
         full = get_optimizer_state_dict(self.model, optimizer, options=self._options())  # keyed by name
         if dist.get_rank() != 0:
             return None
@@ -681,6 +691,7 @@ class FSDPSync:
 
     def model_state(self, model: nn.Module) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        self._reshard()
         state = get_model_state_dict(model, options=self._options())
         return state if dist.get_rank() == 0 else None
 
