@@ -426,9 +426,10 @@ class AllreduceThread:
     ``submit(flat, operation=ring_reduce_scatter)`` (or ``ring_all_gather``, or any in-place
     ``fn(flat, rank, size, group, segment_elements)``) runs that instead, the same way. Jobs
     run one at a time in submission order, so every rank that submits the same sequence runs the same sequence
-    of messages. The group is made here with dist.new_group, which every rank of the default group must call at
-    the same point: the thread's messages then cannot mix with collectives the caller's thread issues on the
-    default group meanwhile (gloo requires one order of operations per group, and ours is on another thread).
+    of messages. The group is made here with dist.new_group, which every rank of the default group (of ``group``,
+    when one is given) must call at the same point: the thread's messages then cannot mix with collectives the
+    caller's thread issues on that group meanwhile (gloo requires one order of operations per group, and ours is
+    on another thread).
     ``close()`` stops the thread and destroys the group.
 
     CUDA tensors: ``submit`` records an event on the caller's stream (the kernels that wrote the tensor), and the
@@ -439,13 +440,18 @@ class AllreduceThread:
     the CUDA tensor itself, its messages ordered after the thread's stream.
     """
 
-    def __init__(self, algorithm: str, timeout_s: float | None = None, segment_elements: int | None = None):
+    def __init__(self, algorithm: str, timeout_s: float | None = None, segment_elements: int | None = None,
+                 group: dist.ProcessGroup | None = None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce {algorithm!r}: choose from {', '.join(ALGORITHMS)}")
         self._algorithm = ALGORITHMS[algorithm]
         self._segment = segment_elements or SEGMENT_ELEMENTS
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        self.group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+        if group is None:
+            self.group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+        else:  # over the ranks of ``group`` alone: only they call this (a sub-group's replica trains on its own)
+            self.group = dist.new_group(dist.get_process_group_ranks(group), backend=dist.get_backend(group),
+                                        timeout=timeout, use_local_synchronization=True)
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"allreduce-{algorithm}")
         self._host_only = dist.get_backend(self.group) == "gloo"

@@ -110,8 +110,9 @@ from tqdm import tqdm
 import utils
 import zero
 from data import FolderData, MemoryData, derive_seed, load_data
-from gradsync import DDPSync, GradientSync, broadcast_state, make_ddp
+from gradsync import DataParallel, broadcast_state
 from models import MODELS, blocks, build_model
+from references import DDPSync, FSDPSync
 from utils import UsageError
 
 WARMUP_STEPS = 3  # optimizer steps left out of the step-time statistics (allocator and autograd warm-up)
@@ -193,7 +194,7 @@ def trajectory_config(args: argparse.Namespace, world_size: int, schedule_steps:
     """The settings that decide the sequence of weights; a checkpoint resumes only a run that agrees on all."""
     config = {key: getattr(args, key) for key in
               ("model", "dataset", "grad_accum", "epochs", "optimizer", "lr", "momentum", "weight_decay",
-               "scheduler", "amp", "seed", "augment", "image_size")}
+               "norm_weight_decay", "clip_grad_norm", "scheduler", "amp", "seed", "augment", "image_size")}
     # A run is its global batch, not its number of processes: B x K x W samples per step (the same sample
     # order, and SyncBatchNorm's statistics over the same B x W samples per micro-batch, for any split).
     config["global_batch"] = args.batch_size * args.grad_accum * world_size
@@ -352,8 +353,8 @@ class Run:
     data: MemoryData | FolderData
     model: nn.Module  # the bare model: checkpoints and evaluation
     forward: nn.Module  # what the training step calls: the model, or DDP around it
-    sync: GradientSync | DDPSync | zero.FSDPSync  # replicated, zero.py's sharded stages, DDP or FSDP2
-    optimizer: torch.optim.Optimizer  # over sync.parameters(): this rank's shards with --zero 1/2
+    sync: DataParallel  # zero.shard's stages, DDP (with ZeroRedundancyOptimizer) or FSDP2
+    optimizer: torch.optim.Optimizer  # built by sync.optimizer over the model's parameters
     scheduler: Any
     scaler: torch.amp.GradScaler
     amp_dtype: torch.dtype | None
@@ -365,7 +366,8 @@ class Run:
     data_wait_ms: list[float] = field(default_factory=list)  # per optimizer step, host time waiting for batches
     recent: RecentSteps | None = None  # rank 0, when something shows --log-every's figures
     profiler: Any = None  # torch.profiler.profile with --profile
-    state_bytes: dict[str, int] | None = None  # what this rank holds between optimizer steps (zero.state_bytes)
+    state_bytes: dict[str, int] | None = None  # what this rank holds at an optimizer step (zero.state_bytes)
+    grad_norms: list[torch.Tensor] = field(default_factory=list)  # --clip-grad-norm: each step's norm, unclipped
     first_step: int = 0  # the optimizer step this run started from (a resumed run: the checkpoint's)
 
     @property
@@ -373,17 +375,22 @@ class Run:
         return self.ctx.device
 
 
-def make_optimizer(args: argparse.Namespace, params: Any, zero_redundancy: bool = False
-                   ) -> torch.optim.Optimizer:
-    """--optimizer over ``params``; ``zero_redundancy``: PyTorch's ZeroRedundancyOptimizer around it."""
+def make_optimizer(args: argparse.Namespace, model: nn.Module, sync: DataParallel) -> torch.optim.Optimizer:
+    """--optimizer over the model's trainable parameters, through the sync (which shards it, or not). With
+    --norm-weight-decay, two parameter groups: the matrices and tensors of higher rank (--weight-decay), and the
+    vectors, biases and normalization weights (--norm-weight-decay), as torchvision's reference scripts split
+    them (and nanoGPT, by the same test on p.dim())."""
     kind, settings = {
         "sgd": (torch.optim.SGD, {"lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay}),
         "adamw": (torch.optim.AdamW, {"lr": args.lr, "weight_decay": args.weight_decay}),
     }[args.optimizer]
-    if zero_redundancy:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(params, optimizer_class=kind, **settings)
-    return kind(params, **settings)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    params: list[Any] = trainable
+    if args.norm_weight_decay is not None:
+        params = [{"params": [p for p in trainable if p.dim() >= 2]},
+                  {"params": [p for p in trainable if p.dim() < 2], "weight_decay": args.norm_weight_decay}]
+        params = [group for group in params if group["params"]]
+    return sync.optimizer(kind, params, **settings)
 
 
 def make_scaler(args: argparse.Namespace, device: torch.device, **settings: Any) -> torch.amp.GradScaler:
@@ -421,19 +428,16 @@ def set_up(args: argparse.Namespace) -> Run:
     model = build_model(args.model, args.dropout, args.norm, data.num_classes, args.image_size)
     model = model.to(device, memory_format=data.memory_format)
     broadcast_state(model)
-    # the gradient sync, and the optimizer over what it says this rank updates
-    forward: nn.Module = model
+    # the gradient sync, and the optimizer through it
     if args.grad_sync == "ddp":
-        forward = make_ddp(model, device, args.bucket_mb)
-        optimizer = make_optimizer(args, model.parameters(), zero_redundancy=args.zero == 1)
-        sync: GradientSync | DDPSync | zero.FSDPSync = DDPSync(forward, optimizer)
+        sync: DataParallel = DDPSync(model, device, args.bucket_mb, zero_redundancy=args.zero == 1)
     elif args.grad_sync == "fsdp":
-        sync = zero.FSDPSync(model, blocks(model), args.zero)
-        optimizer = make_optimizer(args, sync.parameters())
+        sync = FSDPSync(model, blocks(model), reshard_after_forward=args.zero == 3)
     else:
-        sync = zero.make_sync(args.zero, model, args.bucket_mb, args.sync_mode == "overlap", args.allreduce,
-                              args.timeout, blocks(model), args.zero3_accumulate)
-        optimizer = make_optimizer(args, sync.parameters())
+        sync = zero.shard(model, args.zero, blocks(model) if args.zero == 3 else None, collectives=args.allreduce,
+                          bucket_mb=args.bucket_mb, overlap=args.sync_mode == "overlap",
+                          accumulate=args.zero3_accumulate, timeout_s=args.timeout)
+    optimizer = make_optimizer(args, model, sync)
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
     schedule_steps = args.epochs * steps_per_epoch
     if args.max_steps:
@@ -449,7 +453,7 @@ def set_up(args: argparse.Namespace) -> Run:
     recent = None
     if ctx.rank == 0 and (writer is not None or sys.stderr.isatty()):  # someone will see the figures
         recent = RecentSteps(torch.zeros((), dtype=torch.float64, device=device))
-    return Run(args, ctx, comm_device, data, model, forward, sync, optimizer, scheduler, scaler,
+    return Run(args, ctx, comm_device, data, model, sync.module, sync, optimizer, scheduler, scaler,
                {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp], steps_per_epoch,
                trajectory_config(args, ctx.world_size, schedule_steps, data),
                os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None, writer,
@@ -465,15 +469,15 @@ def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
     position = Position(optimizer_steps=state["optimizer_steps"], micro_batches=state["micro_batches_total"])
     if run.args.eval_only:
         try:
-            run.sync.load_model_state(run.model, state["model"])
+            run.sync.load_model_state_dict(state["model"])
         except RuntimeError as exc:
             raise UsageError(f"checkpoint {path} does not fit --model {run.args.model}: "
                              f"{str(exc).splitlines()[0]}") from None
         return position, list(state["history"]), [0.0, 0.0, 0.0]
     world_size = run.ctx.world_size
     check_compatible(state, run.config, path, run.args, world_size)
-    run.sync.load_model_state(run.model, state["model"])
-    run.sync.load_optimizer_state(run.optimizer, state["optimizer"])
+    run.sync.load_model_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
     if run.scheduler is not None:
         run.scheduler.load_state_dict(state["scheduler"])
     run.scaler.load_state_dict(state["scaler"])
@@ -500,8 +504,8 @@ def checkpoint(run: Run, position: Position, history: list[dict[str, Any]], sums
     rank calls this)."""
     if run.checkpoint_path is None:
         return
-    optimizer_state = run.sync.optimizer_state(run.optimizer)
-    model_state = run.sync.model_state(run.model)  # --zero 3, fsdp: gathered one unit at a time
+    optimizer_state = run.optimizer.state_dict()  # the sharded stages gather it to rank 0, every rank calls it
+    model_state = run.sync.model_state_dict()  # --zero 3, fsdp: gathered one unit at a time
     if run.ctx.rank != 0:
         return
     save_checkpoint(run.checkpoint_path, {
@@ -530,7 +534,7 @@ def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.T
         waited += time.perf_counter() - start
         # forward and backward; the gradient average starts on the window's last micro-batch only
         sync = j == window[-1]
-        run.sync.prepare(sync=sync)
+        run.sync.set_requires_gradient_sync(sync)
         with utils.profiled(f"micro-batch {count}/{len(window)} ({'sync' if sync else 'no sync'})"):
             with utils.profiled("forward"), torch.autocast(run.device.type, enabled=run.amp_dtype is not None,
                                                            dtype=run.amp_dtype or torch.float32):
@@ -542,19 +546,19 @@ def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.T
         loss = sums.add(per_sample, logits, labels)
         if run.recent is not None:
             run.recent.loss += loss
-    # wait for the average, then update
-    run.sync.finish()
+    # the gradients are averaged now (the last backward waited for it): clip, update
     lr = run.optimizer.param_groups[0]["lr"]  # this step's: the scheduler sets the next one's below
     with utils.profiled("optimizer step"):
-        run.scaler.unscale_(run.optimizer)  # after the sync: every rank unscales (and inf-checks) the same grads
-        run.scaler.step(run.optimizer)  # --zero 1/2: this rank's shards only ...
-        run.sync.gather_params()  # ... and then every rank's updated shards into every rank's model
+        run.scaler.unscale_(run.optimizer)  # fp16: every rank unscales (and inf-checks) its averaged gradients ...
+        if args.clip_grad_norm:  # ... before the clipping sees them: the norm of the true gradient
+            run.grad_norms.append(run.sync.clip_grad_norm_(args.clip_grad_norm))
+        if run.state_bytes is None or not run.state_bytes["optimizer"]:  # until the optimizer has state
+            run.state_bytes = zero.state_bytes(run.model, run.optimizer, run.sync)
+        run.scaler.step(run.optimizer)  # --zero 1-3: this rank's shards, then the model made whole again
         run.scaler.update()
         if run.scheduler is not None:
             run.scheduler.step()
-        if run.state_bytes is None or not run.state_bytes["optimizer"]:  # once the optimizer has state
-            run.state_bytes = zero.state_bytes(run.model, run.optimizer, run.sync)
-        run.sync.zero_grad()
+        run.optimizer.zero_grad()
     run.timer.stop()
     run.data_wait_ms.append(waited * 1e3)
     if run.recent is not None:
@@ -723,15 +727,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             utils.print0(f"evaluation | val loss {val['val_loss']:.4f} acc {100 * val['val_acc']:.2f}% top-5 "
                          f"{100 * val['val_acc5']:.2f}% ({val['val_correct']}/{val['val_total']})")
         metrics = summarize(run, position, history, final, trainable, train_time, samples_trained, wall_start)
-        run.sync.release_model()  # --zero 3: every unit gathered, so the model handed back is whole
     finally:
         if run.profiler is not None:  # stopped by an error: leave no profiler running in this process
             run.profiler.stop()
-        run.sync.close()  # --allreduce ring|butterfly: its thread and process group
+        run.sync.close()  # hooks off, --zero 3's units gathered, --allreduce ring|butterfly's thread stopped
         run.data.close()
     if run.ctx.rank == 0 and args.metrics_out:
         utils.write_json(args.metrics_out, metrics)
-    metrics["model"] = run.model  # for in-process callers (tests), whole (release_model); not part of the JSON
+    metrics["model"] = run.model  # for in-process callers (tests), whole (sync.close()); not part of the JSON
     return metrics
 
 
@@ -751,6 +754,7 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         "state_bytes": {key: int(utils.max_across_ranks(value)) for key, value in (run.state_bytes or
                         {"params": 0, "grads": 0, "optimizer": 0}).items()},
         "sent_bytes_per_step": sent_per_step(run, position),
+        "grad_norms": [float(norm) for norm in run.grad_norms],  # --clip-grad-norm: this run's, before clipping
         "gathered_peak": gathered_peak(run),
         "wall_time_s": time.perf_counter() - wall_start, "train_time_s": train_time,
         "samples_per_s": samples_trained / train_time if train_time else 0.0,
@@ -767,7 +771,7 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
 def gathered_peak(run: Run) -> dict[str, int] | None:
     """--zero 3: the most units gathered at once besides the root, and the most bytes of full parameters
     (root included), on the busiest rank; None for the other syncs."""
-    peak = getattr(run.sync, "peak", None)
+    peak = run.sync.gathered_peak()
     return None if peak is None else {key: int(utils.max_across_ranks(value)) for key, value in peak.items()}
 
 
@@ -838,6 +842,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--lr", type=float, default=0.05)
     add("--momentum", type=float, default=0.9)
     add("--weight-decay", type=float, default=5e-4)
+    add("--norm-weight-decay", type=float, default=None,
+        help="the weight decay of biases and normalization weights (every parameter of fewer than 2 dimensions), "
+             "in a parameter group of their own (default: --weight-decay, one group)")
+    add("--clip-grad-norm", type=float, default=None, metavar="X",
+        help="clip the gradient to global 2-norm X before each step (the whole model's norm at every --zero; "
+             "after fp16's unscaling); default off")
     add("--scheduler", choices=("none", "onecycle"), default="none")
     add("--amp", choices=("off", "bf16", "fp16"), default="off")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -869,9 +879,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
     for flag, value in {"--max-steps": args.max_steps, "--checkpoint-every": args.checkpoint_every,
-                        "--momentum": args.momentum, "--weight-decay": args.weight_decay}.items():
+                        "--momentum": args.momentum, "--weight-decay": args.weight_decay,
+                        "--norm-weight-decay": args.norm_weight_decay or 0}.items():
         if value < 0:
             raise UsageError(f"{flag} must not be negative, got {value}")
+    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
+        raise UsageError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm}")
     if not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.allreduce != "torch" and args.grad_sync != "custom":

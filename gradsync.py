@@ -1,44 +1,38 @@
-"""Gradient averaging for data-parallel training: hand-written, accumulation-aware and bucketed
-(``GradientSync``), or PyTorch's DistributedDataParallel behind the same small interface (``DDPSync``).
+"""Gradient averaging for data-parallel training, by hand: accumulation-aware and bucketed. This is zero.py's
+stage 0 (every rank keeps everything), and the machinery its sharded stages build on: parameters in buckets,
+hooks on autograd, the end of backward, the interface every sync offers (``DataParallel``).
 
-    optimizer = torch.optim.SGD(sync.parameters(), ...)
-    sync.prepare(sync=last_micro_batch_of_window)   # before each backward
-    sync.finish()                                   # before the optimizer step of a window
-    sync.gather_params()                            # after it (nothing here; zero.py's stages gather shards)
-    sync.zero_grad()                                # then
+    sync = zero.shard(model, 0)                                   # GradientSync(model) underneath
+    optimizer = sync.optimizer(torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9)
+    sync.set_requires_gradient_sync(last_micro_batch)             # before each backward
+    loss.backward()                                               # averaged by the end of the last one
+    optimizer.step(); optimizer.zero_grad()
 
-zero.py's ZeRO stages are subclasses of GradientSync: the same buckets and hooks, other collectives.
-
-Only the last micro-batch of a window communicates: gradients live in flat buckets (each parameter's .grad is
-a view into one), filled in reverse parameter order the way backward produces them. With overlap on, a
-post-accumulate-grad hook counts each bucket's parameters down and, once it is complete, divides it by W and
-starts an asynchronous all_reduce (SUM), so communication of late layers overlaps the backward of early ones;
-buckets are launched strictly in index order so every rank issues the same collectives in the same order.
-Without overlap every bucket is launched once backward is over. ``finish`` waits on every handle; with fp16 the
-caller's gradient scaler unscales the synchronized gradients. The K-1 other micro-batches do no all_reduce at
-all. ``allreduce`` "ring" or "butterfly" hands each complete bucket instead to allreduce.py's own algorithm
-(which averages, so there is no division first), run by a thread of its own over a process group of its own,
-so it still overlaps backward and never interleaves with SyncBatchNorm's collectives on the default group.
-
-Under torch.profiler (the trainer's --profile) each bucket's average is a range "allreduce bucket I (S)" that
-opens when the bucket is launched (inside backward, with overlap) and closes when the average has landed,
-whichever thread finishes it (over NCCL: once it is queued on its stream, which is when c10d's future completes;
-the kernel's time is in the trace's CUDA rows); waiting for them is "allreduce wait".
+Gradients live in flat buckets (each parameter's .grad a view into one), filled in reverse parameter order the
+way backward produces them: DistributedDataParallel's sizing, the first bucket at most 1 MB, the others at most
+``bucket_mb``. Only a backward after set_requires_gradient_sync(True) (the default) communicates: the others
+accumulate into the buckets and send nothing. With ``overlap`` on, a post-accumulate-grad hook counts each
+bucket's parameters down and, once it is complete, averages it asynchronously (collectives.py: torch's
+all_reduce, or allreduce.py's ring or butterfly on a thread of its own), so communication of late layers
+overlaps the backward of early ones; buckets launch strictly in index order so every rank issues the same
+collectives in the same order. A callback queued on autograd's engine waits for them all at the end of backward
+[Note: the end of backward], so the gradients are averaged when ``backward()`` returns, with nothing else to call.
+Under torch.profiler each bucket's average is a range "allreduce bucket I (S)" from its launch to its landing;
+waiting for them is "allreduce wait".
 """
 from __future__ import annotations
 
-import inspect
 from functools import partial
 from itertools import accumulate
-from typing import Any
+from typing import Any, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
+from torch.autograd import Variable
 
 import utils
+from collectives import Collectives
 
 
 def gradient_view(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -82,238 +76,230 @@ def assign_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn
     return buckets
 
 
-class GradientSync:
-    """Averages gradients over the process group in flat buckets, one all_reduce per bucket (see the module
-    docstring). Call ``prepare(sync)`` before each backward, ``finish()`` before the optimizer step of a window
-    and ``zero_grad()`` after it; parameters' .grad are views into the buckets and must not be set to None.
+class DataParallel(Protocol):
+    """What every sync offers the training loop: ours (zero.shard, stages 0-3) and PyTorch's (references.py:
+    DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2). Rank 0 of the group holds the whole state dicts."""
 
-    Buckets follow DistributedDataParallel's sizing: reverse parameter order, the first at most 1 MB, the others
-    at most ``bucket_mb``. ``allreduce`` "torch" divides a bucket by W and all_reduces it (SUM) asynchronously;
-    "ring" or "butterfly" hands it to allreduce.py's algorithm on an AllreduceThread (its own thread and
-    process group, so SyncBatchNorm's collectives on the default group meanwhile cannot interleave with it),
-    which averages it; either way the buckets are launched in index order and ranks end bit-identical.
-    """
+    module: nn.Module  # what the loop runs forward on (DDP's wrapper, else the model itself)
 
-    collective = "allreduce"  # what a bucket's range is called in profiler traces
-    group_word = "bucket"  # what a group of parameters is called there (zero.py's stage 3: "unit")
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
+                  **settings: Any) -> torch.optim.Optimizer: ...
 
-    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
-                 timeout_s: float | None = None):
-        self.world_size = dist.get_world_size()
-        # ring/butterfly: allreduce.py's algorithms average the buckets on a thread of their own, over a
-        # process group of their own (made here, by every rank at the same point); torch: all_reduce (SUM).
-        from allreduce import AllreduceThread, sent_bytes
-        self.averager = None if allreduce == "torch" else AllreduceThread(allreduce, timeout_s)
-        self.ring_sent_at_start, self.nominal_sent = sent_bytes(), 0  # for sent_bytes()
+    def set_requires_gradient_sync(self, requires: bool) -> None: ...
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor: ...
+
+    def model_state_dict(self) -> dict[str, Any]: ...
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def held_gradient_buffers(self) -> list[torch.Tensor]: ...
+
+    def gathered_peak(self) -> dict[str, int] | None: ...
+
+    def sent_bytes(self) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+class Bucket:
+    """Parameters that travel together as one flat tensor: a bucket of gradients to average (stages 0-2) or a
+    unit of parameters to gather (stage 3). Owns its layout and the state of its current backward.
+
+    Layout: parameter i starts at element ``offsets[i]`` and is laid out as ``gradient_view`` says (its own
+    strides), so the flat weight and the flat gradient match element by element; ``length`` pads ``numel`` to a
+    multiple of ``chunks`` (the sharded stages' W equal chunks; the padding stays zero)."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], chunks: int, word: str):
+        self.index, self.params = index, params
+        self.offsets = list(accumulate((p.numel() for p in params[:-1]), initial=0))
+        self.numel = sum(p.numel() for p in params)
+        self.length = -(-self.numel // chunks) * chunks
+        # each parameter's first element and strides in the flat, worked out once rather than in every hook call
+        self.place = {id(p): (start, gradient_view(torch.empty(p.numel(), device="meta"), p).stride())
+                      for p, start in zip(params, self.offsets)}
+        self.word = word
+        self.pending = len(params)  # gradients still to come in this backward
+        self.handle: Any = None  # its collective in flight
+
+    def view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """Parameter ``p``'s place in ``flat`` (this bucket's length, or longer), with ``p``'s shape and strides."""
+        start, strides = self.place[id(p)]
+        return flat.as_strided(p.shape, strides, flat.storage_offset() + start)
+
+    def name(self, collective: str) -> str:
+        """The profiler range of this bucket's ``collective``: "allreduce bucket 3 (1.0 MB)"."""
+        nbytes = self.length * self.params[0].element_size()
+        return f"{collective} {self.word} {self.index} ({size_text(nbytes)})"
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.length, dtype=self.params[0].dtype, device=self.params[0].device)
+
+
+class BucketedSync:
+    """What every hand-written stage shares: the trainable parameters in Buckets, a hook on each parameter's
+    gradient, the end of backward, the sync switch, and close(). A stage says what to do with a gradient
+    (``_grad_ready``) and at the end of backward (``_backward_done``).
+
+    [Note: the end of backward] The first gradient hook of a backward queues a callback on autograd's engine
+    (Variable._execution_engine.queue_callback, as DistributedDataParallel's reducer and picotron's bucketed
+    data parallelism do): it runs once the whole backward is done, before ``backward()`` returns, so the stage
+    waits for its collectives there, and the loop has nothing to call between backward and the optimizer. It also
+    checks that every trainable parameter got its gradient: one that did not would leave its bucket waiting and
+    its collectives out of step with the other ranks'; it is named in one line instead."""
+
+    word = "bucket"  # what a bucket is called in profiler ranges (stage 3: "unit")
+    bucket_class = Bucket  # (stage 3: zero.Unit)
+
+    def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], comm: Collectives, chunks: int):
+        self.module = self.model = model
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.size
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = self.group(model, bucket_mb)
-        self.sizes = [len(b) for b in self.buckets]
-        # each parameter's first element in its bucket's flat, and each flat's length
-        self.offsets = [list(accumulate((p.numel() for p in bucket[:-1]), initial=0)) for bucket in self.buckets]
-        self.lengths = [self.flat_length(bucket) for bucket in self.buckets]
-        self.flats: list[torch.Tensor | None] = [self._gradient_buffer(index) for index in range(len(self.buckets))]
-        if overlap:
-            for index, bucket in enumerate(self.buckets):
-                for p in bucket:
-                    p.register_post_accumulate_grad_hook(partial(self._grad_ready, index))
-        self.range_names = [f"{self.collective} {self.group_word} {index} "
-                            f"({size_text(length * bucket[0].element_size())})"
-                            for index, (bucket, length) in enumerate(zip(self.buckets, self.lengths))]
-        self.sync = False
-        self.pending: list[int] = []
-        self.launched = 0
-        self.handles: list[Any] = []
-        self.unlanded: dict[int, torch.futures.Future] = {}  # profiled ranges of Works without a future
+        self.buckets = [self.bucket_class(index, params, chunks, self.word) for index, params in enumerate(groups)]
+        self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.requires_sync = True
+        self.in_backward = False
+        self.arrived: set[int] = set()  # the parameters whose gradient is in, in this backward
+        self.hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, self.bucket_of[id(p)]))
+                      for p in self.params]
+        self.hooks.append(model.register_forward_pre_hook(self._before_forward))
 
-    def group(self, model: nn.Module, bucket_mb: float) -> list[list[nn.Parameter]]:
-        """The trainable parameters in buckets (assign_buckets); zero.py's stage 3 groups them by unit."""
-        return assign_buckets(self.params, bucket_mb)
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """Whether the next backward averages over the group (True: the last micro-batch of a window) or only
+        accumulates (what DDP's no_sync() does)."""
+        self.requires_sync = requires
 
-    def flat_length(self, bucket: list[nn.Parameter]) -> int:
-        """Elements of a bucket's flat buffer: its parameters' (the sharded stages pad to a multiple of W)."""
-        return sum(p.numel() for p in bucket)
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """Before each forward (stages add to it)."""
 
-    def _gradient_buffer(self, index: int) -> torch.Tensor | None:
-        """Bucket ``index``'s flat gradient buffer, with every parameter's .grad a view into it."""
-        bucket = self.buckets[index]
-        flat = torch.zeros(self.lengths[index], dtype=bucket[0].dtype, device=bucket[0].device)
-        for p, start in zip(bucket, self.offsets[index]):
-            p.grad = gradient_view(flat[start:start + p.numel()], p)
-        return flat
+    def _on_grad(self, bucket: Bucket, param: nn.Parameter) -> None:
+        if not self.in_backward:  # the backward's first gradient
+            self.in_backward = True
+            self.arrived = set()
+            for b in self.buckets:
+                b.pending = len(b.params)
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.arrived.add(id(param))
+        bucket.pending -= 1
+        self._grad_ready(bucket, param)
 
-    def prepare(self, sync: bool) -> None:
-        """Before a backward: ``sync`` is True only on the last micro-batch of a window."""
-        self.sync = sync
-        if sync:
-            self.pending = list(self.sizes)
-            self.launched = 0
-            self.handles = []
+    def _end_of_backward(self) -> None:
+        self.in_backward = False
+        if len(self.arrived) != len(self.params):
+            missing = [self.names[id(p)] for p in self.params if id(p) not in self.arrived]
+            raise RuntimeError(f"data parallelism: parameter(s) {', '.join(missing)} got no gradient in this "
+                               f"backward; every trainable parameter must take part in the loss on every rank (or "
+                               f"set requires_grad=False)")
+        self._backward_done()
 
-    def _grad_ready(self, index: int, _param: torch.Tensor) -> None:
-        if not self.sync:
-            return
-        self.pending[index] -= 1
-        while self.launched < len(self.flats) and self.pending[self.launched] == 0:
-            self._launch(self.launched)
+    def _grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
+        raise NotImplementedError
 
-    def _launch(self, index: int) -> None:
-        with utils.profiled(self.range_names[index]) as span:
-            handle = self._start(index)
-            if span is not None:  # the range ends when the average lands, not when the launch returns:
-                # record_function's hand-over to a future (what torch.distributed.rpc's profiling uses)
-                span._call_end_callbacks_on_future(self._landed(handle))
-        self.handles.append(handle)
-        self.launched += 1
+    def _backward_done(self) -> None:
+        raise NotImplementedError
 
-    def _start(self, index: int) -> Any:
-        """Start averaging bucket ``index``; returns what finish() waits on."""
-        flat = self.flats[index]
-        if self.averager is not None:
-            return self.averager.submit(flat)  # averages: no division here
-        flat.div_(self.world_size)
-        self.nominal_sent += 2 * (self.world_size - 1) * flat.numel() * flat.element_size() // self.world_size
-        return dist.all_reduce(flat, async_op=True)
-
-    def _landed(self, handle: Any) -> torch.futures.Future:
-        """A torch Future that completes with ``handle``: c10d's Work has one; the averager's
-        concurrent.futures.Future is bridged to one from its thread. A Work without one (gloo's
-        reduce_scatter_tensor: "Work::getFuture not implemented") gets one that _wait completes once it has
-        waited for the Work, so its range closes when the wait sees it done."""
-        if self.averager is not None:
-            landed: torch.futures.Future = torch.futures.Future()
-            handle.add_done_callback(lambda _: landed.set_result(None))
-            return landed
-        try:
-            return handle.get_future()
-        except RuntimeError:
-            self.unlanded[id(handle)] = torch.futures.Future()
-            return self.unlanded[id(handle)]
-
-    def finish(self) -> None:
-        """Launch what the hooks have not (all of it in after-backward mode) and wait for every bucket."""
-        while self.launched < len(self.flats):
-            self._launch(self.launched)
-        with utils.profiled(f"{self.collective} wait"):
-            self._wait(self.handles)
-        self.handles = []
-        self.sync = False
-
-    def _wait(self, handles: list[Any]) -> None:
-        for handle in handles:
-            handle.wait() if self.averager is None else handle.result()  # re-raises the thread's error
-            if id(handle) in self.unlanded:
-                self.unlanded.pop(id(handle)).set_result(None)
-
-    def parameters(self) -> list[nn.Parameter]:
-        """What the optimizer updates: every trainable parameter, in the model's order (ZeRO: this rank's
-        shards)."""
-        return self.params
-
-    def gather_params(self) -> None:
-        """After the optimizer step. Every rank stepped the whole model: nothing to gather (ZeRO: see zero.py)."""
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """The optimizer's state_dict over the model's trainable parameters, in their order: the form every sync
-        saves and loads (zero.py's sharded stages assemble it from their shards)."""
-        return optimizer.state_dict()
-
-    def model_state(self, model: nn.Module) -> dict[str, Any] | None:
-        """The model's whole state_dict, for rank 0 to save (every rank calls it: zero.py's stage 3 gathers its
-        units); the other ranks may get None."""
-        return model.state_dict()
-
-    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Load a whole state_dict (every rank calls it, with the same one); a mismatch raises RuntimeError."""
-        model.load_state_dict(state)
-
-    def release_model(self) -> None:
-        """After training: leave the model whole and ordinary for the caller (zero.py's stage 3 gathers it)."""
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
+    def _wait(self, buckets: list[Bucket], what: str) -> None:
+        with utils.profiled(what):
+            for bucket in buckets:
+                bucket.handle.wait()
+                bucket.handle = None
 
     def sent_bytes(self) -> int:
-        """Bytes this rank has sent averaging gradients: counted by allreduce.py's algorithms, or for
-        torch.distributed's all_reduce what a ring sends, 2 (W-1)/W of each bucket."""
-        if self.averager is not None:
-            from allreduce import sent_bytes
-            return sent_bytes() - self.ring_sent_at_start
-        return self.nominal_sent
+        """Bytes this rank has sent in the gradient sync (collectives.py's count)."""
+        return self.comm.sent_bytes()
 
-    def zero_grad(self) -> None:
-        for flat in self.flats:
-            flat.zero_()
+    def gathered_peak(self) -> dict[str, int] | None:
+        return None
 
     def close(self) -> None:
-        """Stop what this sync started (the averaging thread and its process group)."""
-        if self.averager is not None:
-            self.averager.close()
-            self.averager = None
+        """Remove every hook and stop the collectives' thread: the model is an ordinary module again."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        self.comm.close()
 
 
-def make_ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> DistributedDataParallel:
-    """DistributedDataParallel set up as GradientSync works: gradients as views of its buckets, buckets of at
-    most ``bucket_mb``, and no broadcast of rank 0's buffers before every forward (SyncBatchNorm's running
-    statistics agree on every rank anyway; local BatchNorm keeps each rank's own, as ours does).
+class GradientSync(BucketedSync):
+    """Stage 0: every rank keeps every weight, gradient and optimizer state, and the gradients are averaged over
+    the group in flat buckets, one collective per bucket on the window's last backward (module docstring).
 
-    That last keyword changed name: newer torch calls it forward_sync_buffers, older torch (2.11 among them)
-    has only broadcast_buffers, with the same meaning. The installed DDP's signature says which it takes.
-    """
-    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
-    no_buffer_sync = "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
-    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
-                                   **{no_buffer_sync: False})
+    The flats are the gradients: each parameter's .grad is a view into its bucket's flat. ``optimizer.zero_grad()``
+    sets them to None (torch's default); the next forward puts the views back, zeroed."""
+
+    collective = "allreduce"
+
+    def __init__(self, model: nn.Module, bucket_mb: float = 25.0, overlap: bool = True,
+                 comm: Collectives | None = None, chunks: int = 1):
+        comm = comm or Collectives()
+        params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(model, assign_buckets(params, bucket_mb), comm, chunks)
+        self.overlap = overlap
+        self.flats = [bucket.zeros() for bucket in self.buckets]
+        self._attach_gradients()
+        self.launched = 0  # buckets launched in this backward, in index order
+
+    def _attach_gradients(self) -> None:
+        """Every parameter's .grad its view of the flat: put back, zeroed, where zero_grad() set it to None."""
+        for bucket, flat in zip(self.buckets, self.flats):
+            for p in bucket.params:
+                if p.grad is None:
+                    view = bucket.view(flat, p)
+                    view.zero_()
+                    p.grad = view
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._attach_gradients()
+
+    def _grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
+        if self.requires_sync and self.overlap:
+            while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
+                self._launch(self.buckets[self.launched])
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.handle = self._average(bucket, self.flats[bucket.index])
+        self.launched += 1
+
+    def _average(self, bucket: Bucket, flat: torch.Tensor) -> Any:
+        return self.comm.all_reduce(flat, bucket.name(self.collective))
+
+    def _backward_done(self) -> None:
+        """The window's last backward: launch what the hooks have not (all of it without overlap), wait for all."""
+        if self.requires_sync:
+            for bucket in self.buckets[self.launched:]:
+                self._launch(bucket)
+            self._wait(self.buckets, f"{self.collective} wait")
+        self.launched = 0
+
+    # ------------------------------------------------------------------------------------------------------
+    # The contract (zero.shard's): replicated, so PyTorch's own functions apply as they are
+    # ------------------------------------------------------------------------------------------------------
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
+                  **settings: Any) -> torch.optim.Optimizer:
+        """``optimizer_class(params, **settings)``: every rank steps the whole model."""
+        return optimizer_class(params, **settings)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the averaged gradients, the same on every rank."""
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type, error_if_nonfinite)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The model's state_dict on rank 0 of the group (CPU tensors), {} on the others."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)
+
+    def held_gradient_buffers(self) -> list[torch.Tensor]:
+        return list(self.flats)
 
 
-class DDPSync:
-    """DistributedDataParallel behind GradientSync's interface, so the training step has no branch for it."""
-
-    def __init__(self, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer):
-        self.ddp, self.optimizer = ddp, optimizer
-
-    def prepare(self, sync: bool) -> None:
-        # What no_sync() does, as a setting: DDP reads it in forward and keeps it for that backward.
-        self.ddp.require_backward_grad_sync = sync
-
-    def finish(self) -> None:
-        pass  # DDP waits for its buckets at the end of backward
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def gather_params(self) -> None:
-        pass  # ZeroRedundancyOptimizer broadcasts the updated parameters inside its step
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """As GradientSync's. ZeroRedundancyOptimizer first gathers its shards to rank 0 (every rank calls it)."""
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            optimizer.consolidate_state_dict(to=0)
-            return optimizer.state_dict() if dist.get_rank() == 0 else None
-        return optimizer.state_dict()
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)  # ZeroRedundancyOptimizer keeps its own partition of it
-
-    def model_state(self, model: nn.Module) -> dict[str, Any]:
-        return model.state_dict()
-
-    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        model.load_state_dict(state)
-
-    def release_model(self) -> None:
-        pass
-
-    def sent_bytes(self) -> None:
-        return None  # inside DDP's reducer and gloo: not counted
-
-    def close(self) -> None:
-        pass
-
-
-def broadcast_state(model: nn.Module, buffers_only: bool = False) -> None:
-    """Rank 0's parameters (unless ``buffers_only``) and buffers to every rank."""
+def broadcast_state(model: nn.Module, buffers_only: bool = False, group: dist.ProcessGroup | None = None) -> None:
+    """The group's rank 0's parameters (unless ``buffers_only``) and buffers to every rank of the group."""
     with torch.no_grad():
         tensors = list(model.buffers()) + ([] if buffers_only else list(model.parameters()))
         for t in tensors:
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, group=group, group_src=0)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ddp_cifar100 as trainer
-import gradsync
+import references
+from collectives import Collectives
 from gradsync import GradientSync
 from models import build_model
 from test_ddp_cifar100 import TINY, max_difference, train_in_group
@@ -100,13 +101,13 @@ class DDPWithoutForwardSyncBuffers(DistributedDataParallel):
 
 
 def train_with_older_ddp(rank, world_size, argv):
-    real = gradsync.DistributedDataParallel
-    gradsync.DistributedDataParallel = DDPWithoutForwardSyncBuffers
+    real = references.DistributedDataParallel
+    references.DistributedDataParallel = DDPWithoutForwardSyncBuffers
     try:
         return dict(train_in_group(rank, world_size, argv),
                     broadcast_buffers=DDPWithoutForwardSyncBuffers.broadcast_buffers_given.pop())
     finally:
-        gradsync.DistributedDataParallel = real
+        references.DistributedDataParallel = real
 
 
 def test_ddp_on_a_torch_without_forward_sync_buffers(local_group):
@@ -186,19 +187,16 @@ def one_step_gradients(rank, world_size, allreduce, memory_format, claim_cuda=Fa
     reference = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as caught, cuda_stand_ins():
         warnings.simplefilter("always")
-        sync = GradientSync(model, bucket_mb=0.02, overlap=True, allreduce=allreduce)
+        sync = GradientSync(model, bucket_mb=0.02, overlap=True, comm=Collectives(kind=allreduce))
         if claim_cuda:
             sync.flats = [flat.as_subclass(ClaimsCuda) for flat in sync.flats]  # the .grad views share them
         try:
             generator = torch.Generator().manual_seed(1 + rank)
             images = torch.randn(4, 3, 32, 32, generator=generator).contiguous(memory_format=memory_format)
             labels = torch.randint(0, 100, (4,), generator=generator)
-            sync.prepare(sync=True)
-            F.cross_entropy(model(images), labels).backward()
-            sync.finish()
+            F.cross_entropy(model(images), labels).backward()  # averaged when it returns
         finally:
-            if sync.averager is not None:
-                sync.averager.close()
+            sync.close()
     F.cross_entropy(reference(images), labels).backward()
     expected = []
     for p in reference.parameters():

@@ -103,6 +103,58 @@ def test_sharded_stages_match_stage_0(stage_runs):
             assert worst < 1e-11, name
 
 
+# --clip-grad-norm and --norm-weight-decay (AdamW, no decay on biases and normalization weights) at every
+# --grad-sync and --zero: our stages clip by the whole model's norm from their shards, the references by PyTorch's
+# own clip_grad_norm_ (FSDP2's over DTensors); every one must take stage 0's steps. A norm taken over one rank's
+# shards, or a group's weight decay applied to the other group, moves the weights by about lr * 1e-1 = 1e-3.
+RECIPE = BASE + ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--norm-weight-decay", "0",
+                 "--clip-grad-norm", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(local_group):
+    variants = [("stage 0", ["--zero", "0"]), ("stage 1 torch", ["--zero", "1"]),
+                ("stage 2 ring", ["--zero", "2", "--allreduce", "ring"]), ("stage 3 torch", ["--zero", "3"]),
+                ("stage 3 ring", ["--zero", "3", "--allreduce", "ring"]), ("ddp", ["--grad-sync", "ddp"]),
+                ("zero redundancy", ["--grad-sync", "ddp", "--zero", "1"]),
+                ("fsdp 2", ["--grad-sync", "fsdp", "--zero", "2"]), ("fsdp 3", ["--grad-sync", "fsdp", "--zero", "3"])]
+    return local_group(2).run(train_variants, RECIPE, variants)
+
+
+def test_clipping_and_decay_groups_take_stage_0s_steps_at_every_sync(recipe_runs):
+    reference = recipe_runs[0]["stage 0"]["metrics"]
+    norms = reference["grad_norms"]
+    assert len(norms) == reference["optimizer_steps"] == 3
+    assert min(norms) > 0.5, norms  # the clipping bites on every step
+    for name in (name for name in recipe_runs[0] if name != "threads left"):
+        run = recipe_runs[0][name]
+        assert all(max_difference(run["state"], r[name]["state"]) == 0 for r in recipe_runs), name
+        worst = max_difference(recipe_runs[0]["stage 0"]["state"], run["state"])
+        norm_error = max(abs(a - b) / b for a, b in zip(run["metrics"]["grad_norms"], norms, strict=True))
+        print(f"\n2 processes, AdamW with decay groups, clipped at 0.5: {name} vs stage 0 (float64): max |dw| = "
+              f"{worst:.1e}, norms {norm_error:.1e} relative")
+        assert worst < 1e-11, name
+        assert norm_error < 1e-9, name
+
+
+def test_norm_weight_decay_puts_biases_and_normalization_weights_in_a_group_of_their_own():
+    """The grouping alone (no process group: a sync that builds the optimizer as it is given)."""
+    class Plain:
+        @staticmethod
+        def optimizer(kind, params, **settings):
+            return kind(params, **settings)
+
+    model = trainer.build_model("resnet", 0.0, "local")
+    for flags, decays in (([], [5e-4]), (["--norm-weight-decay", "0"], [5e-4, 0.0])):
+        optimizer = trainer.make_optimizer(trainer.parse_args(TINY + flags), model, Plain())
+        assert [group["weight_decay"] for group in optimizer.param_groups] == decays
+    matrices, vectors = ({id(p) for p in group["params"]} for group in optimizer.param_groups)
+    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+             for p in m.parameters()}
+    for name, p in model.named_parameters():
+        assert id(p) in (vectors if name.endswith("bias") or id(p) in norms else matrices), name
+
+
 def units_padded(world_size: int) -> tuple[list[int], int]:
     """The small ResNet's units for stage 3 (the root, then its blocks): each one's padded flat length."""
     model = trainer.build_model("resnet", 0.0, "custom")
@@ -198,7 +250,7 @@ def count_collectives(rank, world_size, argv):
     calls = []
     micro_batch = [-1]
     real = {name: getattr(dist, name) for name in ("reduce_scatter_tensor", "all_gather_into_tensor")}
-    real_build_model, real_make_sync = trainer.build_model, zero.make_sync
+    real_build_model, real_shard = trainer.build_model, zero.shard
     syncs = []
 
     def counting(name):
@@ -212,19 +264,19 @@ def count_collectives(rank, world_size, argv):
         model.register_forward_pre_hook(lambda m, _: micro_batch.__setitem__(0, micro_batch[0] + m.training))
         return model
 
-    def kept_make_sync(*args, **kwargs):
-        syncs.append(real_make_sync(*args, **kwargs))
+    def kept_shard(*args, **kwargs):
+        syncs.append(real_shard(*args, **kwargs))
         return syncs[-1]
 
     for name in real:
         setattr(dist, name, counting(name))
-    trainer.build_model, zero.make_sync = instrumented_build_model, kept_make_sync
+    trainer.build_model, zero.shard = instrumented_build_model, kept_shard
     try:
         metrics = trainer.train(trainer.parse_args(argv))
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-        trainer.build_model, zero.make_sync = real_build_model, real_make_sync
+        trainer.build_model, zero.shard = real_build_model, real_shard
     model = metrics.pop("model")
     return {"calls": calls, "micro_batches": micro_batch[0] + 1, "steps": metrics["optimizer_steps"],
             "buffers_made": getattr(syncs[0], "buffers_made", None),
@@ -260,21 +312,20 @@ def overflow_in_one_shard(rank, world_size, zero_stage):
     scaler: (the scale after the step, whether the weights stayed as they were)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    sync = zero.make_sync(zero_stage, model, 1.0, True)
-    optimizer = torch.optim.SGD(sync.parameters(), lr=0.1)
+    sharded = zero.shard(model, zero_stage)
+    optimizer = sharded.optimizer(torch.optim.SGD, model.parameters(), lr=0.1)
     scaler = trainer.make_scaler(trainer.parse_args(TINY + ["--amp", "fp16", "--zero", str(zero_stage)]),
                                  torch.device("cpu"), init_scale=4.0)
-    before = [p.detach().clone() for p in sync.parameters()]  # the shards: stage 3's model is not whole
-    sync.prepare(True)
+    shards = optimizer.param_groups[0]["params"]  # this rank's: stage 3's model is not whole between steps
+    before = [p.detach().clone() for p in shards]
     scaler.scale(model(torch.ones(2, 4)).sum()).backward()
-    sync.finish()
     if rank == 1:
-        sync.shards[0].grad[0] = float("inf")  # an overflow that only this rank's shard shows
+        shards[0].grad[0] = float("inf")  # an overflow that only this rank's shard shows
     scaler.unscale_(optimizer)
     scaler.step(optimizer)
-    sync.gather_params()
     scaler.update()
-    return scaler.get_scale(), all(torch.equal(b, p) for b, p in zip(before, sync.parameters()))
+    sharded.close()
+    return scaler.get_scale(), all(torch.equal(b, p) for b, p in zip(before, shards))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -313,32 +364,44 @@ def profiled_events(rank, world_size, argv, directory):
 
 
 def test_stage_3_prefetches_the_next_unit_while_the_current_one_computes(local_group, tmp_path):
-    """In a profiled step (3 micro-batches), unit I+1's all-gather is launched inside unit I's forward range and
-    before unit I+1's begins, and in backward unit I-1's inside unit I's and before unit I-1's begins (the
-    root's backward, which comes first, launches the last block's): the orders the forward recorded, 0 1 2 3
-    started and 1 2 3 0 finished, whose reverse the backward runs. Every unit is reduce-scattered per
-    micro-batch."""
-    argv = BASE + ["--optimizer", "sgd", "--zero", "3", "--max-steps", "2", "--profile-steps", "1:2"]
+    """In the first two steps, profiled (3 micro-batches each; the first forward of all prefetches along module
+    order), unit I+1's all-gather is launched inside unit I's forward
+    range and before unit I+1's begins, and in backward unit I-1's inside unit I's and before unit I-1's begins
+    (the root's backward, which comes first, launches the last block's): the orders the forward recorded, 0 1 2 3
+    started and 1 2 3 0 finished, whose reverse the backward runs. At the step's edge the optimizer's step
+    launches the root's and unit 1's all-gathers, so the next step's first forward starts with both in flight:
+    its unit 0 forward launches no gather of unit 1. Every unit is reduce-scattered per micro-batch."""
+    argv = BASE + ["--optimizer", "sgd", "--zero", "3", "--max-steps", "2", "--profile-steps", "0:2"]
     for events in local_group(2).run(profiled_events, argv, str(tmp_path)):
         def ranges(prefix):
             return sorted((start, end, name) for name, start, end in events if name.startswith(prefix))
 
+        def gathers(unit):
+            return [start for start, _, _ in ranges(f"all_gather unit {unit} (")]
+
+        steps = ranges("optimizer step")
+        assert len(steps) == 2
+        first_forwards = {min(start for start, _, _ in ranges("unit 0 forward") if start > steps[0][1])}
         for phase, pairs in (("forward", [(0, 1), (1, 2), (2, 3)]), ("backward", [(0, 3), (3, 2), (2, 1)])):
             for unit, following in pairs:
                 spans = ranges(f"unit {unit} {phase}")
-                gathers = [start for start, _, _ in ranges(f"all_gather unit {following} (")]
                 nexts = [start for start, _, _ in ranges(f"unit {following} {phase}")]
-                assert len(spans) == len(nexts) == 3, (phase, unit)
+                assert len(spans) == len(nexts) == 6, (phase, unit)
                 for (start, end, _), next_start in zip(spans, nexts):
-                    assert any(start <= g <= end and g < next_start for g in gathers), (phase, unit, following)
+                    inside = any(start <= g <= end and g < next_start for g in gathers(following))
+                    # the second step's first forward: unit 1 was launched at the first step's edge instead
+                    assert inside != (phase == "forward" and unit == 0 and start in first_forwards), \
+                        (phase, unit, following)
+        for unit in (0, 1):  # the step's edge
+            assert any(steps[0][0] <= g <= steps[0][1] for g in gathers(unit)), unit
         for unit in range(4):
-            assert len(ranges(f"reduce_scatter unit {unit} (")) == 3
+            assert len(ranges(f"reduce_scatter unit {unit} (")) == 6
 
 
 def evaluate_sharded_in_group(rank, world_size, val_size, seed):
     """The trainer's scattered evaluation of a stage 3 model, whose forwards every rank must join."""
     model, data = model_and_labelled_set(val_size, seed)
-    zero.make_sync(3, model, 1.0, True, blocks=blocks(model))
+    zero.shard(model, 3, blocks(model))
     memory = MemoryData(data, data, 100, seed, 16)
     return trainer.evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None, (3, 32, 32))
 

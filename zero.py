@@ -1,11 +1,22 @@
-"""ZeRO stages 1 to 3: data parallelism that shards the optimizer's state over the W ranks (stage 1), the gradients
-too (stage 2), on flat buckets, and the parameters too (stage 3), on flat units gathered one or two at a time;
-behind the interface of gradsync.py, so the trainer's loop is the same. FSDPSync puts PyTorch's FSDP2 behind it.
+"""ZeRO: data parallelism that shards the training state over the W ranks of a process group, as a library for
+your own training loop.
 
-    sync = make_sync(stage, model, bucket_mb, overlap, allreduce, blocks=models.blocks(model))  # 0: GradientSync
-    optimizer = torch.optim.AdamW(sync.parameters(), ...)           # ZeRO: this rank's shards only
-    for each micro-batch: sync.prepare(sync=last_of_window); loss.backward()
-    sync.finish(); optimizer.step(); sync.gather_params(); sync.zero_grad()
+    import zero
+    sharded = zero.shard(model, stage, units=None, group=None, collectives="torch")   # stage 0..3; "ring" too
+    optimizer = sharded.optimizer(torch.optim.AdamW, params_or_groups, lr=3e-4)        # over the MODEL's params
+    for i, batch in enumerate(window):
+        sharded.set_requires_gradient_sync(i == len(window) - 1)
+        loss_fn(model, batch).backward()                 # averaged over the group when the last backward returns
+    total_norm = sharded.clip_grad_norm_(max_norm)       # the norm of the whole model's gradient
+    optimizer.step(); optimizer.zero_grad()              # the model is whole after step(): nothing else to call
+    sharded.model_state_dict(); sharded.load_model_state_dict(state)   # full, on the group's rank 0
+    optimizer.state_dict(); optimizer.load_state_dict(state)           # torch.optim's ordinary, unsharded form
+    sharded.close()                                      # every hook removed, the model left whole
+
+Parameter groups are given as to any torch.optim optimizer (a configure_optimizers with decay on matrices only
+works unchanged) and keep their hyperparameters at every stage. ``group`` is any process group: a sub-group trains
+as if it were alone. At stage >= 1 an optimizer built over the model's parameters outside ``sharded.optimizer``
+is refused at its first step(); a parameter that gets no gradient is named at the end of that backward.
 
 What a rank holds, for Psi parameters in fp32 trained with AdamW (two state tensors per parameter), in bytes:
 
@@ -14,301 +25,404 @@ What a rank holds, for Psi parameters in fp32 trained with AdamW (two state tens
     1       4 Psi     4 Psi           8 Psi / W         8 Psi + 8 Psi / W
     2       4 Psi     4 Psi / W (+)   8 Psi / W         4 Psi + 12 Psi / W
     3       4 Psi / W 4 Psi / W (+)   8 Psi / W         16 Psi / W      (+ during a step: the root and two units)
-    (+ the gradient buckets in flight during backward)
+    (+ the gradient buffers in flight during backward)
 
-The layout. Parameters are grouped into buckets exactly as GradientSync groups gradients (reverse order, the first
-bucket at most 1 MB, the others at most --bucket-mb), and each bucket becomes ONE flat tensor, zero-padded to a
-multiple of W; the model's parameters become views into it (gradsync.gradient_view: a channels-last weight keeps
-its strides, and its gradient is laid out the same way, so element j of the flat parameter and element j of the
-flat gradient always belong together). Rank r owns shard r of every bucket: the r-th of W equal slices. The
-optimizer is built over the shards (one nn.Parameter per bucket sharing the flat's storage), so it updates this
-rank's slice of the weights in place and keeps state for that slice alone. That is exact for any elementwise
-optimizer (SGD with momentum and weight decay, Adam, AdamW: each element's update reads only that element's
-weight, gradient and state), and wrong for one that takes a norm over a whole tensor (LAMB, LARS): those would see
-a slice. Padding stays zero: its gradient is zero, and so is every elementwise update of a zero weight with a zero
-gradient.
+Sent per rank and optimizer step of K micro-batches, in elements: stage 0 and 1, 2 (W-1)/W Psi (one all-reduce,
+or a reduce-scatter and an all-gather); stage 2, (K+1)(W-1)/W Psi; stage 3, about 3K (W-1)/W Psi (every unit
+gathered for its forward and its backward, and reduce-scattered, on every micro-batch).
 
-Stage 1 (ZeroStage1), one optimizer step of K micro-batches:
-- micro-batches 1 .. K-1: backward accumulates into the full flat gradient buckets, as GradientSync; nothing is
-  sent;
-- micro-batch K: as soon as backward has completed a bucket (a post-accumulate-grad hook counts its parameters
-  down), it is divided by W and reduce-scattered (SUM): shard r of the bucket then holds the average over ranks of
-  shard r, which is the gradient of this rank's shard param. Buckets launch in index order on every rank, while
-  the rest of backward runs;
-- the optimizer steps the shards; then each parameter bucket is all-gathered: every rank's updated shard r into
-  every rank's flat, so the model is whole and identical everywhere for the next forward.
-Per rank and step that sends (W-1)/W Psi elements in the reduce-scatter and (W-1)/W Psi in the all-gather: the
-2 (W-1)/W Psi of one all-reduce, which is itself a reduce-scatter and an all-gather (allreduce.py's ring).
-
-Stage 2 (ZeroStage2) keeps no full gradient beyond its bucket: on EVERY micro-batch each parameter's gradient is
-copied into its bucket's buffer the moment autograd produces it, and the parameter's .grad is freed; a complete
-bucket is averaged by reduce-scatter, its shard added to this rank's shard accumulator (the shard param's .grad,
-Psi/W elements in all), and the buffer reused for a later bucket. Full buffers exist only while a bucket fills or
-is in flight (a pool, grown only when every buffer is busy, released at the end of each window). The price is K
-reduce-scatters per optimizer step instead of one: (K + 1)(W - 1)/W Psi elements sent per rank and step, the same
-as stage 1 at K = 1. Measure both: training_benchmark.py --zero.
-
-Collectives: ``allreduce`` "torch" uses torch.distributed's reduce_scatter_tensor and all_gather_into_tensor in
-place (the output is this rank's chunk of the input, NCCL's in-place convention, which gloo follows too); "ring"
-uses allreduce.py's ring_reduce_scatter and ring_all_gather, point-to-point messages run on an AllreduceThread (a
-thread and a process group of their own, so they overlap backward and never interleave with SyncBatchNorm's
-collectives on the default group). ``sent_bytes()`` counts what this rank sends: the ring's own isend payloads, or
-for torch's collectives what an ideal ring sends, (W-1)/W of the buffer per call (gloo's reduce_scatter_tensor
-actually all-reduces, twice that).
-
-Stage 3 (ZeroStage3) keeps no whole parameter between steps. The model is cut into units: its blocks (models.blocks:
-a ResNet's Bottleneck or BasicBlock, a ViT's EncoderBlock) and the root, which owns what no block does (a ResNet's
-stem and classifier, a ViT's patch embedding, class token, position embedding and head). Each unit's parameters
-are one flat tensor padded to a multiple of W, as a bucket above, but the flat keeps its storage only while the
-unit is gathered: freeing it resizes the storage to 0 bytes, so the parameters stay views of it (their identity,
-shapes and autograd's saved references intact) with no memory behind them. Rank r keeps shard r in a tensor of
-its own, which the optimizer steps. One micro-batch:
-- forward: a hook before each unit's forward puts its flat back (storage, own shard copied in, all-gather of the
-  others' launched, or the prefetch launched earlier waited for) and then launches the all-gather of the next unit
-  in the order the previous forward ran them (recorded by the same hooks: the first forward has no prefetch);
-  after the unit's forward its flat is freed (reshard after forward), so it computes while the next is gathered;
-- backward: a hook on the unit's output fires when its gradient is ready, just before the unit's backward: the
-  unit is gathered again (the prefetch launched by the unit after it) and the unit before it in forward order is
-  prefetched. As in stage 2 each parameter's gradient is copied into the unit's buffer and freed as autograd
-  makes it; when the unit's last one is in, the buffer is averaged by reduce-scatter into the shard accumulator
-  and the unit's flat freed. Every rank runs the same graph, so the collectives come in the same order everywhere;
-- the root is used at both ends (stem first, head last, and the reverse in backward), so like FSDP2's root it stays
-  gathered from its forward to the end of its backward, and frees with its last gradient. Besides it at most two
-  units are ever gathered (max_gathered: the one computing and the one prefetched; a prefetch that would make a
-  third waits until a unit is freed), so during a step a rank holds 16 Psi/W plus the root, two units' parameters
-  and the gradient buffers in flight.
-Sent per rank and micro-batch: (W-1)/W of every unit twice in all-gathers (the root once) and once in the
-reduce-scatter, about 3 (W-1)/W Psi elements: 1.5 times a replicated step's all-reduce, and K times per optimizer
-step, since every micro-batch needs the parameters anyway. Nothing is gathered after the step. ``accumulate``
-"unsharded" (the trainer's --zero3-accumulate) is the alternative FSDP2's set_requires_gradient_sync takes: each
-unit's full gradient is kept over the window (added into as each micro-batch's backward produces it) and
-reduce-scattered on the last micro-batch only, which holds 4 Psi more during the window (stage 1's gradients) to
-save K-1 reduce-scatters, and sums each rank's micro-batches in stage 0's order: at 2 processes the weights are
-stage 0's bit for bit; at more, the ranks' sum associates as the collective chunks each unit, not as it chunks
-stage 0's buckets. The parameters are gathered in their own dtype: under autocast
-each op casts its weight as it would at stage 0, so the numerics are stage 0's; gathering a bf16 copy instead (as
-FSDP2's MixedPrecisionPolicy can) would halve the all-gathers and the gathered units but round the weights before
-the optimizer sees their gradients, and reduce the gradients in bf16. Evaluation runs the same hooks under
-no_grad (each unit freed after its forward, the root too), and every rank must run as many forwards.
-
-Checkpoints. ``optimizer_state`` gathers the sharded state to rank 0's CPU one bucket at a time (never the whole
-state on one GPU) and returns it as torch.optim's ordinary state_dict over the model's trainable parameters in
-their order: what a replicated optimizer has. ``load_optimizer_state`` cuts this rank's shards out of such a dict.
-So a checkpoint of any stage loads into any stage at any world size. ``model_state`` is the whole state_dict (stage 3
-gathers it to rank 0 one unit at a time) and ``load_model_state`` loads one (stage 3 cuts each unit's shard out).
+Where each part is: Sharded (the optimizer side of stages 1-3: the shards, parameter groups, clipping, the
+unsharded state dicts), ZeroStage1, ZeroStage2, ZeroStage3 (each says what it adds to the one before), shard()
+at the end; gradsync.py (stage 0, buckets, hooks, the end of backward), collectives.py (the collectives, torch's
+or the ring's), references.py (DDP, ZeroRedundancyOptimizer and FSDP2 behind the same interface).
 """
 from __future__ import annotations
 
+import enum
+import math
+import weakref
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import utils
-from allreduce import ring_all_gather, ring_reduce_scatter
-from gradsync import DDPSync, GradientSync, gradient_view, size_text
+from collectives import Collectives
+from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadcast_state
 
 
-class ZeroStage1(GradientSync):
-    """Optimizer state sharded: full gradient buckets, reduce-scattered on the window's last micro-batch; the
-    optimizer steps this rank's shards, and ``gather_params`` all-gathers the updated shards (module docstring)."""
+@dataclass
+class Run:
+    """A stretch of one bucket's elements, inside this rank's chunk, whose parameters are all in one parameter
+    group: one tensor of the optimizer (``param``, a view of the weights' shard, its .grad a view of the gradient's
+    shard). Flat element indices [start, end)."""
+    bucket: Bucket
+    start: int
+    end: int
+    group: int
+    param: nn.Parameter | None = None
 
-    collective = "reduce_scatter"
 
-    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
-                 timeout_s: float | None = None):
-        if allreduce not in ("torch", "ring"):
-            raise ValueError(f"ZeRO runs on torch's or the ring's reduce-scatter and all-gather, not {allreduce!r}")
-        self.rank = dist.get_rank()
-        super().__init__(model, bucket_mb, overlap, allreduce, timeout_s)
-        self.param_flats = [self._parameter_buffer(index) for index in range(len(self.buckets))]
-        self.shards = [nn.Parameter(self.shard_of(flat)) for flat in self.param_flats]
-        for index, shard in enumerate(self.shards):
-            shard.grad = self._shard_gradient(index)
-        self.gather_names = [f"all_gather {self.group_word} {index} "
-                             f"({size_text(flat.numel() * flat.element_size())})"
-                             for index, flat in enumerate(self.param_flats)]
+@dataclass
+class Layout:
+    """How one sharded optimizer maps onto the model: each model parameter's group and index in torch.optim's
+    ordinary numbering (group by group), the full groups, and this rank's runs in the inner optimizer's order."""
+    index: dict[int, tuple[int, int]]  # id(model parameter) -> (group, index)
+    groups: list[list[int]]  # the indices in each group
+    runs: list[Run] = field(default_factory=list)
 
-    def flat_length(self, bucket: list[nn.Parameter]) -> int:
-        numel = sum(p.numel() for p in bucket)
-        return -(-numel // self.world_size) * self.world_size  # padded: W equal shards
 
-    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a padded flat bucket (a view)."""
-        width = flat.numel() // self.world_size
-        return flat[self.rank * width:(self.rank + 1) * width]
+def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """torch.optim's two ways of giving parameters: an iterable of tensors, or of dicts (parameter groups)."""
+    params = list(params)
+    if not params:
+        raise ValueError("sharded.optimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    return [{**group, "params": list(group["params"]) if not torch.is_tensor(group["params"])
+             else [group["params"]]} for group in params]
 
-    def _parameter_buffer(self, index: int) -> torch.Tensor:
-        """The bucket's parameters moved into one padded flat tensor; each parameter becomes a view into it, laid
-        out as its gradient is (gradient_view), so the flat weight and the flat gradient match element by element."""
-        bucket = self.buckets[index]
-        flat = torch.zeros(self.lengths[index], dtype=bucket[0].dtype, device=bucket[0].device)
+
+def total_norm(parts: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The ``norm_type``-norm of a vector cut into ``parts`` over the group's ranks: each rank's sum of |g|^p (its
+    max |g| for the inf-norm), one all-reduce of that one number, then the p-th root."""
+    norms = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in parts])
+    if math.isinf(norm_type):
+        total = norms.max()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return total
+    total = norms.pow(norm_type).sum()
+    dist.all_reduce(total, group=group)
+    return total.pow(1.0 / norm_type)
+
+
+class Sharded:
+    """The optimizer side of stages 1-3. Rank r owns chunk r of every bucket's flat (the r-th of W equal slices):
+    ``weights[b]`` is this rank's chunk of bucket b's weights, ``grads[b]`` its averaged, accumulated gradient.
+
+    [Note: parameter groups] ``optimizer(cls, params_or_groups)`` takes the model's own parameters, grouped as for
+    any torch.optim optimizer, and builds ``cls`` over this rank's pieces of them: each bucket's chunk is cut into
+    runs at every change of group (a run is one tensor of the inner optimizer, a view of ``weights[b]``, its .grad
+    a view of ``grads[b]``), so each group's hyperparameters apply to exactly its parameters' elements. Buckets
+    are not formed per group because a group's parameters are spread over the model (decay on matrices, none on
+    the biases and norms beside them): per-group buckets would fill and launch out of backward's order. This is
+    exact for any elementwise optimizer (SGD with momentum and weight decay, Adam, AdamW: each element's update
+    reads only that element's weight, gradient and state), and wrong for one that takes a norm over a whole
+    tensor (LAMB, LARS, Muon): those would see a run. Padding stays zero, and is in no run.
+
+    [Note: the whole model's state] ``optimizer.state_dict()`` is torch.optim's ordinary form, over the model's
+    parameters numbered group by group as an unsharded optimizer built with the same groups numbers them: a hook
+    gathers each bucket's state to the group's rank 0 one bucket and key at a time (others get {}), and
+    ``load_state_dict`` cuts this rank's runs out of such a dict. So any stage at any world size loads any other's.
+    """
+
+    def _shard(self, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.weights, self.grads = weights, grads
+        self.layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, Layout] = weakref.WeakKeyDictionary()
+        self.hooks.append(register_optimizer_step_pre_hook(self._refuse_outside_optimizer))
+
+    def chunk_bounds(self, bucket: Bucket) -> tuple[int, int]:
+        width = bucket.length // self.world_size
+        return self.rank * width, (self.rank + 1) * width
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
+                  **settings: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's runs of ``params`` (the model's parameters, or groups of them:
+        [Note: parameter groups]); step() updates the model ([Note: after the step])."""
+        groups = as_groups(params)
+        layout = Layout({}, [])
+        for g, group in enumerate(groups):
+            layout.groups.append([])
+            for p in group["params"]:
+                if id(p) not in self.bucket_of:
+                    raise ValueError(f"sharded.optimizer: a {tuple(p.shape)} tensor in parameter group {g} is not a "
+                                     f"trainable parameter of the sharded model")
+                if id(p) in layout.index:
+                    raise ValueError(f"sharded.optimizer: parameter {self.names[id(p)]} is in more than one "
+                                     f"parameter group")
+                layout.index[id(p)] = (g, len(layout.index))
+                layout.groups[-1].append(len(layout.index) - 1)
+        runs = self._runs(layout)
+        layout.runs = [run for g in range(len(groups)) for run in runs if run.group == g]  # inner numbering
+        for run in layout.runs:
+            lo, _ = self.chunk_bounds(run.bucket)
+            run.param = nn.Parameter(self.weights[run.bucket.index][run.start - lo:run.end - lo])
+            run.param.grad = self.grads[run.bucket.index][run.start - lo:run.end - lo]
+        inner = [{**{k: v for k, v in group.items() if k != "params"},
+                  "params": [run.param for run in layout.runs if run.group == g]} for g, group in enumerate(groups)]
+        optimizer = optimizer_class(inner, **settings)
+        self.layouts[optimizer] = layout
+        optimizer.register_step_post_hook(partial(self._after_step, layout))
+        optimizer.register_state_dict_post_hook(self._full_optimizer_state)
+        optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
+        return optimizer
+
+    def _runs(self, layout: Layout) -> list[Run]:
+        """This rank's chunk of every bucket, cut at every change of parameter group (and around parameters in
+        no group, which no optimizer steps)."""
+        runs: list[Run] = []
+        for bucket in self.buckets:
+            lo, hi = self.chunk_bounds(bucket)
+            for p, start in zip(bucket.params, bucket.offsets):
+                first, last = max(lo, start), min(hi, start + p.numel())
+                if first >= last or id(p) not in layout.index:
+                    continue
+                g = layout.index[id(p)][0]
+                if runs and runs[-1].bucket is bucket and runs[-1].group == g and runs[-1].end == first:
+                    runs[-1].end = last
+                else:
+                    runs.append(Run(bucket, first, last, g))
+        return runs
+
+    def _reattach_gradients(self) -> None:
+        """Each run's .grad its view of the gradient shard: put back, zeroed, where zero_grad() set it to None."""
+        for layout in self.layouts.values():
+            for run in layout.runs:
+                if run.param.grad is None:
+                    lo, _ = self.chunk_bounds(run.bucket)
+                    view = self.grads[run.bucket.index][run.start - lo:run.end - lo]
+                    view.zero_()
+                    run.param.grad = view
+
+    def _refuse_outside_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before any optimizer's step: one built over the model's own parameters, not by ``optimizer()``, would
+        step gradients that are not the averaged ones (stage 1) or none at all (stages 2, 3)."""
+        if optimizer in self.layouts:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self.bucket_of:
+                    kind = type(optimizer).__name__
+                    raise RuntimeError(f"zero.shard(stage {self.stage}): this {kind} steps the model's own parameters,"
+                                       f" which stage {self.stage} keeps no averaged gradient for; build it with "
+                                       f"sharded.optimizer(torch.optim.{kind}, params, ...) instead")
+
+    def _after_step(self, layout: Layout, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """[Note: after the step] Stages 1 and 2: every rank's updated chunks into every rank's weights (all-gather
+        in place, every bucket launched before any is waited for), so the model is whole for the next forward."""
+        buckets = [self.buckets[b] for b in self._buckets_of(layout)]
+        for bucket in buckets:
+            bucket.handle = self.comm.all_gather(self.param_flats[bucket.index], bucket.name("all_gather"))
+        self._wait(buckets, "all_gather wait")
+
+    def _buckets_of(self, layout: Layout) -> list[int]:
+        """The buckets holding any of ``layout``'s parameters (on any rank's chunk)."""
+        return sorted({self.bucket_of[pid].index for pid in layout.index})
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ for the whole model, whose gradient is spread over the ranks' chunks:
+        each rank's share of the norm, one all-reduce of one number, then every chunk scaled by the same
+        max_norm / (norm + 1e-6), clamped to 1 (torch's formula). After the last backward of a window; under fp16
+        after the scaler's unscale_(optimizer). Returns the total norm."""
+        norm_type = float(norm_type)
+        total = total_norm(self.grads, norm_type, self.comm.group)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+                               f"clipped (error_if_nonfinite=True)")
+        clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(self.grads, clip)
+        return total
+
+    def held_gradient_buffers(self) -> list[torch.Tensor]:
+        return list(self.grads)
+
+    # ------------------------------------------------------------------------------------------------------
+    # The optimizer's state in torch.optim's ordinary form, and back ([Note: the whole model's state])
+    # ------------------------------------------------------------------------------------------------------
+    def _comm_device(self) -> torch.device:
+        return self.weights[0].device if dist.get_backend(self.comm.group) == "nccl" else torch.device("cpu")
+
+    def _full_optimizer_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> dict[str, Any]:
+        layout = self.layouts[optimizer]
+        elementwise: dict[str, torch.dtype] = {}  # state with one number per element: gathered
+        scalars: dict[int, dict[str, Any]] = {}  # the rest (AdamW's step), per parameter index
+        for number, run in enumerate(layout.runs):
+            for key, value in inner["state"].get(number, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    elementwise[key] = value.dtype
+                else:
+                    for p in self._params_in(run, layout):  # each its own copy: AdamW adds to its step in place
+                        scalars.setdefault(layout.index[id(p)][1], {})[key] = \
+                            value.clone() if torch.is_tensor(value) else value
+        shared: list[Any] = [None] * self.world_size  # every rank's, so all know every key, even without a run
+        dist.all_gather_object(shared, (elementwise, scalars), group=self.comm.group)
+        for their_elementwise, their_scalars in shared:
+            elementwise.update(their_elementwise)
+            for index, values in their_scalars.items():
+                scalars.setdefault(index, {}).update(values)
+        state: dict[int, dict[str, Any]] = {index: dict(values) for index, values in scalars.items()}
+        device = self._comm_device()
+        for b in self._buckets_of(layout):
+            bucket = self.buckets[b]
+            lo, hi = self.chunk_bounds(bucket)
+            runs = [(number, run) for number, run in enumerate(layout.runs) if run.bucket is bucket]
+            for key, dtype in sorted(elementwise.items()):
+                chunk = torch.zeros(hi - lo, dtype=dtype, device=device)
+                for number, run in runs:
+                    if key in inner["state"].get(number, {}):
+                        chunk[run.start - lo:run.end - lo] = inner["state"][number][key]
+                pieces = [torch.empty_like(chunk) for _ in range(self.world_size)] if self.rank == 0 else None
+                dist.gather(chunk, pieces, group=self.comm.group, group_dst=0)
+                if self.rank != 0:
+                    continue
+                flat = torch.cat(pieces).cpu()
+                for p in bucket.params:
+                    if id(p) in layout.index and layout.index[id(p)][1] in state:
+                        state[layout.index[id(p)][1]][key] = bucket.view(flat, p).clone()  # its own storage
+        if self.rank != 0:
+            return {}
+        groups = [{**group, "params": list(layout.groups[g])} for g, group in enumerate(inner["param_groups"])]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def _params_in(self, run: Run, layout: Layout) -> list[nn.Parameter]:
+        return [p for p, start in zip(run.bucket.params, run.bucket.offsets)
+                if start < run.end and run.start < start + p.numel() and id(p) in layout.index]
+
+    def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> dict[str, Any]:
+        """Load pre-hook: this rank's runs cut out of a state dict in torch.optim's ordinary form (every rank
+        passes the same), one bucket and key at a time."""
+        layout = self.layouts[optimizer]
+        sizes = [len(group["params"]) for group in full["param_groups"]]
+        if sizes != [len(indices) for indices in layout.groups]:
+            raise ValueError(f"the optimizer state has parameter groups of {sizes} parameters; this optimizer's "
+                             f"are of {[len(indices) for indices in layout.groups]}")
+        saved = {int(index): values for index, values in full["state"].items()}
+        state: dict[int, dict[str, Any]] = {}
+        for b in sorted({run.bucket.index for run in layout.runs}):
+            bucket = self.buckets[b]
+            runs = [(number, run) for number, run in enumerate(layout.runs) if run.bucket is bucket]
+            entries = {id(p): saved.get(layout.index[id(p)][1], {}) for p in bucket.params if id(p) in layout.index}
+            keys = {key: value.dtype for entry in entries.values() for key, value in entry.items()
+                    if torch.is_tensor(value) and value.dim() > 0}
+            for key, dtype in sorted(keys.items()):
+                flat = torch.zeros(bucket.length, dtype=dtype)
+                for p in bucket.params:
+                    if key in entries.get(id(p), {}):
+                        bucket.view(flat, p).copy_(entries[id(p)][key])
+                for number, run in runs:
+                    state.setdefault(number, {})[key] = flat[run.start:run.end].clone()
+            for number, run in runs:  # the scalars: the run's first parameter's
+                entry = entries[id(self._params_in(run, layout)[0])]
+                for key, value in entry.items():
+                    if key not in keys:
+                        state.setdefault(number, {})[key] = value.clone() if torch.is_tensor(value) else value
+        inner_index = {id(run): number for number, run in enumerate(layout.runs)}
+        groups = [{**group, "params": [inner_index[id(run)] for run in layout.runs if run.group == g]}
+                  for g, group in enumerate(full["param_groups"])]
+        return {"state": state, "param_groups": groups}
+
+    # ------------------------------------------------------------------------------------------------------
+    # The model: whole on every rank between steps at stages 1 and 2 (ZeroStage3 overrides these)
+    # ------------------------------------------------------------------------------------------------------
+    def model_state_dict(self) -> dict[str, Any]:
+        """The model's state_dict on rank 0 of the group (CPU tensors), {} on the others."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a whole state_dict (every rank passes the same): the weights' shards are views of the model's."""
+        self.model.load_state_dict(state)
+
+    def _flatten(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's parameters moved into one padded flat tensor, each parameter becoming a view into it laid
+        out as its gradient is (Bucket.view), so the flat weight and the flat gradient match element by element."""
+        flat = bucket.zeros()
         with torch.no_grad():
-            for p, start in zip(bucket, self.offsets[index]):
-                view = gradient_view(flat[start:start + p.numel()], p)
+            for p in bucket.params:
+                view = bucket.view(flat, p)
                 view.copy_(p)
                 p.data = view
         return flat
 
-    def _shard_gradient(self, index: int) -> torch.Tensor:
-        """The shard param's .grad: this rank's slice of the full gradient bucket (the reduce-scatter's output)."""
-        return self.shard_of(self.flats[index])
 
-    def _reduce_scatter(self, flat: torch.Tensor) -> Any:
-        """Average ``flat`` over ranks into this rank's shard of it, asynchronously (divide first, then SUM)."""
-        flat.div_(self.world_size)
-        if self.averager is not None:
-            return self.averager.submit(flat, operation=ring_reduce_scatter)
-        self.nominal_sent += self._one_way_bytes(flat)
-        return dist.reduce_scatter_tensor(self.shard_of(flat), flat, async_op=True)
+class ZeroStage1(Sharded, GradientSync):
+    """Stage 1, the optimizer's state sharded. What it adds to stage 0 (gradsync.GradientSync): the buckets are
+    padded to W equal chunks and hold the weights too (the parameters become views of flat weight buckets); on the
+    window's last backward each complete bucket is reduce-scattered instead of all-reduced, so chunk r of it holds
+    the average over ranks, which is the gradient of this rank's shard; the optimizer steps the shards, and the
+    step's hook all-gathers the updated chunks into every rank's weights. The K-1 other micro-batches accumulate
+    into the full flats and send nothing: 2 (W-1)/W Psi elements per step, one all-reduce's worth.
 
-    def _one_way_bytes(self, flat: torch.Tensor) -> int:
-        """What a ring sends per rank in one reduce-scatter or all-gather of ``flat``: W-1 of its W shards."""
-        return self.shard_of(flat).numel() * (self.world_size - 1) * flat.element_size()
+    After the reduce-scatter the rest of each gradient flat (this rank's local sums of the others' chunks) has
+    served its purpose and is zeroed, so the model's .grad views are not the averaged gradient: the optimizer's
+    are, and clip_grad_norm_ reads them."""
 
-    def _start(self, index: int) -> Any:
-        return self._reduce_scatter(self.flats[index])
+    stage = 1
+    collective = "reduce_scatter"
 
-    def parameters(self) -> list[nn.Parameter]:
-        return self.shards
+    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, comm: Collectives):
+        GradientSync.__init__(self, model, bucket_mb, overlap, comm, chunks=comm.size)
+        self.param_flats = [self._flatten(bucket) for bucket in self.buckets]
+        self._shard([comm.chunk(flat) for flat in self.param_flats], [comm.chunk(flat) for flat in self.flats])
 
-    def gather_params(self) -> None:
-        """After the optimizer step: every rank's updated shards into every rank's parameters (all-gather in
-        place, every bucket launched before any is waited for)."""
-        handles = [self._all_gather(index) for index in range(len(self.param_flats))]
-        with utils.profiled("all_gather wait"):
-            self._wait(handles)
+    def _average(self, bucket: Bucket, flat: torch.Tensor) -> Any:
+        return self.comm.reduce_scatter(flat, bucket.name(self.collective))
 
-    def _all_gather(self, index: int) -> Any:
-        """Launch the all-gather of parameter flat ``index`` in place (every rank's shard r into slice r of every
-        rank's flat), under its profiler range until it lands; returns what _wait takes."""
-        flat = self.param_flats[index]
-        with utils.profiled(self.gather_names[index]) as span, torch.no_grad():  # gloo's in-place copies
-            if self.averager is not None:
-                handle = self.averager.submit(flat, operation=ring_all_gather)
-            else:
-                self.nominal_sent += self._one_way_bytes(flat)
-                handle = dist.all_gather_into_tensor(flat, self.shard_of(flat), async_op=True)
-            if span is not None:
-                span._call_end_callbacks_on_future(self._landed(handle))
-        return handle
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._attach_gradients()
+        self._reattach_gradients()
 
-    # ------------------------------------------------------------------------------------------------------
-    # Checkpoints: the sharded state as an ordinary state_dict over the model's parameters, and back
-    # ------------------------------------------------------------------------------------------------------
-    def _index_of(self) -> dict[int, int]:
-        return {id(p): i for i, p in enumerate(self.params)}
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """torch.optim's state_dict over the model's trainable parameters (what a replicated optimizer would
-        hold), assembled on rank 0's CPU one bucket at a time; None on the other ranks. Every rank calls it."""
-        local = optimizer.state_dict()  # state keyed by bucket index: shard-sized tensors and scalars
-        index_of = self._index_of()
-        comm_device = self.shards[0].device if dist.get_backend() == "nccl" else torch.device("cpu")
-        state: dict[int, dict[str, Any]] = {}
-        for index, bucket in enumerate(self.buckets):
-            for key, value in sorted(local["state"].get(index, {}).items()):
-                if torch.is_tensor(value) and value.dim() > 0:  # one number per element: gather the shards
-                    pieces = [torch.empty_like(value, device=comm_device) for _ in range(self.world_size)] \
-                        if self.rank == 0 else None
-                    dist.gather(value.to(comm_device), pieces, dst=0)
-                    if self.rank != 0:
-                        continue
-                    full = torch.cat(pieces).cpu()
-                    for p, start in zip(bucket, self.offsets[index]):
-                        piece = gradient_view(full[start:start + p.numel()], p)
-                        state.setdefault(index_of[id(p)], {})[key] = piece.clone()  # its own storage
-                else:  # a scalar (AdamW's step count): the same for every parameter of the bucket
-                    for p in bucket:
-                        state.setdefault(index_of[id(p)], {})[key] = value.clone() if torch.is_tensor(value) \
-                            else value
-        if self.rank != 0:
-            return None
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(len(self.params)))}
-                  for group in local["param_groups"]]
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> None:
-        """Load a state_dict over the model's parameters (``optimizer_state``'s form, or a replicated optimizer's)
-        by cutting this rank's shard out of each bucket, one bucket at a time."""
-        if len(full["param_groups"]) != 1 or len(full["param_groups"][0]["params"]) != len(self.params):
-            raise ValueError(f"the optimizer state has {sum(len(g['params']) for g in full['param_groups'])} "
-                             f"parameters in {len(full['param_groups'])} group(s); this model has "
-                             f"{len(self.params)} in one")
-        index_of = self._index_of()
-        state: dict[int, dict[str, Any]] = {}
-        for index, bucket in enumerate(self.buckets):
-            saved = [full["state"].get(index_of[id(p)], {}) for p in bucket]
-            for key in saved[0]:
-                first = saved[0][key]
-                if torch.is_tensor(first) and first.dim() > 0:
-                    flat = torch.zeros(self.lengths[index], dtype=first.dtype)
-                    for p, start, entry in zip(bucket, self.offsets[index], saved):
-                        gradient_view(flat[start:start + p.numel()], p).copy_(entry[key])
-                    state.setdefault(index, {})[key] = self.shard_of(flat).clone()
-                else:
-                    state.setdefault(index, {})[key] = first.clone() if torch.is_tensor(first) else first
-        group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
-        group["params"] = list(range(len(self.shards)))  # the shard params, one per bucket
-        optimizer.load_state_dict({"state": state, "param_groups": [group]})
+    def _backward_done(self) -> None:
+        synced = self.requires_sync
+        super()._backward_done()
+        if synced:
+            for bucket, flat in zip(self.buckets, self.flats):
+                lo, hi = self.chunk_bounds(bucket)
+                flat[:lo].zero_()
+                flat[hi:].zero_()
 
 
-class ZeroStage2(ZeroStage1):
-    """Gradients sharded too: every micro-batch reduce-scatters each complete bucket into this rank's shard
-    accumulator, and full gradient buffers live only while a bucket fills or is in flight (module docstring).
-    Always overlapped: the hooks that copy each gradient out are what frees it."""
+class ZeroStage2(Sharded, BucketedSync):
+    """Stage 2, the gradients sharded too. What it adds to stage 1: no full gradient outlives its bucket. On EVERY
+    micro-batch each parameter's gradient is copied into its bucket's buffer the moment autograd produces it, and
+    the parameter's .grad freed; a complete bucket is reduce-scattered, its chunk added to this rank's gradient
+    shard (``grads[b]``, Psi/W elements in all), and the buffer reused for a later bucket. Full buffers exist only
+    while a bucket fills or is in flight: a pool, grown only when every buffer is busy, dropped at the end of each
+    window. The price is K reduce-scatters per optimizer step instead of one, (K+1)(W-1)/W Psi elements sent per
+    rank, the same as stage 1 at K = 1; and the micro-batches are averaged over ranks before they are added, an
+    order of summation other than stage 0's (equal to rounding)."""
 
-    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool = True, allreduce: str = "torch",
-                 timeout_s: float | None = None):
-        if not overlap:
-            raise ValueError("ZeRO stage 2 reduce-scatters each bucket as backward completes it; syncing after "
-                             "backward would keep every full gradient (use stage 1 for that)")
-        super().__init__(model, bucket_mb, True, allreduce, timeout_s)
-        # each parameter's place in its bucket's buffer, as (first element, strides): gradient_view's layout,
-        # worked out once here rather than in every hook call
-        self.place = {id(p): (start, gradient_view(torch.empty(p.numel(), device="meta"), p).stride())
-                      for index, bucket in enumerate(self.buckets)
-                      for p, start in zip(bucket, self.offsets[index])}
-        self.numels = [sum(p.numel() for p in bucket) for bucket in self.buckets]
-        self.buffer_length = max(self.lengths)
+    stage = 2
+    collective = "reduce_scatter"
+
+    def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], comm: Collectives):
+        BucketedSync.__init__(self, model, groups, comm, chunks=comm.size)
+        self.param_flats = [self._flatten(bucket) for bucket in self.buckets]
+        self._shard([self._weights_shard(flat) for flat in self.param_flats],
+                    [torch.zeros(b.length // comm.size, dtype=b.params[0].dtype, device=b.params[0].device)
+                     for b in self.buckets])
+        for p in self.params:
+            p.grad = None  # autograd allocates each gradient; the hook copies it out and frees it
+        self.buffer_length = max(bucket.length for bucket in self.buckets)
         self.pool: list[torch.Tensor] = []  # free full-gradient buffers, each buffer_length long
         self.filling: dict[int, torch.Tensor] = {}  # bucket index -> the buffer its gradients are copied into
-        self.in_flight: list[tuple[int, torch.Tensor, Any]] = []  # (bucket, its buffer, handle), launch order
+        self.in_flight: list[tuple[Bucket, torch.Tensor]] = []  # reduce-scatters launched, oldest first
+        self.launched = 0  # buckets launched in this backward, in index order
         self.buffers_made = 0  # the most full buffers alive at once, over the run (the pool's high-water mark)
 
-    def _gradient_buffer(self, index: int) -> None:
-        for p in self.buckets[index]:
-            p.grad = None  # autograd allocates each gradient; the hook copies it out and frees it
-        return None
+    def _weights_shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a weight flat: a view (the optimizer's step writes the model's weights)."""
+        return self.comm.chunk(flat)
 
-    def _shard_gradient(self, index: int) -> torch.Tensor:
-        """The shard accumulator: the sum over the window's micro-batches of the averaged shard gradients."""
-        flat_params = self.param_flats[index]
-        return torch.zeros(flat_params.numel() // self.world_size, dtype=flat_params.dtype,
-                           device=flat_params.device)
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._reattach_gradients()
 
-    def prepare(self, sync: bool) -> None:
-        """Every micro-batch communicates in stage 2: ``sync`` changes nothing here."""
-        self.pending = list(self.sizes)
-        self.launched = 0
-        self.handles = []
+    def _grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
+        self._copy_out(bucket, param)
+        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
+            self._launch(self.buckets[self.launched])
 
-    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
-        self._copy_out(index, param)
-        self.pending[index] -= 1
-        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
-            self._launch(self.launched)
-
-    def _copy_out(self, index: int, param: torch.Tensor) -> None:
-        """Copy ``param``'s new gradient into its place in bucket ``index``'s buffer, and free it."""
-        buffer = self.filling.get(index)
+    def _copy_out(self, bucket: Bucket, param: nn.Parameter) -> None:
+        """Copy ``param``'s new gradient into its place in the bucket's buffer, and free it."""
+        buffer = self.filling.get(bucket.index)
         if buffer is None:
-            buffer = self.filling[index] = self._acquire()
-            buffer[self.numels[index]:self.lengths[index]].zero_()  # the padding
-        start, strides = self.place[id(param)]
-        buffer.as_strided(param.shape, strides, start).copy_(param.grad)  # the pool's buffers start at offset 0
+            buffer = self.filling[bucket.index] = self._acquire()
+            buffer[bucket.numel:bucket.length].zero_()  # the padding
+        bucket.view(buffer, param).copy_(param.grad)
         param.grad = None  # the full gradient does not outlive this copy
 
     def _acquire(self) -> torch.Tensor:
@@ -317,404 +431,376 @@ class ZeroStage2(ZeroStage1):
         if not self.pool and self.in_flight:
             self._land_oldest()
         if not self.pool:
-            busy = len(self.filling) + len(self.in_flight)
-            self.buffers_made = max(self.buffers_made, busy + 1)
-            self.pool.append(torch.empty(self.buffer_length, dtype=self.shards[0].dtype,
-                                         device=self.shards[0].device))
+            self.buffers_made = max(self.buffers_made, len(self.filling) + len(self.in_flight) + 1)
+            self.pool.append(torch.empty(self.buffer_length, dtype=self.weights[0].dtype,
+                                         device=self.weights[0].device))
         return self.pool.pop()
 
-    def _flat(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[:self.lengths[index]]
+    def _launch(self, bucket: Bucket) -> None:
+        buffer = self.filling.pop(bucket.index)
+        bucket.handle = self.comm.reduce_scatter(buffer[:bucket.length], bucket.name(self.collective))
+        self.in_flight.append((bucket, buffer))
+        self.launched += 1
 
     def _land_oldest(self) -> None:
-        index, buffer, handle = self.in_flight.pop(0)
-        self._wait([handle])
-        self.shards[index].grad.add_(self.shard_of(self._flat(index, buffer)))
+        bucket, buffer = self.in_flight.pop(0)
+        self._wait([bucket], f"{self.collective} wait")
+        self.grads[bucket.index].add_(self.comm.chunk(buffer[:bucket.length]))
         self._release(buffer)
 
     def _release(self, buffer: torch.Tensor) -> None:
         self.pool.append(buffer)  # for a later bucket
 
-    def _start(self, index: int) -> Any:
-        buffer = self.filling.pop(index)
-        handle = self._reduce_scatter(self._flat(index, buffer))
-        self.in_flight.append((index, buffer, handle))
-        return handle
-
-    def finish(self) -> None:
-        """Wait for the window's last reduce-scatters, add them in, and release the full buffers."""
-        with utils.profiled(f"{self.collective} wait"):
+    def _backward_done(self) -> None:
+        """Every bucket launched; on the window's last backward, wait for the reduce-scatters, add them in, and
+        drop the full buffers (the other backwards leave theirs landing while the next forward runs)."""
+        self.launched = 0
+        if self.requires_sync:
             while self.in_flight:
                 self._land_oldest()
-        self.pool = []
-        self.handles = []
-
-    def zero_grad(self) -> None:
-        for shard in self.shards:
-            shard.grad.zero_()
+            self.pool = []
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
-        return self.pool + list(self.filling.values()) + [flat for _, flat, _ in self.in_flight]
+        return self.grads + self.pool + list(self.filling.values()) + [buffer for _, buffer in self.in_flight]
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # the flat has no storage: only this rank's shard of the unit exists
+    GATHERING = "gathering"  # the flat has its storage back and its all-gather is in flight
+    GATHERED = "gathered"  # the unit's full parameters are in place
+
+
+class Unit(Bucket):
+    """A bucket of stage 3: one module's parameters, gathered whole only around its forward and its backward."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], chunks: int, word: str):
+        super().__init__(index, params, chunks, word)
+        self.state = UnitState.GATHERED  # as made: the parameters are moved into the flat, not yet freed
+        self.module: nn.Module | None = None
+        self.flat: torch.Tensor | None = None  # the unit's parameters, whole: storage only while not SHARDED
+        self.gather: Any = None  # its all-gather in flight (GATHERING)
+        self.backward_begun = False  # in this backward
+        self.span: Any = None  # its open "unit I forward/backward" profiler range
 
 
 class ZeroStage3(ZeroStage2):
-    """Parameters sharded too: each unit (a block of the model, or the root for the parameters no block owns)
-    keeps 1/W of its flat parameters and gathers the whole only around its forward and its backward, the next
-    unit's all-gather running while the current one computes (module docstring, "Stage 3").
+    """Stage 3, the parameters sharded too. What it adds to stage 2: the buckets are units (a module each: the
+    model's blocks, and the root for the parameters no block owns), and a unit's flat keeps its storage only
+    while the unit is gathered. Freeing resizes the storage to 0 bytes, so the parameters stay views of it (their
+    identity, autograd's saved references and the hooks intact) with no memory behind them; each rank keeps its
+    shard in a tensor of its own, which the optimizer steps. A unit is SHARDED, GATHERING or GATHERED (UnitState;
+    its flat has storage exactly when it is not SHARDED).
 
-    Gradients go as in stage 2 (copied out as autograd produces them, reduce-scattered per micro-batch into the
-    shard accumulators), one unit per buffer, launched when the unit's last gradient is in. ``accumulate``
-    "unsharded" keeps instead each unit's full gradient over the window and reduce-scatters it on the last
-    micro-batch only (FSDP2's set_requires_gradient_sync): 4 Psi more during the window, K-1 fewer
-    reduce-scatters, and stage 0's summation order."""
+    [Note: stage 3's micro-batch]
+    - forward: a hook before each unit's forward gathers it (or waits for its prefetch) and launches the
+      all-gather of the next unit in the order the last forward started them; after the unit's forward it is
+      freed (reshard after forward), so it computes while the next is gathered;
+    - backward: a hook on the unit's output fires when its gradient is ready, just before the unit's backward:
+      the unit is gathered again and the one before it prefetched, along the reverse of the order the forward
+      finished units in (so the root, whose head ends the forward, comes first and prefetches the last block).
+      As in stage 2 each gradient is copied into the unit's buffer as autograd makes it; when the unit's last one
+      is in, the buffer is reduce-scattered into the gradient shard and the unit freed. Every rank runs the same
+      graph, so the collectives come in the same order everywhere;
+    - the root is used at both ends (stem first, head last), so like FSDP2's root it stays gathered from its
+      forward to the end of its backward. Besides it at most ``max_gathered`` units are gathered (the one
+      computing and the one prefetched; a prefetch that would make a third waits until a unit is freed);
+    - the step's edges: the optimizer's step hook launches the root's and the first unit's all-gathers, so the
+      next forward does not start by waiting; the first forward of all prefetches along module order.
+    ``accumulate`` "unsharded" keeps instead each unit's full gradient over the window and reduce-scatters it on
+    the last micro-batch only (FSDP2's set_requires_gradient_sync): 4 Psi more during the window, K-1 fewer
+    reduce-scatters, and stage 0's summation order. Parameters are gathered in their own dtype: under autocast
+    each op casts its weight as it would at stage 0. Evaluation runs the same hooks under no_grad (each unit
+    freed after its forward), so every rank must run as many forwards."""
 
-    group_word = "unit"
+    stage = 3
+    word = "unit"
+    bucket_class = Unit
     max_gathered = 2  # units whose full parameters may be in place at once, besides the root
 
-    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool = True, allreduce: str = "torch",
-                 timeout_s: float | None = None, blocks: list[nn.Module] = (), accumulate: str = "sharded"):
-        if accumulate not in ("sharded", "unsharded"):
-            raise ValueError(f"accumulate is 'sharded' or 'unsharded', not {accumulate!r}")
+    def __init__(self, model: nn.Module, units: list[nn.Module], owner: dict[int, nn.Module], comm: Collectives,
+                 accumulate: str):
         self.unsharded = accumulate == "unsharded"
-        # the units: the root (if it owns a trainable parameter no block does) and the blocks, in module order
-        owner: dict[int, nn.Module] = {}
-        for module in [model, *blocks]:  # a block claims its parameters from the root (an inner block, from outer)
-            owner.update((id(p), module) for p in module.parameters())
-        self.units = [m for m in [model, *blocks] if any(owner[id(p)] is m for p in m.parameters()
-                                                         if p.requires_grad)]
-        self.owner = owner
-        super().__init__(model, bucket_mb, overlap, allreduce, timeout_s)
-        for shard in self.shards:  # the shards take storage of their own: the full flats are freed between uses
-            shard.data = shard.data.clone()
-        self.root = 0 if self.units[0] is model else None
-        self.gathering: dict[int, Any] = {}  # unit -> its all-gather in flight
-        self.gathered: set[int] = set()  # units whose full parameters are in place
-        self.wanted: int | None = None  # a prefetch held back by max_gathered, launched when a unit is freed
-        # the units in the order the last forward started them (the next forward prefetches along it) and in the
-        # reverse of the order it finished them (the backward's: the root, whose head ends the forward, first)
-        self.order: list[int] = []
-        self.backward_order: list[int] = []
-        self.recording: tuple[list[int], list[int]] = ([], [])
-        self.backward_begun: set[int] = set()
+        groups = [[p for p in unit.parameters() if p.requires_grad and owner[id(p)] is unit] for unit in units]
+        super().__init__(model, groups, comm)
+        self.units: list[Unit] = self.buckets  # type: ignore[assignment]
+        for unit, module in zip(self.units, units):
+            unit.module, unit.flat = module, self.param_flats[unit.index]
+        self.root = self.units[0] if units[0] is model else None
+        self.wanted: Unit | None = None  # a prefetch held back by max_gathered, launched when a unit is freed
+        # the units in the order the last forward started them, and in the reverse of the order it finished them
+        self.order: list[Unit] = list(self.units)  # before the first forward: module order
+        self.backward_order: list[Unit] = []
+        self.recording: tuple[list[Unit], list[Unit]] = ([], [])
         self.peak = {"units": 0, "bytes": 0}  # most units gathered at once besides the root; most full bytes
-        self.spans: dict[str, Any] = {}  # open "unit I forward/backward" ranges
-        for index in range(len(self.units)):
-            self._free(index)
+        for unit in self.units:
+            self._free(unit)
         # hooks run in the order they were registered: the pass starts before the root's forward begins, and ends
         # after the root's forward has finished (so the recorded orders include it)
-        self.hooks = [model.register_forward_pre_hook(self._pass_starts)]
-        for index, unit in enumerate(self.units):
-            self.hooks += [unit.register_forward_pre_hook(partial(self._before_forward, index)),
-                           unit.register_forward_hook(partial(self._after_forward, index))]
+        self.hooks.append(model.register_forward_pre_hook(self._pass_starts))
+        for unit in self.units:
+            self.hooks += [unit.module.register_forward_pre_hook(partial(self._unit_forward_starts, unit)),
+                           unit.module.register_forward_hook(partial(self._unit_forward_ends, unit))]
         self.hooks.append(model.register_forward_hook(self._pass_ends))
 
-    def group(self, model: nn.Module, bucket_mb: float) -> list[list[nn.Parameter]]:
-        """One group per unit: its trainable parameters in module order (``bucket_mb`` plays no part)."""
-        return [[p for p in unit.parameters() if p.requires_grad and self.owner[id(p)] is unit]
-                for unit in self.units]
+    def _weights_shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """A tensor of its own: the full flat is freed between uses."""
+        return self.comm.chunk(flat).clone()
 
     # ------------------------------------------------------------------------------------------------------
-    # Gathering and freeing a unit's full parameters
+    # A unit's life: SHARDED -> GATHERING -> GATHERED -> SHARDED
     # ------------------------------------------------------------------------------------------------------
-    def _gather(self, index: int) -> None:
-        """Give unit ``index``'s flat its storage back, put this rank's shard in place and launch the
-        all-gather of the others' (asynchronously, like the reduce-scatters)."""
-        flat = self._allocate(index)
-        self.shard_of(flat).copy_(self.shards[index])
-        self.gathering[index] = self._all_gather(index)
+    def _gather(self, unit: Unit, until_landed: bool = True) -> None:
+        """Give the unit's flat its storage back, put this rank's shard in place and launch the all-gather of the
+        others' (asynchronously, like the reduce-scatters)."""
+        assert unit.state is UnitState.SHARDED, unit.state
+        self._allocate(unit)
+        self.comm.chunk(unit.flat).copy_(self.weights[unit.index])
+        unit.gather = self.comm.all_gather(unit.flat, unit.name("all_gather"), until_landed)
+        unit.state = UnitState.GATHERING
         held = self._held()
-        self.peak["units"] = max(self.peak["units"], len(held - {self.root}))
-        self.peak["bytes"] = max(self.peak["bytes"], sum(self.param_flats[i].numel() for i in held)
-                                 * flat.element_size())
+        self.peak["units"] = max(self.peak["units"], len([u for u in held if u is not self.root]))
+        self.peak["bytes"] = max(self.peak["bytes"], sum(u.length for u in held) * unit.flat.element_size())
 
-    def _allocate(self, index: int) -> torch.Tensor:
-        """Unit ``index``'s flat with its storage back (contents undefined), for a gather or a load."""
-        flat = self.param_flats[index]
-        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        return flat
+    def _allocate(self, unit: Unit) -> None:
+        unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
 
-    def _held(self) -> set[int]:
-        """The units whose full flat has storage: gathered, or being gathered."""
-        return set(self.gathering) | self.gathered
+    def _held(self) -> list[Unit]:
+        """The units whose flat has storage: gathered, or being gathered."""
+        return [unit for unit in self.units if unit.state is not UnitState.SHARDED]
 
-    def _materialize(self, index: int) -> None:
-        """Unit ``index``'s full parameters in place: wait for its prefetch, or gather it now."""
-        if index in self.gathered:
+    def _materialize(self, unit: Unit) -> None:
+        """The unit's full parameters in place: wait for its prefetch, or gather it now."""
+        if unit.state is UnitState.GATHERED:
             return
-        if index not in self.gathering:
-            self._gather(index)
+        if unit.state is UnitState.SHARDED:
+            self._gather(unit)
         with utils.profiled("all_gather wait"):
-            self._wait([self.gathering.pop(index)])
-        self.gathered.add(index)
+            unit.gather.wait()
+        unit.gather, unit.state = None, UnitState.GATHERED
 
-    def _free(self, index: int) -> None:
-        """Drop unit ``index``'s full parameters (the views stay, on a storage of 0 bytes), and launch a
-        prefetch that max_gathered held back."""
-        self.param_flats[index].untyped_storage().resize_(0)
-        self.gathered.discard(index)
+    def _free(self, unit: Unit) -> None:
+        """Drop the unit's full parameters (the views stay, on a storage of 0 bytes), and launch a prefetch that
+        max_gathered held back."""
+        assert unit.state is UnitState.GATHERED, unit.state
+        unit.flat.untyped_storage().resize_(0)
+        unit.state = UnitState.SHARDED
         if self.wanted is not None:
             wanted, self.wanted = self.wanted, None
             self._prefetch(wanted)
 
-    def _prefetch(self, index: int | None) -> None:
-        """Launch unit ``index``'s all-gather ahead of its use, unless max_gathered units are already held."""
-        if index is None or index in self._held():
+    def _prefetch(self, unit: Unit | None, until_landed: bool = True) -> None:
+        """Launch the unit's all-gather ahead of its use, unless max_gathered units are already held."""
+        if unit is None or unit.state is not UnitState.SHARDED:
             return
-        if len(self._held() - {self.root}) >= self.max_gathered:
-            self.wanted = index
+        if unit is not self.root and len([u for u in self._held() if u is not self.root]) >= self.max_gathered:
+            self.wanted = unit
             return
-        self._gather(index)
+        self._gather(unit, until_landed)
 
     @staticmethod
-    def _after(order: list[int], index: int) -> int | None:
-        position = order.index(index) if index in order else -1
+    def _after(order: list[Unit], unit: Unit) -> Unit | None:
+        position = next((i for i, u in enumerate(order) if u is unit), -1)
         return order[position + 1] if 0 <= position < len(order) - 1 else None
+
+    def _after_step(self, layout: Layout, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The step's edge: the next forward's first units launched now (the optimizer updated the shards they
+        are gathered from); nothing else, since the next forward gathers every unit. Their profiler ranges cover
+        the launch only: they may land after a profiler's window has closed."""
+        if self.order:
+            self._prefetch(self.order[0], until_landed=False)
+            self._prefetch(self._after(self.order, self.order[0]), until_landed=False)
 
     # ------------------------------------------------------------------------------------------------------
     # Hooks: forward (module hooks), backward (a hook on each unit's output; the gradients' hooks)
     # ------------------------------------------------------------------------------------------------------
-    def _open(self, name: str) -> None:
-        span = utils.profiled(name)
-        span.__enter__()
-        self.spans[name] = span
+    def _open(self, unit: Unit, name: str) -> None:
+        unit.span = utils.profiled(name)
+        unit.span.__enter__()
 
-    def _close(self, name: str) -> None:
-        span = self.spans.pop(name, None)
-        if span is not None:
-            span.__exit__(None, None, None)
+    def _close(self, unit: Unit) -> None:
+        if unit.span is not None:
+            unit.span.__exit__(None, None, None)
+            unit.span = None
 
     def _pass_starts(self, model: nn.Module, args: Any) -> None:
         self.recording = ([], [])
         if torch.is_grad_enabled():
-            self.backward_begun = set()
+            for unit in self.units:
+                unit.backward_begun = False
 
     def _pass_ends(self, model: nn.Module, args: Any, output: Any) -> None:
         started, finished = self.recording
         self.order, self.backward_order = started, finished[::-1]
 
-    def _before_forward(self, index: int, module: nn.Module, args: Any) -> None:
-        self.recording[0].append(index)
-        self._open(f"unit {index} forward")
-        self._materialize(index)
-        self._prefetch(self._after(self.order, index))
+    def _unit_forward_starts(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        self.recording[0].append(unit)
+        self._open(unit, f"unit {unit.index} forward")
+        self._materialize(unit)
+        self._prefetch(self._after(self.order, unit))
 
-    def _after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        self.recording[1].append(index)
-        self._close(f"unit {index} forward")
+    def _unit_forward_ends(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        self.recording[1].append(unit)
+        self._close(unit)
         if not torch.is_grad_enabled():
-            self._free(index)  # evaluation: no backward will come
+            self._free(unit)  # evaluation: no backward will come
             return
         for tensor in (output if isinstance(output, (tuple, list)) else [output]):
             if torch.is_tensor(tensor) and tensor.requires_grad:
-                tensor.register_hook(partial(self._before_backward, index))
-        if index != self.root:  # the root (stem and head) is used at both ends of forward and backward: kept
-            self._free(index)
+                tensor.register_hook(partial(self._unit_backward_starts, unit))
+        if unit is not self.root:  # the root (stem and head) is used at both ends of forward and backward: kept
+            self._free(unit)
 
-    def _before_backward(self, index: int, grad: torch.Tensor) -> None:
-        """The gradient of unit ``index``'s output is ready: its backward is about to run."""
-        if index not in self.backward_begun:
-            self.backward_begun.add(index)
-            self._open(f"unit {index} backward")
-            self._materialize(index)
-            self._prefetch(self._after(self.backward_order, index))
+    def _unit_backward_starts(self, unit: Unit, grad: torch.Tensor) -> None:
+        """The gradient of the unit's output is ready: its backward is about to run."""
+        if not unit.backward_begun:
+            unit.backward_begun = True
+            self._open(unit, f"unit {unit.index} backward")
+            self._materialize(unit)
+            self._prefetch(self._after(self.backward_order, unit))
 
-    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
-        self._copy_out(index, param)
-        self.pending[index] -= 1
-        if self.pending[index] == 0:  # the unit's backward is done: average its gradients, free its parameters
-            if self.sync or not self.unsharded:
-                self._launch(index)
-            self._free(index)
-            self._close(f"unit {index} backward")
+    def _grad_ready(self, unit: Unit, param: nn.Parameter) -> None:  # type: ignore[override]
+        self._copy_out(unit, param)
+        if unit.pending == 0:  # the unit's backward is done: average its gradients, free its parameters
+            if self.requires_sync or not self.unsharded:
+                self._launch(unit)
+            self._free(unit)
+            self._close(unit)
 
-    def _copy_out(self, index: int, param: torch.Tensor) -> None:
+    def _copy_out(self, unit: Unit, param: nn.Parameter) -> None:  # type: ignore[override]
         """Sharded accumulation: stage 2's. Unsharded: add the gradient into the unit's own full buffer, kept
         over the window (0 + g is g exactly, so the sums are stage 0's: each rank's micro-batches in turn)."""
         if not self.unsharded:
-            return super()._copy_out(index, param)
-        buffer = self.filling.get(index)
+            return super()._copy_out(unit, param)
+        buffer = self.filling.get(unit.index)
         if buffer is None:
-            buffer = self.filling[index] = torch.zeros(self.lengths[index], dtype=self.shards[0].dtype,
-                                                       device=self.shards[0].device)
-        start, strides = self.place[id(param)]
-        buffer.as_strided(param.shape, strides, start).add_(param.grad)
+            buffer = self.filling[unit.index] = unit.zeros()
+        unit.view(buffer, param).add_(param.grad)
         param.grad = None
 
     def _release(self, buffer: torch.Tensor) -> None:
         if not self.unsharded:  # unsharded buffers are each unit's own length, not the pool's
             super()._release(buffer)
 
-    def prepare(self, sync: bool) -> None:
-        self._check_complete()
-        super().prepare(sync)
-        self.sync = sync
-
-    def finish(self) -> None:
-        self._check_complete()
-        super().finish()
-
-    def _check_complete(self) -> None:
-        """Every unit's gradients in, in the last backward (a parameter left without a gradient would leave its
-        unit waiting, and its all-gathers out of step with the other ranks')."""
-        done = sum(count == 0 for count in self.pending)  # pending: per unit, gradients still to come
-        if done not in (0, len(self.units)):
-            waiting = [index for index, count in enumerate(self.pending) if count]
-            raise RuntimeError(f"ZeRO stage 3: unit(s) {waiting} got no gradient for some parameter in the last "
-                               f"backward; every trainable parameter must take part in the loss")
-
-    def gather_params(self) -> None:
-        """Nothing after the step: the optimizer updated the shards, which the next forward gathers."""
+    def gathered_peak(self) -> dict[str, int]:
+        return dict(self.peak)
 
     # ------------------------------------------------------------------------------------------------------
-    # The whole model: checkpoints, and the trained model handed back
+    # The whole model: state dicts, and the model handed back
     # ------------------------------------------------------------------------------------------------------
-    def _names(self, model: nn.Module) -> dict[int, list[str]]:
-        names: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        return names
-
-    def model_state(self, model: nn.Module) -> dict[str, Any] | None:
-        """The whole state_dict on rank 0's CPU, gathered one unit at a time (None on the other ranks)."""
+    def model_state_dict(self) -> dict[str, Any]:
+        """The whole state_dict on rank 0's CPU, gathered one unit at a time ({} on the other ranks)."""
         gathered: dict[str, torch.Tensor] = {}
-        names = self._names(model)
-        for index, unit_params in enumerate(self.buckets):
-            self._materialize(index)
+        names: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        for unit in self.units:
+            self._materialize(unit)
             if self.rank == 0:
-                for p in unit_params:
+                for p in unit.params:
                     gathered.update((name, p.detach().cpu().clone()) for name in names[id(p)])
-            self._free(index)
+            self._free(unit)
         if self.rank != 0:
-            return None
-        return {key: gathered.get(key, value) for key, value in model.state_dict().items()}
+            return {}
+        return {key: gathered.get(key, value.detach().cpu()) for key, value in self.model.state_dict().items()}
 
-    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Load a whole state_dict (every rank has it): unit by unit into a full flat, whose slice becomes this
-        rank's shard; buffers as they are."""
-        expected = model.state_dict().keys()
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a whole state_dict (every rank passes the same): unit by unit into a full flat, whose chunk
+        becomes this rank's shard; buffers as they are."""
+        expected = self.model.state_dict().keys()
         if set(state) != set(expected):
             raise RuntimeError(f"Error(s) in loading state_dict: missing keys {sorted(set(expected) - set(state))}, "
                                f"unexpected keys {sorted(set(state) - set(expected))}")
-        names = self._names(model)
         with torch.no_grad():
-            for index, unit_params in enumerate(self.buckets):
-                flat = self._allocate(index)
-                flat.zero_()  # the padding
-                for p in unit_params:
-                    p.copy_(state[names[id(p)][0]])
-                self.shards[index].copy_(self.shard_of(flat))
-                self._free(index)
-            for name, buffer in model.named_buffers():
+            for unit in self.units:
+                self._materialize(unit)
+                unit.flat.zero_()  # the padding
+                for p in unit.params:
+                    p.copy_(state[self.names[id(p)]])
+                self.weights[unit.index].copy_(self.comm.chunk(unit.flat))
+                self._free(unit)
+            for name, buffer in self.model.named_buffers():
                 buffer.copy_(state[name])
 
-    def release_model(self) -> None:
-        """Gather every unit for good and remove the hooks: the model is whole and ordinary again (the sync is
-        done)."""
-        for index in range(len(self.units)):
-            self._materialize(index)
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-
-
-def make_sync(stage: int, model: nn.Module, bucket_mb: float, overlap: bool, allreduce: str = "torch",
-              timeout_s: float | None = None, blocks: list[nn.Module] = (), accumulate: str = "sharded"
-              ) -> GradientSync:
-    """The hand-written sync for ZeRO ``stage`` 0 (replicated: gradsync.GradientSync), 1, 2 or 3 (whose units
-    are ``blocks`` and the root, and which accumulates ``accumulate``: see ZeroStage3)."""
-    if stage == 3:
-        return ZeroStage3(model, bucket_mb, overlap, allreduce, timeout_s, blocks, accumulate)
-    return (GradientSync, ZeroStage1, ZeroStage2)[stage](model, bucket_mb, overlap, allreduce, timeout_s)
-
-
-class FSDPSync:
-    """PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard) on the same units, behind the sync interface: the
-    anchor for stage 3 (``reshard_after_forward`` True) and, with it False, for a stage 2 whose parameters are
-    sharded between steps. Accumulation is FSDP2's own: set_requires_gradient_sync(False) keeps the unsharded
-    gradients until the window's last micro-batch reduce-scatters them. Checkpoints go through
-    torch.distributed.checkpoint's full state dicts, turned into the same form as ours (parameters by index)."""
-
-    def __init__(self, model: nn.Module, blocks: list[nn.Module], stage: int):
-        from torch.distributed.fsdp import fully_shard
-        for block in blocks:
-            fully_shard(block, reshard_after_forward=stage == 3)
-        fully_shard(model, reshard_after_forward=stage == 3)
-        self.model = model
-        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self.model.parameters())  # DTensors: each rank's shard of every parameter
-
-    def prepare(self, sync: bool) -> None:
-        self.model.set_requires_gradient_sync(sync)
-
-    def finish(self) -> None:
-        pass  # FSDP2 waits for its reduce-scatters at the end of backward
-
-    def gather_params(self) -> None:
-        pass  # gathered at the next forward
-
-    def zero_grad(self) -> None:
-        self.model.zero_grad(set_to_none=False)  # keep the sharded gradients, as our accumulators are kept
-
-    def _reshard(self) -> None:
-        """Every unit sharded, before a state dict: an evaluation's forward with reshard_after_forward=False
-        (--zero 2) leaves its units gathered (no backward comes to reshard them), and the state dict would then
-        miss the parameters the optimizer holds."""
-        from torch.distributed.fsdp import FSDPModule
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
-    def _options(self) -> Any:
-        """Full state dicts on rank 0's CPU."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        self._reshard()
-        full = get_optimizer_state_dict(self.model, optimizer, options=self._options())  # keyed by name
-        if dist.get_rank() != 0:
-            return None
-        index = {name: i for i, name in enumerate(self.names)}
-        return {"state": {index[name]: value for name, value in full["state"].items()},
-                "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                                 for group in full["param_groups"]]}
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        named = {"state": {self.names[i]: value for i, value in state["state"].items()},
-                 "param_groups": [{**group, "params": [self.names[i] for i in group["params"]]}
-                                  for group in state["param_groups"]]}
-        set_optimizer_state_dict(self.model, optimizer, named, options=StateDictOptions(full_state_dict=True))
-
-    def model_state(self, model: nn.Module) -> dict[str, Any] | None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        self._reshard()
-        state = get_model_state_dict(model, options=self._options())
-        return state if dist.get_rank() == 0 else None
-
-    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-    def release_model(self) -> None:
-        pass  # the parameters stay DTensors: full_tensor() gathers one
-
-    def sent_bytes(self) -> None:
-        return None  # inside FSDP2 and gloo: not counted
-
     def close(self) -> None:
-        pass
+        """Gather every unit for good, then remove the hooks: the model is whole and ordinary again."""
+        for unit in self.units:
+            self._materialize(unit)
+        super().close()
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: GradientSync | DDPSync
-                ) -> dict[str, int]:
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Stage 3's units when none are given: every module directly inside an nn.ModuleList of the model (the
+    transformer's convention for its blocks)."""
+    return [child for module in model.modules() if isinstance(module, nn.ModuleList) for child in module]
+
+
+def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
+          group: dist.ProcessGroup | None = None, collectives: str = "torch", *, bucket_mb: float = 25.0,
+          overlap: bool = True, accumulate: str = "sharded", timeout_s: float | None = None) -> Any:
+    """Data parallelism at ZeRO ``stage`` over ``group`` (default: the world) for ``model``, in place: the group's
+    rank 0's weights and buffers are broadcast first (as DistributedDataParallel does), then the model's
+    parameters become views of flat buckets (stages 1-3), and hooks do the rest (module docstring).
+
+    ``units`` (stage 3): the modules gathered one at a time (default: default_units); the root owns the
+    parameters no unit does. ``collectives``: "torch" (torch.distributed's), "ring" (allreduce.py's, on a thread
+    of its own), or at stage 0 "butterfly". ``bucket_mb`` (stages 0-2): the largest bucket; ``overlap`` (stages
+    0, 1): average each bucket as backward completes it, rather than after backward; ``accumulate`` (stage 3):
+    "sharded" (reduce-scatter every micro-batch) or "unsharded" (keep full gradients over the window)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero.shard: stage is 0, 1, 2 or 3, not {stage!r}")
+    kinds = ("torch", "ring", "butterfly") if stage == 0 else ("torch", "ring")
+    if collectives not in kinds:
+        raise ValueError(f"zero.shard: stage {stage} runs on {' or '.join(kinds)} collectives, not {collectives!r}"
+                         + (" (the butterfly has no reduce-scatter and all-gather)" if stage else ""))
+    if stage >= 2 and not overlap:
+        raise ValueError(f"zero.shard: stage {stage} reduce-scatters gradients as backward produces them "
+                         f"(overlap=False would keep every full gradient: that is stage 1)")
+    if accumulate not in ("sharded", "unsharded") or (accumulate == "unsharded" and stage != 3):
+        raise ValueError(f"zero.shard: accumulate is 'sharded', or 'unsharded' at stage 3; not {accumulate!r} at "
+                         f"stage {stage}")
+    if units is not None and stage != 3:
+        raise ValueError(f"zero.shard: units are stage 3's; stage {stage} shards flat buckets")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("zero.shard: the model has no trainable parameter")
+    if stage == 3:
+        units, owner = stage_3_units(model, default_units(model) if units is None else list(units))
+    broadcast_state(model, group=group)
+    comm = Collectives(group, collectives, timeout_s)
+    if stage == 0:
+        return GradientSync(model, bucket_mb, overlap, comm)
+    if stage == 1:
+        return ZeroStage1(model, bucket_mb, overlap, comm)
+    if stage == 2:
+        return ZeroStage2(model, assign_buckets(trainable, bucket_mb), comm)
+    return ZeroStage3(model, units, owner, comm, accumulate)
+
+
+def stage_3_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], dict[int, nn.Module]]:
+    """The root (if it owns a trainable parameter no unit does) and the units, and each parameter's owner: a unit
+    claims its parameters from the root, an inner unit from an outer one. A unit that is not in the model, or
+    owns nothing, is refused in one line."""
+    names = {id(m): name for name, m in model.named_modules()}
+    owner: dict[int, nn.Module] = {}
+    for module in [model, *units]:
+        if id(module) not in names:
+            raise ValueError(f"zero.shard: a unit ({type(module).__name__}) is not a submodule of the model")
+        owner.update((id(p), module) for p in module.parameters())
+    for unit in units:
+        if not any(owner[id(p)] is unit for p in unit.parameters() if p.requires_grad):
+            raise ValueError(f"zero.shard: unit {names[id(unit)]!r} ({type(unit).__name__}) owns no trainable "
+                             f"parameter (none, or all claimed by units inside it)")
+    root_owns = any(owner[id(p)] is model for p in model.parameters() if p.requires_grad)
+    return ([model] if root_owns else []) + list(units), owner
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Any) -> dict[str, int]:
     """Bytes this rank holds for the weights, the gradients and the optimizer state: the storages behind the
-    model's parameters, behind every .grad the model or the optimizer reaches (and stage 2's buffers), and behind
-    the optimizer's state tensors (ZeroRedundancyOptimizer: its local optimizer's), each storage counted once."""
-    def held(tensors) -> int:
+    model's parameters and the optimizer's, behind every .grad they have and the sync's gradient buffers, and
+    behind the optimizer's state tensors (ZeroRedundancyOptimizer: its local optimizer's), each storage counted
+    once. Taken just before a step: the gradients averaged, stage 3's units all freed (the step's prefetch of the
+    next forward's first units is not yet launched)."""
+    def held(tensors: Iterable[torch.Tensor | None]) -> int:
         storages = {}
         for t in tensors:
             t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
@@ -724,7 +810,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Gradie
 
     optimized = [p for group in optimizer.param_groups for p in group["params"]]
     local = getattr(optimizer, "optim", optimizer)
-    grads = [p.grad for p in list(model.parameters()) + optimized]
-    grads += getattr(sync, "held_gradient_buffers", list)()
+    grads = [p.grad for p in list(model.parameters()) + optimized] + sync.held_gradient_buffers()
     return {"params": held(list(model.parameters()) + optimized), "grads": held(grads),
             "optimizer": held(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))}

@@ -1,0 +1,131 @@
+"""The three collectives data parallelism is made of, in one place: average a flat tensor over a process group
+(all-reduce), average it into this rank's chunk (reduce-scatter), and give every rank every rank's chunk
+(all-gather). gradsync.py's stage 0 and zero.py's stages 1-3 call nothing else.
+
+    comm = Collectives(group=None, kind="torch")       # or "ring" / "butterfly" (allreduce.py's, on a thread)
+    pending = comm.reduce_scatter(flat, "reduce_scatter bucket 3 (1.0 MB)")
+    pending.wait()                                     # comm.chunk(flat) now holds the average of that chunk
+
+A flat given to reduce_scatter or all_gather has ``size`` equal chunks (zero.py pads it); chunk r is rank r's.
+Each call is asynchronous and returns a Pending. Under torch.profiler (the trainer's --profile) it is a range
+named by the caller that opens at the launch and closes when the result has landed, whichever thread lands it.
+
+kind "torch" runs torch.distributed's collectives in place on ``group`` (the output is this rank's chunk of the
+input: NCCL's in-place convention, which gloo follows too). "ring" and "butterfly" run allreduce.py's algorithms,
+point-to-point messages only, on an AllreduceThread: a thread and a process group of its own over the same ranks,
+so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on ``group``.
+``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted; for
+torch's collectives what an ideal ring sends, (W-1)/W of the buffer per reduce-scatter or all-gather and twice
+that per all-reduce (gloo's reduce_scatter_tensor actually all-reduces: it sends twice that).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import utils
+from allreduce import AllreduceThread, ring_all_gather, ring_reduce_scatter, sent_bytes
+
+KINDS = ("torch", "ring", "butterfly")
+
+
+class Pending:
+    """One collective in flight: ``wait()`` once, and its result is in place (a second wait does nothing)."""
+
+    def __init__(self, work: Any, on_thread: bool, ends_range: torch.futures.Future | None = None):
+        self.work, self.on_thread, self.ends_range = work, on_thread, ends_range
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.result() if self.on_thread else self.work.wait()  # result() re-raises the thread's error
+        self.work = None
+        if self.ends_range is not None:  # a Work without a future (gloo's reduce-scatter): its range ends here
+            self.ends_range.set_result(None)
+
+
+class Collectives:
+    """All-reduce, reduce-scatter and all-gather of flat tensors over ``group`` (module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, kind: str = "torch",
+                 timeout_s: float | None = None):
+        if kind not in KINDS:
+            raise ValueError(f"collectives are one of {', '.join(KINDS)}, not {kind!r}")
+        self.group, self.kind = group, kind
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.thread = None if kind == "torch" else AllreduceThread(kind, timeout_s, group=group)
+        self.ring_sent_at_start, self.nominal_sent = sent_bytes(), 0
+
+    def chunk(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a flat tensor of ``size`` equal chunks (a view)."""
+        width = flat.numel() // self.size
+        return flat[self.rank * width:(self.rank + 1) * width]
+
+    def all_reduce(self, flat: torch.Tensor, name: str) -> Pending:
+        """Average ``flat`` over the group in place."""
+        def start() -> Any:
+            if self.thread is not None:
+                return self.thread.submit(flat)  # the ring and the butterfly average: no division here
+            flat.div_(self.size)
+            self.nominal_sent += 2 * (self.size - 1) * flat.numel() * flat.element_size() // self.size
+            return dist.all_reduce(flat, group=self.group, async_op=True)
+        return self._launch(name, start)
+
+    def reduce_scatter(self, flat: torch.Tensor, name: str) -> Pending:
+        """Average chunk ``rank`` of ``flat`` over the group into that chunk (divide by W first, then sum)."""
+        def start() -> Any:
+            flat.div_(self.size)
+            if self.thread is not None:
+                return self.thread.submit(flat, operation=ring_reduce_scatter)
+            self.nominal_sent += self._one_way_bytes(flat)
+            return dist.reduce_scatter_tensor(self.chunk(flat), flat, group=self.group, async_op=True)
+        return self._launch(name, start)
+
+    def all_gather(self, flat: torch.Tensor, name: str, until_landed: bool = True) -> Pending:
+        """Every rank's chunk r of ``flat`` into chunk r of every rank's ``flat``, bit for bit. ``until_landed``
+        False: the range covers the launch only (for one that may land after a profiler's window has closed: a
+        range still open then corrupts the trace)."""
+        def start() -> Any:
+            if self.thread is not None:
+                return self.thread.submit(flat, operation=ring_all_gather)
+            self.nominal_sent += self._one_way_bytes(flat)
+            return dist.all_gather_into_tensor(flat, self.chunk(flat), group=self.group, async_op=True)
+        with torch.no_grad():  # a flat behind parameters: gloo's in-place copies must not be recorded
+            return self._launch(name, start, until_landed)
+
+    def _launch(self, name: str, start: Any, until_landed: bool = True) -> Pending:
+        with utils.profiled(name) as span:
+            work = start()
+            if span is None or not until_landed:
+                return Pending(work, self.thread is not None)
+            # the range ends when the result lands, not when the launch returns: record_function's hand-over to a
+            # future (what torch.distributed.rpc's profiling uses)
+            landed: torch.futures.Future = torch.futures.Future()
+            ends_range = None
+            if self.thread is not None:  # the thread's concurrent.futures.Future, bridged
+                work.add_done_callback(lambda _: landed.set_result(None))
+            else:
+                try:
+                    landed = work.get_future()
+                except RuntimeError:  # gloo's reduce_scatter_tensor: "Work::getFuture not implemented"
+                    ends_range = landed  # completed by Pending.wait once it has waited
+            span._call_end_callbacks_on_future(landed)
+        return Pending(work, self.thread is not None, ends_range)
+
+    def _one_way_bytes(self, flat: torch.Tensor) -> int:
+        """What a ring sends per rank in one reduce-scatter or all-gather of ``flat``: W-1 of its W chunks."""
+        return flat.numel() // self.size * (self.size - 1) * flat.element_size()
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank has sent in these collectives since they were made."""
+        if self.thread is not None:
+            return sent_bytes() - self.ring_sent_at_start
+        return self.nominal_sent
+
+    def close(self) -> None:
+        """Stop the thread and its process group (a second call does nothing)."""
+        if self.thread is not None:
+            self.thread.close()
+            self.thread = None

@@ -1,0 +1,170 @@
+"""PyTorch's own data parallelism behind the interface of zero.shard (gradsync.DataParallel), side by side: the
+references every hand-written stage is measured against.
+
+    DDPSync(model, device, bucket_mb)                       stage 0: DistributedDataParallel
+    DDPSync(model, device, bucket_mb, zero_redundancy=True) stage 1: DDP, then ZeroRedundancyOptimizer's step
+    FSDPSync(model, units, reshard_after_forward=True)      stage 3 (False: a stage 2 sharding the weights between
+                                                            steps): FSDP2's fully_shard on the same units
+
+Each leaves the user's optimizer code as it is and PyTorch's own clipping (torch.nn.utils.clip_grad_norm_, which
+FSDP2's DTensors make global) in place. Their optimizers' state_dict() gives torch.optim's ordinary, unsharded
+form on the group's rank 0 ({} on the others, which must call it too), as zero.shard's do, so a checkpoint of any
+of them loads into any stage.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+
+def make_ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> DistributedDataParallel:
+    """DistributedDataParallel set up as GradientSync works: gradients as views of its buckets, buckets of at
+    most ``bucket_mb``, and no broadcast of rank 0's buffers before every forward (SyncBatchNorm's running
+    statistics agree on every rank anyway; local BatchNorm keeps each rank's own, as ours does).
+
+    That last keyword changed name: newer torch calls it forward_sync_buffers, older torch (2.11 among them)
+    has only broadcast_buffers, with the same meaning. The installed DDP's signature says which it takes.
+    """
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_buffer_sync = "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+                                   **{no_buffer_sync: False})
+
+
+class ConsolidatingZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+    """ZeroRedundancyOptimizer whose state_dict() consolidates first (every rank calls it; rank 0 gets the whole,
+    the others {}), so it is saved as any optimizer is."""
+
+    def state_dict(self) -> dict[str, Any]:
+        self.consolidate_state_dict(to=0)
+        return super().state_dict() if dist.get_rank() == 0 else {}
+
+
+class DDPSync:
+    """DistributedDataParallel (and with ``zero_redundancy`` ZeroRedundancyOptimizer) behind zero.shard's
+    interface. ``module`` is DDP's wrapper: the forward that arms its reducer."""
+
+    def __init__(self, model: nn.Module, device: torch.device, bucket_mb: float, zero_redundancy: bool = False):
+        self.model, self.zero_redundancy = model, zero_redundancy
+        self.module = make_ddp(model, device, bucket_mb)
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
+                  **settings: Any) -> torch.optim.Optimizer:
+        if self.zero_redundancy:
+            return ConsolidatingZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **settings)
+        return optimizer_class(params, **settings)
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        # What no_sync() does, as a setting: DDP reads it in forward and keeps it for that backward.
+        self.module.require_backward_grad_sync = requires
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type, error_if_nonfinite)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if dist.get_rank() == 0 else {}
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)
+
+    def held_gradient_buffers(self) -> list[torch.Tensor]:
+        return []  # the .grad views of DDP's buckets are counted through the parameters
+
+    def gathered_peak(self) -> None:
+        return None
+
+    def sent_bytes(self) -> None:
+        return None  # inside DDP's reducer and gloo: not counted
+
+    def close(self) -> None:
+        pass
+
+
+class FSDPSync:
+    """PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard) on ``units`` and the root, behind zero.shard's
+    interface: the anchor for stage 3 (``reshard_after_forward`` True) and, with it False, for a stage 2 whose
+    weights are sharded between steps. Accumulation is FSDP2's own: set_requires_gradient_sync(False) keeps the
+    unsharded gradients until the window's last micro-batch reduce-scatters them. The parameters become DTensors:
+    build the optimizer after this, from model.parameters(). Its state dicts go through DTensor's full_tensor()
+    and distribute_tensor(), so they are torch.optim's ordinary form (every rank calls state_dict())."""
+
+    def __init__(self, model: nn.Module, units: list[nn.Module], reshard_after_forward: bool):
+        from torch.distributed.fsdp import fully_shard
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        self.module = self.model = model
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
+                  **settings: Any) -> torch.optim.Optimizer:
+        optimizer = optimizer_class(params, **settings)
+        optimizer.register_state_dict_post_hook(self._full_optimizer_state)
+        optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
+        return optimizer
+
+    @staticmethod
+    def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """Every DTensor in the state made whole (a collective: every rank calls it), kept on rank 0's CPU."""
+        full = {index: {key: value.full_tensor().cpu() if hasattr(value, "full_tensor") else value
+                        for key, value in values.items()} for index, values in state["state"].items()}
+        return {"state": full, "param_groups": state["param_groups"]} if dist.get_rank() == 0 else {}
+
+    @staticmethod
+    def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """Each whole state tensor cut like its parameter (every rank passes the same dict)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        sharded = {}
+        for index, values in state["state"].items():
+            p = params[int(index)]
+            sharded[index] = {key: distribute_tensor(value.to(p.device), p.device_mesh, p.placements)
+                              if isinstance(p, DTensor) and torch.is_tensor(value) and value.dim() > 0 else value
+                              for key, value in values.items()}
+        return {"state": sharded, "param_groups": state["param_groups"]}
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        self.model.set_requires_gradient_sync(requires)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type, error_if_nonfinite)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _reshard(self) -> None:
+        """Every unit sharded, before a state dict: an evaluation's forward with reshard_after_forward=False
+        leaves its units gathered (no backward comes to reshard them), and the state dict would then miss the
+        parameters the optimizer holds."""
+        from torch.distributed.fsdp import FSDPModule
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def model_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        self._reshard()
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if dist.get_rank() == 0 else {}
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+
+    def held_gradient_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def gathered_peak(self) -> None:
+        return None
+
+    def sent_bytes(self) -> None:
+        return None  # inside FSDP2 and gloo: not counted
+
+    def close(self) -> None:
+        pass  # the parameters stay DTensors: full_tensor() gathers one
