@@ -33,16 +33,14 @@ shard with the running BatchNorm statistics (broadcast from rank 0 first) and th
 top-1/top-5 counts are dist.reduce'd to rank 0, so the accuracy equals a single-process evaluation for any world
 size.
 
-Sharded data parallelism (--zero 1|2|3, zero.py): the optimizer's state (1), the gradients too (2), and the
-parameters too (3) are split over the ranks; each rank steps its shard of every bucket (of every unit, at 3) and
-the updated shards are all-gathered into every rank's model after the step (sync.gather_params(); at 3, unit by
-unit around each unit's forward and backward, from hooks), so the loop below is the same for every stage.
---grad-sync ddp --zero 1 is PyTorch's ZeroRedundancyOptimizer over DDP; --grad-sync fsdp --zero 3 (2) is FSDP2's
-fully_shard on the same units as our stage 3, resharding after forward (or not). With the parameters sharded,
-every forward is a collective: the scattered validation has every rank run as many forwards as the busiest
-(empty batches for the others). --metrics-out reports state_bytes, the largest rank's bytes of weights, gradients
-and optimizer state between steps, sent_bytes_per_step, and at stage 3 gathered_peak (the most units gathered at
-once besides the root, and the most bytes of full parameters).
+Sharded data parallelism (--zero 1|2|3): zero.shard, whose contract this loop uses and nothing else:
+sync.set_requires_gradient_sync before each backward, sync.clip_grad_norm_ (--clip-grad-norm), the optimizer
+built by sync.optimizer over the model's own parameters (--norm-weight-decay: two groups), optimizer.step() and
+zero_grad(), the state dicts; the loop is the same at every stage. --grad-sync ddp (--zero 1:
+ZeroRedundancyOptimizer) and fsdp (FSDP2's fully_shard on the same units as stage 3) are references.py's, behind
+the same interface. With the parameters sharded every forward is a collective: the scattered validation has
+every rank run as many forwards as the busiest (empty batches for the others). --metrics-out reports
+state_bytes, sent_bytes_per_step and at stage 3 gathered_peak (zero.py and the README say what they count).
 
 Checkpoints and exact resume: rank 0 writes DIR/last.pt atomically (temporary file, flush, fsync, os.replace)
 at epoch ends, every --checkpoint-every steps and when --max-steps stops the run. Nothing random is carried from
@@ -52,9 +50,8 @@ optimizer step) before every step, so the checkpoint (model, optimizer, schedule
 is all a resumed run needs to continue bit for bit; a resumed image-folder run decodes none of the samples it
 skips. On resume rank 0 reads the file and broadcasts it, so other nodes need no shared file system.
 "model" is the bare model's full state_dict and "optimizer" torch.optim's state_dict over the model's trainable
-parameters in order, whatever --zero or --grad-sync (the sharded stages gather their shards to rank 0's CPU one
-bucket or unit at a time; FSDP2's go through torch.distributed.checkpoint's full state dicts), so any stage at any
-world size loads it. A run is identified by its global batch (batch size x grad-accum
+parameters numbered group by group, whatever --zero or --grad-sync (the sharded stages gather their shards to rank
+0's CPU one bucket or unit at a time; FSDP2's DTensors are made whole), so any stage at any world size loads it. A run is identified by its global batch (batch size x grad-accum
 x processes), not by its number of processes: micro-batch j of an epoch holds the same B x W samples (the
 sampler's order, rank r taking every W-th) and SyncBatchNorm normalizes over all of them, however they are split,
 so a run stopped on 2 processes resumes on 4 with --batch-size halved and ends where it would have, up to float

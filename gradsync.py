@@ -152,12 +152,12 @@ class BucketedSync:
     word = "bucket"  # what a bucket is called in profiler ranges (stage 3: "unit")
     bucket_class = Bucket  # (stage 3: zero.Unit)
 
-    def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], comm: Collectives, chunks: int):
+    def __init__(self, model: nn.Module, bucketed: list[list[nn.Parameter]], comm: Collectives, chunks: int):
         self.module = self.model = model
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.size
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = [self.bucket_class(index, params, chunks, self.word) for index, params in enumerate(groups)]
+        self.buckets = [self.bucket_class(index, params, chunks, self.word) for index, params in enumerate(bucketed)]
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.requires_sync = True

@@ -15,7 +15,7 @@ import references
 from collectives import Collectives
 from gradsync import GradientSync
 from models import build_model
-from test_ddp_cifar100 import TINY, max_difference, train_in_group
+from trainer_testing import TINY, max_difference, train_in_group
 
 
 def count_all_reduces(rank, world_size, argv):

@@ -28,7 +28,8 @@ def test_expected_output_shape():
     assert expected_output(1, 1) == "Process 0\n"
 
 
-@pytest.mark.parametrize("world_size,num_iter,runs", [(1, 10, 2), (2, 10, 2), (5, 4, 2), (16, 2, 1)])
+# a world of 1 is test_default_is_ten_iterations_in_a_world_of_one's; repeatability is shown at 2 processes
+@pytest.mark.parametrize("world_size,num_iter,runs", [(2, 10, 2), (5, 4, 1), (16, 2, 1)])
 def test_rank_ordered_output_is_exact_and_repeatable(world_size, num_iter, runs):
     outputs = [run_torchrun(world_size, num_iter) for _ in range(runs)]
     for out in outputs:

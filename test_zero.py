@@ -15,6 +15,7 @@ processes through FSDP2 and stage 3 1.0e-13 / 1.4e-14 / 1.8e-13. 1e-11 keeps a f
 averaged over the wrong ranks, a micro-batch lost or counted twice, a step on stale weights, a unit gathered
 from stale shards) moves the weights at first order, by about the learning rate (1e-2), nine orders above it.
 """
+import copy
 import threading
 
 import pytest
@@ -27,7 +28,7 @@ import zero
 from gradsync import assign_buckets
 from data import MemoryData
 from models import blocks
-from test_ddp_cifar100 import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
+from trainer_testing import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
                                try_train_in_group)
 
 # 1 epoch: 64 samples per rank at 2 processes (43 at 3: uneven shards of the data too) in micro-batches of 8,
@@ -118,10 +119,20 @@ def recipe_runs(local_group):
                 ("stage 3 ring", ["--zero", "3", "--allreduce", "ring"]), ("ddp", ["--grad-sync", "ddp"]),
                 ("zero redundancy", ["--grad-sync", "ddp", "--zero", "1"]),
                 ("fsdp 2", ["--grad-sync", "fsdp", "--zero", "2"]), ("fsdp 3", ["--grad-sync", "fsdp", "--zero", "3"])]
-    return local_group(2).run(train_variants, RECIPE, variants)
+    runs = local_group(2).run(train_variants, RECIPE, variants)
+    unclipped = local_group(2).run(train_variants, BASE + RECIPE[len(BASE):-2], [("stage 0", ["--zero", "0"])])
+    return runs, unclipped[0]["stage 0"]
+
+
+def test_the_clipping_changes_the_steps(recipe_runs):
+    """Without --clip-grad-norm stage 0 ends elsewhere: the flag is applied, not only measured."""
+    runs, unclipped = recipe_runs
+    assert max_difference(runs[0]["stage 0"]["state"], unclipped["state"]) > 1e-4
+    assert unclipped["metrics"]["grad_norms"] == []
 
 
 def test_clipping_and_decay_groups_take_stage_0s_steps_at_every_sync(recipe_runs):
+    recipe_runs, _ = recipe_runs
     reference = recipe_runs[0]["stage 0"]["metrics"]
     norms = reference["grad_norms"]
     assert len(norms) == reference["optimizer_steps"] == 3
@@ -331,6 +342,36 @@ def overflow_in_one_shard(rank, world_size, zero_stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(local_group, stage):
     assert local_group(2).run(overflow_in_one_shard, stage) == [(2.0, True), (2.0, True)]
+
+
+def clipped_by_the_inf_norm(rank, world_size, stage):
+    """One SGD step of a sharded model clipped by the inf-norm (the largest |g| over every rank's shards: an
+    all-reduce MAX), beside an unsharded copy whose averaged gradient torch.nn.utils.clip_grad_norm_ clips:
+    (our norm, torch's, the largest weight difference after the step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+    reference = copy.deepcopy(model)
+    sharded = zero.shard(model, stage, bucket_mb=1e-4)  # buckets of a tensor or two: a norm over several
+    optimizer = sharded.optimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).sum().backward()
+    norm = sharded.clip_grad_norm_(0.01, norm_type=float("inf"))
+    optimizer.step()
+    reference(x).pow(2).sum().backward()
+    for p in reference.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type=float("inf"))
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    sharded.close()
+    return float(norm), float(expected), max_difference(model.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_by_the_inf_norm_takes_the_largest_element_of_every_shard(local_group, stage):
+    for norm, expected, worst in local_group(2).run(clipped_by_the_inf_norm, stage):
+        assert norm == expected > 0.01  # a max is exact; and it bites
+        assert worst < 1e-15
 
 
 def profiled_ranges(rank, world_size, argv, directory):

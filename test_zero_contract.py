@@ -216,7 +216,12 @@ def train_and_resume(stage: int, collectives: str, seed: int, group=None) -> dic
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     out = {"norms": train_steps(model, sharded, optimizer, scheduler, data, range(STEPS), rank)}
     out["weights"] = cloned(sharded.model_state_dict())
-    out["optimizer"] = cloned(optimizer.state_dict())
+    state = optimizer.state_dict()
+    # every state tensor its own, as an unsharded optimizer's: a step count shared by several parameters would be
+    # advanced once per parameter by a plain optimizer that loads it
+    tensors = [value for entry in state.get("state", {}).values() for value in entry.values() if torch.is_tensor(value)]
+    out["state storages"] = (len({t.untyped_storage().data_ptr() for t in tensors}), len(tensors))
+    out["optimizer"] = cloned(state)
     out["tied"] = model.head.weight is model.tok_emb.weight
     if stage < 3:  # the live parameters are whole between steps
         out["live"] = cloned(model.state_dict())
@@ -447,6 +452,8 @@ def compare_optimizer_states(ours: dict, theirs: dict) -> float:
 def test_optimizer_state_dict_is_torch_optims_own(runs, name):
     world_size, ranks, ref = runs
     worst = compare_optimizer_states(ranks[0][name]["optimizer"], ref["optimizer"])
+    storages, tensors = ranks[0][name]["state storages"]
+    assert storages == tensors > 0
     print(f"\n{world_size} processes, {name}: optimizer state, max relative difference {worst:.1e}")
     assert worst < NORM_RTOL
     if not name.startswith("stage 0"):

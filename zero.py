@@ -389,8 +389,8 @@ class ZeroStage2(Sharded, BucketedSync):
     stage = 2
     collective = "reduce_scatter"
 
-    def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], comm: Collectives):
-        BucketedSync.__init__(self, model, groups, comm, chunks=comm.size)
+    def __init__(self, model: nn.Module, bucketed: list[list[nn.Parameter]], comm: Collectives):
+        BucketedSync.__init__(self, model, bucketed, comm, chunks=comm.size)
         self.param_flats = [self._flatten(bucket) for bucket in self.buckets]
         self._shard([self._weights_shard(flat) for flat in self.param_flats],
                     [torch.zeros(b.length // comm.size, dtype=b.params[0].dtype, device=b.params[0].device)
@@ -520,8 +520,8 @@ class ZeroStage3(ZeroStage2):
     def __init__(self, model: nn.Module, units: list[nn.Module], owner: dict[int, nn.Module], comm: Collectives,
                  accumulate: str):
         self.unsharded = accumulate == "unsharded"
-        groups = [[p for p in unit.parameters() if p.requires_grad and owner[id(p)] is unit] for unit in units]
-        super().__init__(model, groups, comm)
+        owned = [[p for p in unit.parameters() if p.requires_grad and owner[id(p)] is unit] for unit in units]
+        super().__init__(model, owned, comm)
         self.units: list[Unit] = self.buckets  # type: ignore[assignment]
         for unit, module in zip(self.units, units):
             unit.module, unit.flat = module, self.param_flats[unit.index]

@@ -1,0 +1,63 @@
+"""What the trainer's tests share (test_ddp_cifar100, test_gradsync, test_zero): the tiny run's flags, the worker
+functions a LocalGroup runs (module level, so the spawned workers import them), and a seeded model with a
+labelled set. Not a test file: pytest collects nothing here."""
+import torch
+
+import ddp_cifar100 as trainer
+from data import CIFAR100_MEAN, CIFAR100_STD, make_synthetic, normalize
+from models import build_model
+
+TINY = ["--device", "cpu", "--dataset", "synthetic", "--train-size", "128", "--val-size", "50", "--batch-size", "8",
+        "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4"]
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def train_in_group(rank, world_size, argv, dtype="float32"):
+    """train() in a worker; the bare model's state on every rank and the metrics (rank 0's are the global ones).
+    ``dtype`` is the default dtype the model and data are made in (float64: exactness beyond fp32 rounding)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        metrics = trainer.train(trainer.parse_args(argv))
+    finally:
+        torch.set_default_dtype(previous)
+    model = metrics.pop("model")
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return {"state": {k: v.detach().clone() for k, v in state.items()}, "metrics": metrics}  # FSDP2: DTensors
+
+
+def try_train_in_group(rank, world_size, argv):
+    """Like train_in_group, but a UsageError comes back as its message instead of breaking the group."""
+    try:
+        return train_in_group(rank, world_size, argv)
+    except trainer.UsageError as exc:
+        return f"UsageError: {exc}"
+
+
+def normalized_batch(image_set, indices, epoch_key=None):
+    """An in-memory batch as the trainer feeds it to the model: normalized with CIFAR-100's mean and std."""
+    images, labels = image_set.batch(indices, epoch_key)
+    mean = torch.tensor(CIFAR100_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR100_STD).view(1, 3, 1, 1)
+    return normalize(images, mean, std, torch.contiguous_format), labels
+
+
+def model_and_labelled_set(val_size, seed):
+    torch.manual_seed(seed)
+    model = build_model("resnet", 0.0, "local")
+    with torch.no_grad():  # non-trivial running statistics, so that eval-mode BatchNorm matters
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    _, data = make_synthetic(8, val_size, seed)
+    with torch.no_grad():
+        predictions = model(normalized_batch(data, torch.arange(val_size))[0]).argmax(1)
+    wrong = torch.arange(val_size) % 3 == 0
+    data.labels = torch.where(wrong, (predictions + 1) % 100, predictions)
+    return model, data
