@@ -1,5 +1,6 @@
 """zero.py: ZeRO stages 1 to 3 inside the trainer, against the replicated run (stage 0), DDP, PyTorch's
-ZeroRedundancyOptimizer and FSDP2, in the session's reusable gloo workers (``local_group``).
+ZeroRedundancyOptimizer and FSDP2, in the session's reusable gloo workers (``local_group``). The contract in a loop
+of a user's own is test_zero_contract.py's.
 
 The exactness claims are carried in float64 (as test_ddp_cifar100.py's): stage 1 computes exactly what stage 0
 computes, in the same order (each rank's window of micro-batches summed locally, then averaged over ranks), so
@@ -8,12 +9,10 @@ with the same collective the weights are bit-identical (the ring adds three rank
 every micro-batch over ranks before adding the micro-batches, so their sums are ordered otherwise; over an epoch
 the trajectory amplifies that rounding (AdamW most, since its first steps are close to lr * sign(g), and a
 gradient element that cancels to near zero flips with rounding), which leaves up to some thousands of float64
-units of 2^-53: measured here against stage 0 under ATEN_CPU_CAPABILITY=default / avx2 / avx512, stages 2 and 3
-at 2 processes (AdamW, grad-accum 3) 3.4e-15 / 2.5e-13 / 3.5e-13, at 3 processes (AdamW, grad-accum 2, uneven
-shards) stage 2 1.0e-13 / 6.0e-14 / 6.0e-14 and stage 3 1.0e-13 / 9.6e-14 / 9.6e-14, and the run resumed on 4
-processes through FSDP2 and stage 3 1.0e-13 / 1.4e-14 / 1.8e-13. 1e-11 keeps a factor 30; a real error (a shard
-averaged over the wrong ranks, a micro-batch lost or counted twice, a step on stale weights, a unit gathered
-from stale shards) moves the weights at first order, by about the learning rate (1e-2), nine orders above it.
+units of 2^-53 (the README gives what was measured, under each ATEN_CPU_CAPABILITY: at most a few 1e-13).
+1e-11 keeps a factor 30; a real error (a shard averaged over the wrong ranks, a micro-batch lost or counted
+twice, a step on stale weights, a unit gathered from stale shards) moves the weights at first order, by about
+the learning rate (1e-2), nine orders above it.
 """
 import copy
 import threading

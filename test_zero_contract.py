@@ -491,30 +491,31 @@ def test_two_replicas_on_sub_groups_each_train_as_if_alone(replica_runs, name):
     assert max_difference(replica_runs[0][name]["weights"], replica_runs[2][name]["weights"]) > 1e-3
 
 
+def one_line_refusals(misuse: list[dict], key: str, kind: str) -> list[str]:
+    """Every rank's refusal recorded under ``key``: an exception of ``kind`` with a one-line message; the messages."""
+    messages = []
+    for r in misuse:
+        got, message = r[key]
+        print(f"\n{key}: {got}: {message}")
+        assert got == kind and "\n" not in message.strip(), message
+        messages.append(message)
+    return messages
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_an_optimizer_built_outside_sharded_optimizer_refuses_to_step(misuse, stage):
-    for r in misuse:
-        kind, message = r[f"outside optimizer, stage {stage}"]
-        print(f"\nstage {stage}, an outside AdamW's step: {kind}: {message}")
-        assert kind == "RuntimeError", message
-        assert "sharded.optimizer" in message and "\n" not in message.strip(), message
-        assert r[f"outside optimizer, stage {stage}, weights unchanged"]
+    for message in one_line_refusals(misuse, f"outside optimizer, stage {stage}", "RuntimeError"):
+        assert "sharded.optimizer" in message
+    assert all(r[f"outside optimizer, stage {stage}, weights unchanged"] for r in misuse)
 
 
 def test_stage_4_is_refused_in_one_line(misuse):
-    for r in misuse:
-        kind, message = r["stage 4"]
-        print(f"\nzero.shard(model, 4): {kind}: {message}")
-        assert kind == "ValueError", message
-        assert "\n" not in message.strip(), message
+    one_line_refusals(misuse, "stage 4", "ValueError")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_parameter_without_gradient_is_named_at_the_end_of_backward(misuse, stage):
-    for r in misuse:
-        kind, message = r[f"unused parameter, stage {stage}"]
-        print(f"\nstage {stage}, a parameter without gradient: {kind}: {message}")
-        assert kind == "RuntimeError", message
+    for message in one_line_refusals(misuse, f"unused parameter, stage {stage}", "RuntimeError"):
         assert "blocks.1.spare.weight" in message or "blocks.1.spare.bias" in message, message
 
 
