@@ -51,15 +51,15 @@ is all a resumed run needs to continue bit for bit; a resumed image-folder run d
 skips. On resume rank 0 reads the file and broadcasts it, so other nodes need no shared file system.
 "model" is the bare model's full state_dict and "optimizer" torch.optim's state_dict over the model's trainable
 parameters numbered group by group, whatever --zero or --grad-sync (the sharded stages gather their shards to rank
-0's CPU one bucket or unit at a time; FSDP2's DTensors are made whole), so any stage at any world size loads it. A run is identified by its global batch (batch size x grad-accum
-x processes), not by its number of processes: micro-batch j of an epoch holds the same B x W samples (the
-sampler's order, rank r taking every W-th) and SyncBatchNorm normalizes over all of them, however they are split,
-so a run stopped on 2 processes resumes on 4 with --batch-size halved and ends where it would have, up to float
-summation order; this is what torchrun's elastic restarts need when a node is lost (--nnodes MIN:MAX). A
-resume that changes the global batch is refused with the --batch-size that keeps it; one whose weights depend on
-the split (--norm local, dropout) says so and goes on. (The micro-batches are the same where the training set
-divides evenly over both numbers of processes; otherwise DistributedSampler pads each rank's shard by repeating
-samples, and how many depends on W.)
+0's CPU one bucket or unit at a time; FSDP2's DTensors are made whole), so any stage at any world size loads it.
+A run is identified by its global batch (batch size x grad-accum x processes), not by its number of processes:
+micro-batch j of an epoch holds the same B x W samples (the sampler's order, rank r taking every W-th) and
+SyncBatchNorm normalizes over all of them, however they are split, so a run stopped on 2 processes resumes on 4 with
+--batch-size halved and ends where it would have, up to float summation order; this is what torchrun's elastic
+restarts need when a node is lost (--nnodes MIN:MAX). A resume that changes the global batch is refused with the
+--batch-size that keeps it; one whose weights depend on the split (--norm local, dropout) says so and goes on. (The
+micro-batches are the same where the training set divides evenly over both numbers of processes; otherwise
+DistributedSampler pads each rank's shard by repeating samples, and how many depends on W.)
 
 Bit-for-bit claims (resume, restarts, two nodes, custom == DDP) are facts of the CPU kernels. On CUDA,
 convolutions pick nondeterministic algorithms unless asked: --deterministic sets
@@ -191,7 +191,10 @@ def trajectory_config(args: argparse.Namespace, world_size: int, schedule_steps:
     """The settings that decide the sequence of weights; a checkpoint resumes only a run that agrees on all."""
     config = {key: getattr(args, key) for key in
               ("model", "dataset", "grad_accum", "epochs", "optimizer", "lr", "momentum", "weight_decay",
-               "norm_weight_decay", "clip_grad_norm", "scheduler", "amp", "seed", "augment", "image_size")}
+               "scheduler", "amp", "seed", "augment", "image_size")}
+    # named only when given, so that a checkpoint from before these flags existed still resumes without them
+    config.update({key: getattr(args, key) for key in ("norm_weight_decay", "clip_grad_norm")
+                   if getattr(args, key) is not None})
     # A run is its global batch, not its number of processes: B x K x W samples per step (the same sample
     # order, and SyncBatchNorm's statistics over the same B x W samples per micro-batch, for any split).
     config["global_batch"] = args.batch_size * args.grad_accum * world_size
