@@ -533,6 +533,32 @@ def test_a_resume_that_changes_the_global_batch_names_the_batch_size_that_keeps_
     assert "--batch-size 4 keeps it on 4 processes" in messages[0]
 
 
+def misfits():
+    """zero.shard's arguments that do not fit a small ResNet, each with the phrase its one line must hold."""
+    model = trainer.build_model("resnet", 0.0, "local")
+    relu = next(m for m in model.modules() if isinstance(m, torch.nn.ReLU))
+    return model, [
+        (dict(stage=5), "stage is 0, 1, 2 or 3, not 5"),
+        (dict(stage=2, collectives="butterfly"), "stage 2 runs on torch or ring collectives, not 'butterfly'"),
+        (dict(stage=2, overlap=False), "overlap=False would keep every full gradient"),
+        (dict(stage=2, accumulate="unsharded"), "accumulate is 'sharded', or 'unsharded' at stage 3"),
+        (dict(stage=2, units=blocks(model)), "units are stage 3's"),
+        (dict(stage=3, units=[relu]), f"unit {[n for n, m in model.named_modules() if m is relu][0]!r} (ReLU) owns "
+                                      f"no trainable parameter"),
+        (dict(stage=3, units=[torch.nn.Linear(2, 2)]), "a unit (Linear) is not a submodule of the model"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_arguments_that_do_not_fit_are_refused_in_one_line_before_any_collective(case):
+    """No process group exists here: each refusal comes before shard() broadcasts or builds anything."""
+    model, cases = misfits()
+    arguments, phrase = cases[case]
+    with pytest.raises(ValueError) as refused:
+        zero.shard(model, **arguments)
+    assert phrase in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
 @pytest.mark.parametrize("flags,phrase", [
     (["--grad-sync", "ddp", "--zero", "2"], "--grad-sync ddp takes --zero 0 or 1"),
     (["--zero", "1", "--allreduce", "butterfly"], "--allreduce torch or ring"),
