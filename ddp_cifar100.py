@@ -352,7 +352,6 @@ class Run:
     comm_device: torch.device  # where collectives' tensors live: the GPU with nccl, else the CPU
     data: MemoryData | FolderData
     model: nn.Module  # the bare model: checkpoints and evaluation
-    forward: nn.Module  # what the training step calls: the model, or DDP around it
     sync: DataParallel  # zero.shard's stages, DDP (with ZeroRedundancyOptimizer) or FSDP2
     optimizer: torch.optim.Optimizer  # built by sync.optimizer over the model's parameters
     scheduler: Any
@@ -453,7 +452,7 @@ def set_up(args: argparse.Namespace) -> Run:
     recent = None
     if ctx.rank == 0 and (writer is not None or sys.stderr.isatty()):  # someone will see the figures
         recent = RecentSteps(torch.zeros((), dtype=torch.float64, device=device))
-    return Run(args, ctx, comm_device, data, model, sync.module, sync, optimizer, scheduler, scaler,
+    return Run(args, ctx, comm_device, data, model, sync, optimizer, scheduler, scaler,
                {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp], steps_per_epoch,
                trajectory_config(args, ctx.world_size, schedule_steps, data),
                os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None, writer,
@@ -538,7 +537,7 @@ def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.T
         with utils.profiled(f"micro-batch {count}/{len(window)} ({'sync' if sync else 'no sync'})"):
             with utils.profiled("forward"), torch.autocast(run.device.type, enabled=run.amp_dtype is not None,
                                                            dtype=run.amp_dtype or torch.float32):
-                logits = run.forward(images)
+                logits = run.sync.module(images)  # the model, or DDP around it
                 per_sample = F.cross_entropy(logits.float() if run.amp_dtype else logits, labels,
                                              reduction="none")
             with utils.profiled("backward"):

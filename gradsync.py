@@ -207,6 +207,16 @@ class BucketedSync:
                 bucket.handle.wait()
                 bucket.handle = None
 
+    def model_state_dict(self) -> dict[str, Any]:
+        """The model's state_dict on rank 0 of the group (CPU tensors), {} on the others: the model is whole on
+        every rank between steps (stage 3 overrides this)."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a whole state_dict (every rank passes the same); at stages 1 and 2 the weights' shards are views
+        of the model's parameters, so they follow."""
+        self.model.load_state_dict(state)
+
     def sent_bytes(self) -> int:
         """Bytes this rank has sent in the gradient sync (collectives.py's count)."""
         return self.comm.sent_bytes()
@@ -285,13 +295,6 @@ class GradientSync(BucketedSync):
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the averaged gradients, the same on every rank."""
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type, error_if_nonfinite)
-
-    def model_state_dict(self) -> dict[str, Any]:
-        """The model's state_dict on rank 0 of the group (CPU tensors), {} on the others."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
-
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state)
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return list(self.flats)

@@ -149,9 +149,8 @@ class Sharded:
         runs = self._runs(layout)
         layout.runs = [run for g in range(len(groups)) for run in runs if run.group == g]  # inner numbering
         for run in layout.runs:
-            lo, _ = self.chunk_bounds(run.bucket)
-            run.param = nn.Parameter(self.weights[run.bucket.index][run.start - lo:run.end - lo])
-            run.param.grad = self.grads[run.bucket.index][run.start - lo:run.end - lo]
+            run.param = nn.Parameter(self._piece(self.weights, run))
+            run.param.grad = self._piece(self.grads, run)
         inner = [{**{k: v for k, v in group.items() if k != "params"},
                   "params": [run.param for run in layout.runs if run.group == g]} for g, group in enumerate(groups)]
         optimizer = optimizer_class(inner, **settings)
@@ -160,6 +159,11 @@ class Sharded:
         optimizer.register_state_dict_post_hook(self._full_optimizer_state)
         optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
         return optimizer
+
+    def _piece(self, chunks: list[torch.Tensor], run: Run) -> torch.Tensor:
+        """The run's stretch of its bucket's chunk in ``chunks`` (``weights`` or ``grads``): a view."""
+        lo, _ = self.chunk_bounds(run.bucket)
+        return chunks[run.bucket.index][run.start - lo:run.end - lo]
 
     def _runs(self, layout: Layout) -> list[Run]:
         """This rank's chunk of every bucket, cut at every change of parameter group (and around parameters in
@@ -183,8 +187,7 @@ class Sharded:
         for layout in self.layouts.values():
             for run in layout.runs:
                 if run.param.grad is None:
-                    lo, _ = self.chunk_bounds(run.bucket)
-                    view = self.grads[run.bucket.index][run.start - lo:run.end - lo]
+                    view = self._piece(self.grads, run)
                     view.zero_()
                     run.param.grad = view
 
@@ -317,16 +320,8 @@ class Sharded:
         return {"state": state, "param_groups": groups}
 
     # ------------------------------------------------------------------------------------------------------
-    # The model: whole on every rank between steps at stages 1 and 2 (ZeroStage3 overrides these)
+    # The weights in flat buckets (the model's state dicts are BucketedSync's: whole between steps at 1 and 2)
     # ------------------------------------------------------------------------------------------------------
-    def model_state_dict(self) -> dict[str, Any]:
-        """The model's state_dict on rank 0 of the group (CPU tensors), {} on the others."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
-
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a whole state_dict (every rank passes the same): the weights' shards are views of the model's."""
-        self.model.load_state_dict(state)
-
     def _flatten(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's parameters moved into one padded flat tensor, each parameter becoming a view into it laid
         out as its gradient is (Bucket.view), so the flat weight and the flat gradient match element by element."""
