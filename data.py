@@ -1,6 +1,6 @@
-"""The trainer's data: in-memory sets (CIFAR-100, a synthetic set) and image folders streamed from disk, behind
-one interface (micro-batch sizes of an epoch, the micro-batches from a given one on, validation batches of an
-index shard), and the per-rank epoch order they share.
+"""The trainer's data: in-memory sets (CIFAR-100, a synthetic set), image folders streamed from disk, and text
+read as bytes, behind one interface (micro-batch sizes of an epoch, the micro-batches from a given one on,
+validation batches of an index shard), and the per-rank epoch order they share.
 
 CIFAR-100 and the synthetic set sit in memory as uint8 tensors on the training device and are gathered, cropped
 and flipped there; an image folder (torchvision's ImageFolder layout DIR/train/<class>/*, DIR/val/<class>/*) is
@@ -14,6 +14,11 @@ sample's crop and flip do not depend on --workers, nor on the rank, micro-batch,
 processes it falls into, and a resumed run needs only its position (on any number of processes). Nor does
 loading draw from the caller's global RNG (which the trainer reseeds for dropout): the DataLoaders have
 generators of their own.
+
+Text (--dataset text): every text file under a folder (by default the Python standard library's source), split
+into training and validation by whole files ranked by a hash of their path, each split one byte stream cut into
+windows of the context length that do not overlap; a sample is a window, its labels the next byte at each
+position. The order is the same per-rank epoch order, so resume and validation work as for images.
 
 A file that cannot be decoded is marked, not raised, by whoever decodes it; the ranks agree on such marks with
 one small all_reduce per micro-batch (before any collective of the forward pass), so every rank stops at the
@@ -461,16 +466,192 @@ class FolderData:
         self.loaders = {}
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Text: the bytes of every text file under a folder, in windows of the model's context
+# ----------------------------------------------------------------------------------------------------------
+def default_text_dir() -> str:
+    """The Python standard library's own source: tens of MB of real text on every machine that has Python (its
+    site-packages, where installed packages go, is left out when reading it)."""
+    import sysconfig
+
+    return sysconfig.get_paths()["stdlib"]
+
+
+def is_text(content: bytes) -> bool:
+    """Non-empty, no NUL byte (the document separator below) and valid UTF-8."""
+    if not content or b"\0" in content:
+        return False
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def read_text_files(root: str) -> tuple[list[str], list[bytes]]:
+    """The sorted relative paths and the bytes of every text file under ``root`` (``__pycache__`` skipped, and
+    in the standard library's folder the installed packages)."""
+    skipped = {"__pycache__"}
+    if os.path.realpath(root) == os.path.realpath(default_text_dir()):
+        skipped |= {"site-packages", "dist-packages"}
+    if not os.path.isdir(root):
+        raise UsageError(f"--data-dir {root} is not a folder (--dataset text reads every text file under it)")
+
+    def refuse(error: OSError) -> None:
+        raise error  # os.walk would skip an unreadable folder silently
+
+    found: list[tuple[str, bytes]] = []
+    try:
+        for folder, folders, files in os.walk(root, onerror=refuse):
+            folders[:] = sorted(f for f in folders if f not in skipped)
+            for name in files:
+                path = os.path.join(folder, name)
+                if not os.path.isfile(path):  # sockets, fifos, dangling links
+                    continue
+                with open(path, "rb") as f:
+                    content = f.read()
+                if is_text(content):
+                    found.append((os.path.relpath(path, root), content))
+    except OSError as exc:
+        raise UsageError(f"cannot read {exc.filename or root}: {exc.strerror or exc}") from None
+    if not found:
+        raise UsageError(f"--data-dir {root} holds no text file (non-empty, UTF-8, no NUL byte)")
+    found.sort()
+    return [path for path, _ in found], [content for _, content in found]
+
+
+def find_text_files(root: str) -> list[str]:
+    """The sorted paths, relative to ``root``, of every text file under it (see read_text_files)."""
+    return read_text_files(root)[0]
+
+
+def path_rank(path: str) -> bytes:
+    """A file's place in the split's ranking: the SHA-256 of its relative path (stable across machines)."""
+    return hashlib.sha256(path.encode("utf-8", "surrogateescape")).digest()
+
+
+def split_files(paths: list[str], sizes: list[int], val_fraction: float) -> tuple[list[str], list[str]]:
+    """(training, validation) paths, each sorted: whole files, so no file is in both. The files are ranked by a
+    hash of their path; validation takes the shortest prefix of that ranking that holds ``val_fraction`` of the
+    bytes (at least one file, and never the last one)."""
+    if len(paths) < 2:
+        raise UsageError(f"--dataset text splits whole files into training and validation, so it needs at least 2 "
+                         f"text files; found {len(paths)}")
+    ranked = sorted(zip(paths, sizes), key=lambda item: path_rank(item[0]))
+    wanted, taken, count = val_fraction * sum(sizes), 0, 0
+    while count < len(ranked) - 1 and (count == 0 or taken < wanted):
+        taken += ranked[count][1]
+        count += 1
+    return sorted(p for p, _ in ranked[count:]), sorted(p for p, _ in ranked[:count])
+
+
+@dataclass
+class TextSet:
+    """One split as one byte stream (each file's bytes, then a 0 byte to end the document), read as windows of
+    ``context`` + 1 bytes that do not overlap: window i is stream[i T : i T + T + 1], its first T bytes the
+    inputs and its last T the targets (the byte after each input), so every byte after the first is predicted
+    once per epoch. The bytes live once, in a uint8 tensor (not one Python object per byte); a batch gathers its
+    windows from it."""
+    stream: torch.Tensor  # uint8 (n,)
+    context: int
+
+    def __len__(self) -> int:
+        return (len(self.stream) - 1) // self.context
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both int64 (B, context), of the windows ``indices`` (CPU int64)."""
+        starts = indices.to(torch.int64)[:, None] * self.context
+        windows = self.stream[starts + torch.arange(self.context + 1)].to(torch.int64)
+        return windows[:, :-1], windows[:, 1:]
+
+
+def text_stream(contents: list[bytes]) -> torch.Tensor:
+    joined = b"".join(content + b"\0" for content in contents)
+    return torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)
+
+
+class TextData:
+    """Every text file under ``root`` split by file into training and validation, in windows of ``context``
+    bytes, behind the data interface the trainer uses (labels are the next bytes: 256 classes per position)."""
+    num_classes = 256
+    memory_format = torch.contiguous_format
+
+    def __init__(self, root: str, context: int, val_fraction: float, seed: int, batch_size: int,
+                 device: torch.device):
+        paths, contents = read_text_files(root)
+        train_paths, val_paths = split_files(paths, [len(c) for c in contents], val_fraction)
+        content_of = dict(zip(paths, contents))
+        self.root, self.files = root, {"train": train_paths, "val": val_paths}
+        self.train = TextSet(text_stream([content_of[p] for p in train_paths]), context)
+        self.val = TextSet(text_stream([content_of[p] for p in val_paths]), context)
+        for name, key in (("training", "train"), ("validation", "val")):
+            split = getattr(self, key)
+            if not len(split):
+                raise UsageError(f"--context {context} is longer than the {name} split ({len(split.stream) - 1} "
+                                 f"bytes to predict in {len(self.files[key])} files of {root}): lower --context "
+                                 f"or add text")
+        self.context, self.seed, self.batch_size, self.device = context, seed, batch_size, device
+
+    @property
+    def val_size(self) -> int:
+        return len(self.val)
+
+    def batch_sizes(self) -> list[int]:
+        return micro_batch_sizes(len(self.train), dist.get_world_size(), self.batch_size)
+
+    def signature(self) -> list[int]:
+        """What every rank must see alike: the splits' file lists and sizes."""
+        digest = hashlib.sha256("\0".join(self.files["train"] + ["|"] + self.files["val"]).encode(
+            "utf-8", "surrogateescape")).digest()
+        return [len(self.train.stream), len(self.val.stream), int.from_bytes(digest[:7], "little")]
+
+    def _on_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device.type == "cuda":
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
+        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+
+    def train_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Micro-batches ``start``, ``start + 1``, ... of ``epoch``: (inputs, targets) windows on the device."""
+        order = epoch_order(len(self.train), dist.get_rank(), dist.get_world_size(), self.seed, epoch)
+        for indices in torch.split(order, self.batch_size)[start:]:
+            yield self._on_device(*self.train.batch(indices))
+
+    def val_batches(self, shard: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, len(shard), batch_size):
+            yield self._on_device(*self.val.batch(shard[start:start + batch_size]))
+
+    def baselines(self) -> dict[str, float]:
+        """What a model of the validation bytes must beat, in bits per byte of the validation stream: gzip -9
+        (DEFLATE over the whole stream, gzip's header included), and the entropy of the bytes' histogram (the
+        best code that ignores context: the floor any learning must go below)."""
+        import gzip
+
+        raw = self.val.stream.numpy().tobytes()
+        counts = torch.bincount(self.val.stream.to(torch.int64), minlength=256).double()
+        p = counts[counts > 0] / counts.sum()
+        return {"gzip_bits_per_byte": 8 * len(gzip.compress(raw, compresslevel=9)) / len(raw),
+                "unigram_bits_per_byte": float(-(p * p.log2()).sum())}
+
+    def close(self) -> None:
+        pass
+
+
 def load_data(args: argparse.Namespace, ctx: utils.DistContext, comm_device: torch.device
-              ) -> MemoryData | FolderData:
+              ) -> MemoryData | FolderData | TextData:
     """The data ``args`` name, agreed on by every rank (a rank that fails to read it stops them all)."""
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    if args.dataset == "imagefolder":
-        check_group = dist.new_group(backend="gloo") if ctx.backend == "nccl" else None  # every rank calls it
+    if args.dataset in ("imagefolder", "text"):  # read from --data-dir by every rank: they must agree
+        check_group = None
+        if args.dataset == "imagefolder" and ctx.backend == "nccl":
+            check_group = dist.new_group(backend="gloo")  # every rank calls it
         failure, data = "", None
         try:
-            data = FolderData(args.data_dir, args.augment, args.image_size, args.workers, args.seed, args.batch_size,
-                              ctx.device, memory_format, check_group)
+            if args.dataset == "text":
+                data = TextData(args.data_dir, args.context, args.val_fraction, args.seed, args.batch_size,
+                                ctx.device)
+            else:
+                data = FolderData(args.data_dir, args.augment, args.image_size, args.workers, args.seed,
+                                  args.batch_size, ctx.device, memory_format, check_group)
         except UsageError as exc:
             failure = str(exc)
         views: list[Any] = [None] * ctx.world_size

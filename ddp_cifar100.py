@@ -1,6 +1,6 @@
-"""Data-parallel training of image classifiers: hand-written gradient averaging and ZeRO sharding next to PyTorch's
-DistributedDataParallel and ZeroRedundancyOptimizer, on CIFAR-100, a synthetic set, or any image folder up to
-ImageNet scale.
+"""Data-parallel training of image classifiers and byte-level GPTs: hand-written gradient averaging and ZeRO sharding
+next to PyTorch's DistributedDataParallel, ZeroRedundancyOptimizer and FSDP2, on CIFAR-100, a synthetic set, any
+image folder up to ImageNet scale, or text.
 
     torchrun --standalone --nproc_per_node N ddp_cifar100.py [flags]     (python ddp_cifar100.py: a world of 1)
 
@@ -26,6 +26,13 @@ the same with DistributedDataParallel. Parameters and buffers are broadcast from
 
 Data (data.py): CIFAR-100 and the synthetic set in memory on the training device, or an image folder
 (--dataset imagefolder) decoded and augmented by DataLoader workers (--workers). Models: models.py.
+
+Language models (--dataset text --model gpt|gpt2): a sample is a window of --context bytes of text and its labels
+the next byte at each position; the loss of a window is the mean over its positions, so with every window of the
+same length the formula above holds per byte, and val_loss is in nats per byte (val_bits_per_byte = val_loss /
+ln 2, printed beside gzip -9's bits per byte on the same validation bytes). The recipe is flags: --optimizer adamw
+--betas, --norm-weight-decay (decay on matrices only), --clip-grad-norm, --scheduler cosine --warmup-steps
+--min-lr --decay-steps. --generate N samples N bytes from a checkpoint's GPT and exits.
 
 Validation: rank 0 splits the validation indices into W contiguous shards (sizes differ by at most one), pads
 them to equal length with the true length in front, and sends them with dist.scatter; every rank evaluates its
@@ -106,9 +113,9 @@ from tqdm import tqdm
 
 import utils
 import zero
-from data import FolderData, MemoryData, derive_seed, load_data
+from data import FolderData, MemoryData, TextData, default_text_dir, derive_seed, load_data
 from gradsync import DataParallel, broadcast_state
-from models import MODELS, blocks, build_model
+from models import GPT, GPT_SIZES, LANGUAGE_MODELS, MODELS, blocks, build_model
 from references import DDPSync, FSDPSync
 from utils import UsageError
 
@@ -146,28 +153,28 @@ def scatter_shard(total: int, comm_device: torch.device) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model: nn.Module, data: MemoryData | FolderData, batch_size: int, device: torch.device,
              comm_device: torch.device, amp_dtype: torch.dtype | None,
-             lockstep_image: tuple[int, int, int] | None = None) -> dict[str, Any]:
+             empty_batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
     """Loss, top-1 and top-5 accuracy over all of ``data``'s validation set (exact on rank 0; the other ranks
-    get their shard's figures).
+    get their shard's figures): per image, or for text per predicted byte (every position of every window).
 
-    ``lockstep_image`` (C, H, W): the model gathers its parameters in every forward (--zero 3, FSDP2), which
-    every rank must join, so a rank whose shard has fewer batches runs empty ones of that shape until it has
-    run as many forwards as the busiest rank."""
+    ``empty_batch`` (inputs and labels of no sample): the model gathers its parameters in every forward (--zero
+    3, FSDP2), which every rank must join, so a rank whose shard has fewer batches runs this one until it has run
+    as many forwards as the busiest rank."""
     was_training = model.training
     model.eval()
     shard = scatter_shard(data.val_size, comm_device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     counts = torch.zeros(3, dtype=torch.int64, device=device)  # correct top-1, correct top-5, seen
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = data.val_batches(shard, batch_size)
-    if lockstep_image is not None:
+    if empty_batch is not None:
         own = math.ceil(len(shard) / batch_size)
         forwards = torch.tensor([own], device=comm_device)
         dist.all_reduce(forwards, op=dist.ReduceOp.MAX)
-        empty = (torch.zeros(0, *lockstep_image, device=device), torch.zeros(0, dtype=torch.int64, device=device))
-        batches = itertools.chain(batches, itertools.repeat(empty, int(forwards) - own))
+        batches = itertools.chain(batches, itertools.repeat(empty_batch, int(forwards) - own))
     for images, labels in batches:
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             logits = model(images)
+        logits, labels = logits.flatten(0, -2), labels.flatten()  # text: every position is a prediction
         loss_sum += F.cross_entropy(logits.float() if amp_dtype else logits, labels, reduction="none").double().sum()
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
         counts[0] += (logits.argmax(1) == labels).sum()
@@ -193,15 +200,18 @@ def trajectory_config(args: argparse.Namespace, world_size: int, schedule_steps:
               ("model", "dataset", "grad_accum", "epochs", "optimizer", "lr", "momentum", "weight_decay",
                "scheduler", "amp", "seed", "augment", "image_size")}
     # named only when given, so that a checkpoint from before these flags existed still resumes without them
-    config.update({key: getattr(args, key) for key in ("norm_weight_decay", "clip_grad_norm")
-                   if getattr(args, key) is not None})
+    config.update({key: getattr(args, key) for key in ("norm_weight_decay", "clip_grad_norm", "betas",
+                                                       "warmup_steps", "min_lr") if getattr(args, key) is not None})
+    if args.dataset == "text":  # the GPT's shape too, so that --generate can rebuild it from the checkpoint
+        config.update(context=args.context, val_fraction=args.val_fraction,
+                      gpt=dict(GPT_SIZES[args.model], context=args.context))
     # A run is its global batch, not its number of processes: B x K x W samples per step (the same sample
     # order, and SyncBatchNorm's statistics over the same B x W samples per micro-batch, for any split).
     config["global_batch"] = args.batch_size * args.grad_accum * world_size
     config["dropout"] = args.dropout if args.model == "net" else None
     config["sizes"] = [len(data.train), data.val_size, data.num_classes] if args.dataset != "cifar100" else None
     config["norm"] = "local" if args.norm == "local" else "synchronized"  # custom and torch compute the same
-    config["schedule_steps"] = schedule_steps if args.scheduler == "onecycle" else None
+    config["schedule_steps"] = schedule_steps if args.scheduler in ("onecycle", "cosine") else None
     return config
 
 
@@ -307,7 +317,8 @@ class EpochSums:
         """Adds a micro-batch; returns its loss sum (float64, on the device)."""
         loss = per_sample_loss.detach().double().sum()
         self.loss += loss
-        self.correct += (logits.argmax(1) == labels).sum()
+        hits = logits.argmax(-1) == labels  # text: (B, T), each window counts its share of bytes right
+        self.correct += hits.flatten(1).double().mean(1).sum() if hits.dim() > 1 else hits.sum()
         self.seen += len(labels)
         return loss
 
@@ -368,6 +379,7 @@ class Run:
     state_bytes: dict[str, int] | None = None  # what this rank holds at an optimizer step (zero.state_bytes)
     grad_norms: list[torch.Tensor] = field(default_factory=list)  # --clip-grad-norm: each step's norm, unclipped
     first_step: int = 0  # the optimizer step this run started from (a resumed run: the checkpoint's)
+    baselines: dict[str, float] = field(default_factory=dict)  # text: gzip's and the unigram's bits/byte (rank 0)
 
     @property
     def device(self) -> torch.device:
@@ -381,7 +393,8 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module, sync: DataParalle
     them (and nanoGPT, by the same test on p.dim())."""
     kind, settings = {
         "sgd": (torch.optim.SGD, {"lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay}),
-        "adamw": (torch.optim.AdamW, {"lr": args.lr, "weight_decay": args.weight_decay}),
+        "adamw": (torch.optim.AdamW, {"lr": args.lr, "weight_decay": args.weight_decay,
+                                      **({"betas": tuple(args.betas)} if args.betas else {})}),
     }[args.optimizer]
     trainable = [p for p in model.parameters() if p.requires_grad]
     params: list[Any] = trainable
@@ -390,6 +403,26 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module, sync: DataParalle
                   {"params": [p for p in trainable if p.dim() < 2], "weight_decay": args.norm_weight_decay}]
         params = [group for group in params if group["params"]]
     return sync.optimizer(kind, params, **settings)
+
+
+def make_scheduler(args: argparse.Namespace, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    """--scheduler: None, OneCycleLR over ``total_steps``, or cosine: step s (from 0) takes --lr times (s + 1) /
+    (N + 1) during the N warm-up steps (nanoGPT's ramp), then eta + (1 - eta) (1 + cos(pi p)) / 2 with p = (s - N)
+    / (S - 1 - N) going from 0 to 1 and eta = --min-lr / --lr, so step S - 1 (S = ``total_steps``, --decay-steps)
+    and any after it take --min-lr."""
+    if args.scheduler == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+    if args.scheduler != "cosine":
+        return None
+    warmup, floor = args.warmup_steps or 0, (args.min_lr or 0.0) / args.lr
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def make_scaler(args: argparse.Namespace, device: torch.device, **settings: Any) -> torch.amp.GradScaler:
@@ -424,7 +457,7 @@ def set_up(args: argparse.Namespace) -> Run:
     data = load_data(args, ctx, comm_device)
 
     torch.manual_seed(args.seed)
-    model = build_model(args.model, args.dropout, args.norm, data.num_classes, args.image_size)
+    model = build_model(args.model, args.dropout, args.norm, data.num_classes, args.image_size or 32, args.context)
     model = model.to(device, memory_format=data.memory_format)
     broadcast_state(model)
     # the gradient sync, and the optimizer through it
@@ -438,12 +471,12 @@ def set_up(args: argparse.Namespace) -> Run:
                           accumulate=args.zero3_accumulate, timeout_s=args.timeout)
     optimizer = make_optimizer(args, model, sync)
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
-    schedule_steps = args.epochs * steps_per_epoch
-    if args.max_steps:
+    schedule_steps = args.epochs * steps_per_epoch  # the learning-rate schedule's length
+    if args.scheduler == "cosine":
+        schedule_steps = args.decay_steps or schedule_steps
+    elif args.max_steps:  # OneCycleLR ends where the run ends
         schedule_steps = min(schedule_steps, args.max_steps)
-    scheduler = None
-    if args.scheduler == "onecycle":
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=schedule_steps)
+    scheduler = make_scheduler(args, optimizer, schedule_steps)
     scaler = make_scaler(args, device)
     writer = None
     if ctx.rank == 0 and args.log_dir:
@@ -517,6 +550,13 @@ def checkpoint(run: Run, position: Position, history: list[dict[str, Any]], sums
     })
 
 
+def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per sample: an image's, or a text window's mean over its positions (nats per byte; every
+    window has the same number of positions, so the mean over windows is the mean over bytes)."""
+    losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none")
+    return losses.view(labels.shape).flatten(1).mean(1) if labels.dim() > 1 else losses
+
+
 def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
                    sizes: list[int], sums: EpochSums) -> int:
     """The window of up to K micro-batches from ``position``, then one update; returns the global sample count."""
@@ -538,8 +578,7 @@ def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.T
             with utils.profiled("forward"), torch.autocast(run.device.type, enabled=run.amp_dtype is not None,
                                                            dtype=run.amp_dtype or torch.float32):
                 logits = run.sync.module(images)  # the model, or DDP around it
-                per_sample = F.cross_entropy(logits.float() if run.amp_dtype else logits, labels,
-                                             reduction="none")
+                per_sample = per_sample_loss(logits.float() if run.amp_dtype else logits, labels)
             with utils.profiled("backward"):
                 run.scaler.scale(per_sample.sum() / window_samples).backward()
         loss = sums.add(per_sample, logits, labels)
@@ -650,9 +689,15 @@ def start_profiler(run: Run, position: Position) -> Any:
 def validate(run: Run) -> dict[str, Any]:
     broadcast_state(run.model, buffers_only=True)  # evaluate with rank 0's running statistics everywhere
     args = run.args
-    lockstep = args.zero == 3 or args.grad_sync == "fsdp"  # parameters gathered in every forward
+    empty = None
+    if args.zero == 3 or args.grad_sync == "fsdp":  # parameters gathered in every forward
+        if args.dataset == "text":
+            empty = 2 * (torch.zeros(0, args.context, dtype=torch.int64, device=run.device),)
+        else:
+            empty = (torch.zeros(0, 3, args.image_size, args.image_size, device=run.device),
+                     torch.zeros(0, dtype=torch.int64, device=run.device))
     return evaluate(run.model, run.data, max(args.batch_size, 256), run.device, run.comm_device, run.amp_dtype,
-                    (3, args.image_size, args.image_size) if lockstep else None)
+                    empty)
 
 
 def end_epoch(run: Run, position: Position, history: list[dict[str, Any]], sums: EpochSums,
@@ -675,12 +720,36 @@ def end_epoch(run: Run, position: Position, history: list[dict[str, Any]], sums:
     if run.writer is not None:
         for key in ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc5", "samples_per_s", "lr"):
             run.writer.add_scalar(key, entry[key], position.optimizer_steps)
-    utils.print0(f"epoch {entry['epoch']}/{args.epochs}{'' if complete else ' (stopped by --max-steps)'} | "
+    stopped = '' if complete else ' (stopped by --max-steps)'
+    if args.dataset == "text":
+        entry["val_bits_per_byte"] = entry["val_loss"] / math.log(2)
+        entry["tokens_per_s"] = entry["samples_per_s"] * args.context
+        utils.print0(f"epoch {entry['epoch']}/{args.epochs}{stopped} | train loss {entry['train_loss']:.4f} | "
+                     f"val loss {entry['val_loss']:.4f} nats/byte = {entry['val_bits_per_byte']:.3f} bits/byte "
+                     f"(gzip -9 {run.baselines.get('gzip_bits_per_byte', math.nan):.3f}), next-byte acc "
+                     f"{100 * entry['val_acc']:.2f}% ({entry['val_total']} bytes) | "
+                     f"{entry['tokens_per_s']:.0f} tokens/s | {entry['epoch_time_s']:.1f} s")
+        return entry
+    utils.print0(f"epoch {entry['epoch']}/{args.epochs}{stopped} | "
                  f"train loss {entry['train_loss']:.4f} acc {100 * entry['train_acc']:.2f}% | "
                  f"val loss {entry['val_loss']:.4f} acc {100 * entry['val_acc']:.2f}% "
                  f"top-5 {100 * entry['val_acc5']:.2f}% ({entry['val_correct']}/{entry['val_total']}) | "
                  f"{entry['samples_per_s']:.0f} samples/s | {entry['epoch_time_s']:.1f} s")
     return entry
+
+
+def describe_text(run: Run) -> None:
+    """Rank 0 measures what the validation bytes cost without a model (gzip -9, the unigram entropy) and says
+    what the text set holds."""
+    if run.ctx.rank != 0:
+        return
+    data = run.data
+    run.baselines = data.baselines()
+    utils.print0(f"text: {data.root}: {len(data.files['train'])} files for training ({len(data.train.stream):,} "
+                 f"bytes, {len(data.train):,} windows of {data.context}), {len(data.files['val'])} for validation "
+                 f"({len(data.val.stream):,} bytes); validation costs {run.baselines['gzip_bits_per_byte']:.3f} "
+                 f"bits/byte under gzip -9 and {run.baselines['unigram_bits_per_byte']:.3f} by byte frequencies "
+                 f"alone (unigram entropy)")
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -692,6 +761,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         position, history, epoch_sums = resume(run)
         run.first_step = position.optimizer_steps
         trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+        if isinstance(run.data, TextData):
+            describe_text(run)
         utils.print0(f"{args.model} ({trainable:,} parameters, {run.data.num_classes} classes) on "
                      f"{run.ctx.world_size} x {run.device.type} ({run.ctx.backend}), grad-sync {args.grad_sync}"
                      f"{f' --zero {args.zero}' if args.zero else ''}, {args.optimizer}, "
@@ -754,6 +825,7 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
                         {"params": 0, "grads": 0, "optimizer": 0}).items()},
         "sent_bytes_per_step": sent_per_step(run, position),
         "grad_norms": [float(norm) for norm in run.grad_norms],  # --clip-grad-norm: this run's, before clipping
+        **text_figures(run, final, samples_trained, train_time),
         "gathered_peak": gathered_peak(run),
         "wall_time_s": time.perf_counter() - wall_start, "train_time_s": train_time,
         "samples_per_s": samples_trained / train_time if train_time else 0.0,
@@ -765,6 +837,15 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         "epochs": history + ([final] if final.get("complete") is False else []),
         "fingerprint": fingerprint(run.config), "config": vars(run.args),
     }
+
+
+def text_figures(run: Run, final: dict[str, Any], samples_trained: int, train_time: float) -> dict[str, float]:
+    """--dataset text: bits per byte (validation, and gzip's and the unigram's on the same bytes), tokens/s."""
+    if run.args.dataset != "text":
+        return {}
+    return {"val_bits_per_byte": final["val_loss"] / math.log(2),
+            "tokens_per_s": samples_trained * run.args.context / train_time if train_time else 0.0,
+            **{f"val_{key}": value for key, value in run.baselines.items()}}
 
 
 def gathered_peak(run: Run) -> dict[str, int] | None:
@@ -784,6 +865,39 @@ def sent_per_step(run: Run, position: Position) -> float | None:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# A sample from a trained GPT
+# ----------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def generate(args: argparse.Namespace) -> bytes:
+    """--generate N: the GPT of --checkpoint-dir's last.pt continues --prompt by N bytes, each drawn from its
+    softmax(logits / --temperature) (among the --top-k likeliest), on the CPU with a generator seeded by --seed.
+    The text set ends every file with a 0 byte, so an empty prompt starts from that: the beginning of a file."""
+    path = os.path.join(args.checkpoint_dir, "last.pt")
+    if not os.path.exists(path):
+        raise UsageError(f"--generate: no checkpoint at {path}")
+    state = read_checkpoint(path)
+    config = state["config"]
+    if config.get("model") not in LANGUAGE_MODELS:
+        raise UsageError(f"--generate: {path} holds a {config.get('model')}, not a GPT trained on --dataset text")
+    model = GPT(vocab_size=256, **config["gpt"]).eval()
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise UsageError(f"--generate: {path} does not hold the GPT its configuration names: "
+                         f"{str(exc).splitlines()[1].strip()}") from None
+    prompt = args.prompt.encode()
+    tokens = torch.tensor([list(b"\0" + prompt)], dtype=torch.int64)
+    generator = torch.Generator().manual_seed(args.seed)
+    for _ in tqdm(range(args.generate), desc="sampling", unit="B", disable=not sys.stderr.isatty(), leave=False):
+        logits = model(tokens[:, -model.context:])[0, -1] / args.temperature
+        if args.top_k is not None and args.top_k < len(logits):
+            logits[logits < logits.topk(args.top_k).values[-1]] = -math.inf
+        drawn = torch.multinomial(torch.softmax(logits, dim=0), 1, generator=generator)
+        tokens = torch.cat([tokens, drawn[None]], dim=1)
+    return bytes(tokens[0, 1:].tolist())
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
 class ArgumentParser(argparse.ArgumentParser):
@@ -796,9 +910,12 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--dataset", choices=("cifar100", "synthetic", "imagefolder"), default="cifar100",
-        help="imagefolder: DIR/train/<class>/* and DIR/val/<class>/* (torchvision's ImageFolder layout)")
-    add("--data-dir", default="data", help="where CIFAR-100 is (or is downloaded to by local rank 0), or the folder")
+    add("--dataset", choices=("cifar100", "synthetic", "imagefolder", "text"), default="cifar100",
+        help="imagefolder: DIR/train/<class>/* and DIR/val/<class>/* (torchvision's ImageFolder layout); text: "
+             "every text file under DIR as bytes, split by file into training and validation (--model gpt)")
+    add("--data-dir", default=None,
+        help="where CIFAR-100 is (or is downloaded to by local rank 0; default ./data), the image folder, or the "
+             "text folder (default: the Python standard library's source)")
     add("--train-size", type=int, default=10000, help="synthetic training set size")
     add("--val-size", type=int, default=2000, help="synthetic validation set size")
     add("--image-size", type=int, default=None, help="imagefolder: side of the crops (default 224)")
@@ -807,9 +924,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "= RandomCrop with padding S/8 + flip; default imagenet for folders, cifar for cifar100, none for "
              "synthetic")
     add("--workers", type=int, default=0, help="imagefolder: DataLoader processes that decode and augment")
+    add("--context", type=int, default=None,
+        help="text: bytes per window, the GPT's context (default: the model's, 128 for gpt, 1024 for gpt2)")
+    add("--val-fraction", type=float, default=0.1,
+        help="text: the share of the bytes, in whole files chosen by a hash of their path, kept for validation")
     add("--model", choices=MODELS, default="net",
         help="net, resnet and vit: small models for 32-pixel images; resnet18..., vit_b_16...: torchvision's "
-             "(weights=None; a ViT takes --image-size, which its patch size must divide)")
+             "(weights=None; a ViT takes --image-size, which its patch size must divide); gpt (1.9M parameters) "
+             "and gpt2 (GPT-2 small's shape, 86M with 256 bytes for vocabulary): byte-level GPTs for --dataset text")
     add("--channels-last", action="store_true", help="model and batches in channels-last memory format")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
     add("--grad-sync", choices=("custom", "ddp", "fsdp"), default="custom",
@@ -841,13 +963,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--lr", type=float, default=0.05)
     add("--momentum", type=float, default=0.9)
     add("--weight-decay", type=float, default=5e-4)
+    add("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
+        help="AdamW's betas (default 0.9 0.999, PyTorch's; language models are trained with 0.9 0.95)")
     add("--norm-weight-decay", type=float, default=None,
         help="the weight decay of biases and normalization weights (every parameter of fewer than 2 dimensions), "
              "in a parameter group of their own (default: --weight-decay, one group)")
     add("--clip-grad-norm", type=float, default=None, metavar="X",
         help="clip the gradient to global 2-norm X before each step (the whole model's norm at every --zero; "
              "after fp16's unscaling); default off")
-    add("--scheduler", choices=("none", "onecycle"), default="none")
+    add("--scheduler", choices=("none", "onecycle", "cosine"), default="none",
+        help="onecycle: PyTorch's OneCycleLR to --lr; cosine: linear warm-up over --warmup-steps to --lr, then a "
+             "cosine down to --min-lr at the last step (the recipe of GPT trainers)")
+    add("--warmup-steps", type=int, default=None, metavar="N", help="--scheduler cosine: warm-up steps (default 0)")
+    add("--min-lr", type=float, default=None, help="--scheduler cosine: the learning rate at the end (default 0)")
+    add("--decay-steps", type=int, default=None, metavar="N",
+        help="--scheduler cosine: the step at which the cosine reaches --min-lr (default: the last step of --epochs). "
+             "--max-steps only stops the run, so a run stopped by it resumes exactly with a larger one")
     add("--amp", choices=("off", "bf16", "fp16"), default="off")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--backend", choices=("auto", "gloo", "nccl"), default="auto")
@@ -857,6 +988,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--checkpoint-dir", default=None, help="DIR/last.pt is written by rank 0 and resumed from when present")
     add("--checkpoint-every", type=int, default=0, help="also checkpoint every N optimizer steps (0: epoch ends)")
     add("--eval-only", action="store_true", help="evaluate DIR/last.pt (or the fresh model) and exit")
+    add("--generate", type=int, default=None, metavar="N",
+        help="print N bytes sampled from the GPT in --checkpoint-dir's last.pt after --prompt, and exit")
+    add("--prompt", default="", help="--generate: the text to continue (default: the start of a file)")
+    add("--temperature", type=float, default=0.8, help="--generate: logits are divided by it before sampling")
+    add("--top-k", type=int, default=None, help="--generate: sample among the K likeliest bytes only")
     add("--log-dir", default=None, help="TensorBoard scalars from rank 0")
     add("--log-every", type=int, default=10, metavar="N",
         help="every N optimizer steps rank 0 shows train/loss (over its samples), train/lr, train/step_ms, "
@@ -884,6 +1020,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"{flag} must not be negative, got {value}")
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise UsageError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm}")
+    check_recipe_flags(args)
     if not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.allreduce != "torch" and args.grad_sync != "custom":
@@ -911,6 +1048,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return resolve_data_flags(args)
 
 
+def check_recipe_flags(args: argparse.Namespace) -> None:
+    """--betas, the cosine schedule's flags and --generate's, in one line each when they do not fit."""
+    if args.betas is not None and (args.optimizer != "adamw" or not all(0 <= b < 1 for b in args.betas)):
+        raise UsageError(f"--betas is AdamW's (--optimizer adamw), two numbers in [0, 1), got {args.betas}")
+    for flag, value in (("--warmup-steps", args.warmup_steps), ("--min-lr", args.min_lr),
+                        ("--decay-steps", args.decay_steps)):
+        if value is not None and args.scheduler != "cosine":
+            raise UsageError(f"{flag} is for --scheduler cosine")
+        if value is not None and value < 0:
+            raise UsageError(f"{flag} must not be negative, got {value}")
+    if args.decay_steps is not None and args.decay_steps <= (args.warmup_steps or 0):
+        raise UsageError(f"--decay-steps {args.decay_steps} must be above --warmup-steps {args.warmup_steps or 0}")
+    if args.min_lr is not None and args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.generate is not None:
+        if args.generate < 1 or args.checkpoint_dir is None:
+            raise UsageError("--generate N takes N >= 1 and --checkpoint-dir (the run whose last.pt to sample)")
+        if not args.temperature > 0 or (args.top_k is not None and args.top_k < 1):
+            raise UsageError(f"--temperature must be positive and --top-k at least 1, got {args.temperature} and "
+                             f"{args.top_k}")
+
+
 def parse_profile_steps(text: str | None, profile_dir: str | None) -> tuple[int, int]:
     """--profile-steps A:B -> (A, B), 0 <= A < B."""
     if text is not None and profile_dir is None:
@@ -926,9 +1085,29 @@ def parse_profile_steps(text: str | None, profile_dir: str | None) -> tuple[int,
 
 
 def resolve_data_flags(args: argparse.Namespace) -> argparse.Namespace:
-    """Dataset-dependent defaults (--augment, --image-size), and the flags that only an image folder takes."""
+    """Dataset-dependent defaults (--data-dir, --augment, --image-size, --context), and the flags that only an
+    image folder or text takes."""
     if args.workers < 0:
         raise UsageError(f"--workers must not be negative, got {args.workers}")
+    text = args.dataset == "text"
+    if text != (args.model in LANGUAGE_MODELS):
+        raise UsageError(f"--model {args.model} does not take --dataset {args.dataset}: the GPTs "
+                         f"({', '.join(LANGUAGE_MODELS)}) train on --dataset text, the image models on images")
+    if not text and (args.context is not None or args.val_fraction != 0.1):
+        raise UsageError("--context and --val-fraction are for --dataset text")
+    if text:
+        for flag, value in (("--augment", args.augment), ("--image-size", args.image_size),
+                            ("--workers", args.workers or None)):
+            if value is not None:
+                raise UsageError(f"{flag} is for image sets, not --dataset text")
+        args.data_dir = args.data_dir or default_text_dir()
+        args.context = args.context or GPT_SIZES[args.model]["context"]
+        if args.context < 1 or not 0 < args.val_fraction < 1:
+            raise UsageError(f"--context must be positive and --val-fraction in (0, 1), got {args.context} and "
+                             f"{args.val_fraction}")
+        args.augment, args.image_size = "none", None
+        return args
+    args.data_dir = args.data_dir or "data"
     if args.dataset == "imagefolder":
         args.augment = args.augment or "imagenet"
         args.image_size = 224 if args.image_size is None else args.image_size
@@ -962,6 +1141,11 @@ def main(argv: list[str] | None = None) -> int:
     launched_by_torchrun = utils.launched_by_torchrun()
     try:
         args = parse_args(argv)
+        if args.generate is not None:  # no process group: rank 0 samples, any other rank has nothing to do
+            if rank == 0:
+                sys.stdout.buffer.write(generate(args) + b"\n")
+                sys.stdout.flush()
+            return 0
         if args.norm == "torch" and (args.device == "cpu" or not torch.cuda.is_available()):
             raise UsageError(NORM_TORCH_ON_CPU)  # before the process group: no rank waits for another
         train(args)

@@ -22,8 +22,12 @@ from syncbn import SyncBatchNorm
 from utils import UsageError
 
 TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+# Byte-level GPTs (vocabulary 256): a small one that learns in minutes on 2 CPU cores, and GPT-2 small's shape
+GPT_SIZES = {"gpt": dict(layers=4, width=160, heads=5, context=128),
+             "gpt2": dict(layers=12, width=768, heads=12, context=1024)}
+LANGUAGE_MODELS = tuple(GPT_SIZES)
 TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")  # patch size after the last _
-MODELS = ("net", "resnet", "vit") + TORCHVISION_RESNETS + TORCHVISION_VITS
+MODELS = ("net", "resnet", "vit") + TORCHVISION_RESNETS + TORCHVISION_VITS + LANGUAGE_MODELS
 NUM_CLASSES = 100  # the default output size: CIFAR-100's classes
 SMALL_VIT = dict(patch_size=4, num_layers=4, num_heads=4, hidden_dim=128, mlp_dim=512)  # 8x8 patches at 32 px
 
@@ -87,23 +91,98 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which position t sees positions 0..t only (PyTorch's fused kernel)."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        if width % heads:
+            raise UsageError(f"a GPT's width ({width}) must be divisible by its heads ({heads})")
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, width = x.shape
+        q, k, v = (z.view(b, t, self.heads, width // self.heads).transpose(1, 2)  # (B, heads, T, head width)
+                   for z in self.qkv(x).split(width, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, width))
+
+
+class GPTBlock(nn.Module):
+    """A pre-LayerNorm transformer block: x + attention(LN(x)), then x + MLP(LN(x)) with a 4x GELU MLP."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(width)
+        self.attention = CausalSelfAttention(width, heads)
+        self.mlp_norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """A GPT over bytes (GPT-2's design, as nanoGPT's model.py writes it): token and learned position
+    embeddings, pre-LayerNorm blocks, a final LayerNorm, and an output head that shares the token embedding's
+    weight (tied: one tensor, so a sharded model must keep it one). No dropout, so a step does not depend on how
+    the batch is split over processes. Weights start as GPT-2's: normal(0, 0.02), the projections into the
+    residual stream scaled by 1/sqrt(2 layers), biases 0.
+
+    forward: int64 bytes (B, T), T <= context -> logits (B, T, vocab_size) for the byte after each position.
+    """
+
+    def __init__(self, vocab_size: int = 256, context: int = 128, layers: int = 4, width: int = 128,
+                 heads: int = 4):
+        super().__init__()
+        self.context = context
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.position_embedding = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(layers))
+        self.final_norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.token_embedding.weight  # tied
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                std = 0.02 / (2 * layers) ** 0.5 if name.endswith(("attention.proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.context:
+            raise ValueError(f"a sequence of {t} bytes is longer than the model's context of {self.context}")
+        x = self.token_embedding(tokens) + self.position_embedding(torch.arange(t, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, in module order: the units that ZeRO stage 3 and FSDP2 gather one at a time.
-    torchvision's BasicBlock and Bottleneck (ResNets) and EncoderBlock (ViTs), the small ResNet's BasicBlock;
+    torchvision's BasicBlock and Bottleneck (ResNets) and EncoderBlock (ViTs), the small ResNet's BasicBlock,
+    the GPT's blocks;
     a model with none of them (the small net) has its layers that hold parameters. What no block owns (a
     ResNet's stem and classifier, a ViT's patch embedding, class token, position embedding, last LayerNorm and
-    head) stays with the root."""
+    head; a GPT's embeddings, tied head and last LayerNorm) stays with the root."""
     from torchvision.models.resnet import BasicBlock as TorchvisionBasicBlock, Bottleneck
     from torchvision.models.vision_transformer import EncoderBlock
 
-    kinds = (BasicBlock, TorchvisionBasicBlock, Bottleneck, EncoderBlock)
+    kinds = (BasicBlock, TorchvisionBasicBlock, Bottleneck, EncoderBlock, GPTBlock)
     found = [m for m in model.modules() if isinstance(m, kinds)]
     return found or [child for child in model.children() if any(True for _ in child.parameters())]
 
 
-def build_model(name: str, dropout: float, norm: str, num_classes: int = NUM_CLASSES, image_size: int = 32
-                ) -> nn.Module:
+def build_model(name: str, dropout: float, norm: str, num_classes: int = NUM_CLASSES, image_size: int = 32,
+                context: int | None = None) -> nn.Module:
     """The model with its BatchNorm layers as --norm says (local = plain per-process BatchNorm).
+
+    A GPT (``name`` in LANGUAGE_MODELS) predicts ``num_classes`` symbols (256: bytes) over ``context`` positions
+    (default its size's); it has no BatchNorm and no dropout.
 
     A ViT cuts the image into patches: its image size must be a multiple of the patch size (a UsageError
     otherwise), and it takes only that size (torchvision's ViT checks the input's height and width).
@@ -112,6 +191,9 @@ def build_model(name: str, dropout: float, norm: str, num_classes: int = NUM_CLA
         patch = SMALL_VIT["patch_size"] if name == "vit" else int(name.rsplit("_", 1)[1])
         if image_size % patch:
             raise UsageError(f"--model {name} needs an image size divisible by {patch}, got {image_size}")
+    if name in LANGUAGE_MODELS:
+        size = dict(GPT_SIZES[name], **({"context": context} if context else {}))
+        return GPT(vocab_size=num_classes, **size)
     if name == "net":
         model = Net(dropout, num_classes, image_size)
     elif name == "resnet":

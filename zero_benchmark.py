@@ -61,7 +61,8 @@ from typing import Any
 import torch
 
 from ddp_cifar100 import WARMUP_STEPS
-from models import MODELS
+from data import path_rank, read_text_files, default_text_dir
+from models import GPT, GPT_SIZES, LANGUAGE_MODELS, MODELS
 from training_benchmark import HERE, merge_ranks, run_trainer
 from utils import machine_info, machine_tag, write_json
 
@@ -107,6 +108,36 @@ def expected_bytes(label: str, psi: int, world_size: int, grad_accum: int) -> di
             "grads": 4 * psi / (world_size if stage >= 2 else 1),
             "optimizer": 8 * psi / (world_size if stage >= 1 else 1),
             "sent_bytes_per_step": sends if counted else None}
+
+
+GPT2_SHAPES = {"GPT-2 small": dict(layers=12, width=768, heads=12), "GPT-2 medium": dict(layers=24, width=1024, heads=16)}
+
+
+def gpt2_memory(world_sizes: tuple[int, ...] = (2, 8)) -> list[dict]:
+    """What a rank holds of GPT-2 small and medium (models.GPT at their shapes, GPT-2's vocabulary of 50257 and
+    context of 1024, the head tied) at each stage, in fp32 with AdamW over W processes: expected_bytes's
+    arithmetic on the parameter count, built on the meta device (no memory). Weights, gradients and optimizer
+    state only: activations, the buckets in flight and stage 3's gathered units come on top."""
+    rows = []
+    for name, shape in GPT2_SHAPES.items():
+        with torch.device("meta"):
+            psi = sum(p.numel() for p in GPT(vocab_size=50257, context=1024, **shape).parameters())
+        for world_size in world_sizes:
+            for stage in range(4):
+                held = expected_bytes(f"stage {stage} torch", psi, world_size, 1)
+                parts = {key: held[key] for key in ("params", "grads", "optimizer")}
+                rows.append({"model": name, "parameters": psi, "nproc": world_size, "stage": stage, **parts,
+                             "total": sum(parts.values())})
+    return rows
+
+
+def print_gpt2_memory(rows: list[dict]) -> None:
+    print("\nper rank, fp32 AdamW (weights + gradients + optimizer state), GB:")
+    print(f"{'model':<14}{'parameters':>13}{'W':>4}" + "".join(f"{f'stage {s}':>10}" for s in range(4)))
+    for model, world_size in dict.fromkeys((r["model"], r["nproc"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["nproc"]) == (model, world_size)]
+        print(f"{model:<14}{mine[0]['parameters']:>13,}{world_size:>4}" + "".join(f"{r['total'] / 1e9:>10.2f}"
+                                                                              for r in mine))
 
 
 def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -246,7 +277,7 @@ def trace_settings(args: argparse.Namespace) -> tuple[dict, SimpleNamespace]:
     model, nproc, grad_accum, allreduce = args.models[0], args.nprocs[0], args.grad_accums[0], args.allreduces[0]
     config = configurations(model, nproc, grad_accum, [allreduce], ["stage3"])[0]
     first, end = TRACE_STEPS
-    config["flags"] = config["flags"] + common_flags(args, end) + ["--profile-steps", f"{first}:{end}"]
+    config["flags"] = config["flags"] + common_flags(args, end, model) + ["--profile-steps", f"{first}:{end}"]
     settings = trainer_settings(args, config, end)
     return config, settings
 
@@ -298,8 +329,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="seconds per run: 2 processes, tiny sizes (a test)")
     parser.add_argument("--models", default="vit,resnet",
-                        help="comma-separated models that take 32-pixel images (default vit,resnet; e.g. vit_b_16, "
-                             "resnet50)")
+                        help="comma-separated models (default vit,resnet; e.g. vit_b_16, resnet50 on 32-pixel "
+                             "images, or gpt and gpt2 on text cut from the standard library's source)")
+    parser.add_argument("--context", type=int, default=None, help="the GPTs' context (default: the model's)")
     parser.add_argument("--allreduces", default="torch,ring",
                         help="our collectives: torch, ring or both (default torch,ring; the first is the reference)")
     parser.add_argument("--rows", default=",".join(ROW_GROUPS),
@@ -348,32 +380,64 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def common_flags(args: argparse.Namespace, max_steps: int) -> list[str]:
-    """The trainer flags every configuration shares: AdamW, the bucket cap, and where the run stops."""
-    return ["--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0.01", "--bucket-mb", str(args.bucket_mb),
-            "--max-steps", str(max_steps)]
+def common_flags(args: argparse.Namespace, max_steps: int, model: str) -> list[str]:
+    """The trainer flags every configuration of ``model`` shares: AdamW, the bucket cap, where the run stops, and
+    a GPT's context and split."""
+    flags = ["--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0.01", "--bucket-mb",
+             str(args.bucket_mb), "--max-steps", str(max_steps)]
+    if model in LANGUAGE_MODELS:
+        flags += ["--context", str(context_of(args, model)), "--val-fraction", "0.01"]
+    return flags
 
 
 def trainer_settings(args: argparse.Namespace, config: dict, steps: int) -> SimpleNamespace:
-    """What training_benchmark.trainer_command reads, for this configuration: a synthetic set of exactly
-    ``steps`` optimizer steps, so the run ends at the epoch's end (evaluation and checkpoint included)."""
+    """What training_benchmark.trainer_command reads, for this configuration: a set of exactly ``steps``
+    optimizer steps, so the run ends at the epoch's end (evaluation and checkpoint included): synthetic images,
+    or for a GPT a text folder (text_folder) of exactly that many windows."""
     samples = steps * args.batch_size * config["grad_accum"] * config["nproc"]
+    text = config["model"] in LANGUAGE_MODELS
     return SimpleNamespace(
-        nproc=config["nproc"], dataset="synthetic", model=config["model"], device=args.device,
-        batch_size=args.batch_size, epochs=1, seed=0, data_dir=None, imagenet=False, amp=args.amp,
+        nproc=config["nproc"], dataset="text" if text else "synthetic", model=config["model"], device=args.device,
+        batch_size=args.batch_size, epochs=1, seed=0, imagenet=False, amp=args.amp,
+        data_dir=text_folder(args.text_dir, samples, context_of(args, config["model"])) if text else None,
         train_size=samples, val_size=64,
         threads_per_process=1, run_timeout=args.run_timeout)
 
 
+def context_of(args: argparse.Namespace, model: str) -> int:
+    """A GPT's context in these runs: --context, or the model's own."""
+    return args.context or GPT_SIZES[model]["context"]
+
+
+def text_folder(root: str, windows: int, context: int) -> str:
+    """A folder under ``root`` of two files cut from the standard library's source (its NUL-free text): one of
+    exactly ``windows`` training windows of ``context`` bytes (the file and its separator make windows * context
+    + 1 bytes), and one of 64 windows that the trainer's split (with --val-fraction 0.01: the first file in the
+    hash ranking) takes for validation. Made once per size."""
+    folder = os.path.join(root, f"text-{windows}x{context}")
+    if not os.path.isdir(folder):
+        source = b"".join(read_text_files(default_text_dir())[1])
+        names = sorted(("one.txt", "two.txt"), key=path_rank)  # names[0] is the validation file
+        os.makedirs(folder)
+        with open(os.path.join(folder, names[0]), "wb") as f:
+            f.write(source[:64 * context])
+        with open(os.path.join(folder, names[1]), "wb") as f:
+            f.write(source[64 * context:64 * context + windows * context])
+    return folder
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.trace:
-        return main_trace(args, argv)
+    with tempfile.TemporaryDirectory(prefix="zerobench-text-") as args.text_dir:  # the GPTs' text folders
+        return main_trace(args, argv) if args.trace else main_table(args, argv)
+
+
+def main_table(args: argparse.Namespace, argv) -> dict:
     configs = [c for model in args.models for nproc in args.nprocs for accum in args.grad_accums
                for c in configurations(model, nproc, accum, args.allreduces, args.rows)]
     steps = args.steps + WARMUP_STEPS  # the trainer leaves the warm-up steps out of its step-time statistics
     for config in configs:
-        config["flags"] = config["flags"] + common_flags(args, steps)
+        config["flags"] = config["flags"] + common_flags(args, steps, config["model"])
     runs: dict[str, list[tuple[dict, dict]]] = {c["name"]: [] for c in configs}
     started, load_before = time.time(), os.getloadavg()
     progress = None
@@ -400,13 +464,15 @@ def main(argv=None) -> dict:
         reference = chosen[config["name"].rsplit("/", 1)[0] + f"/stage 0 {args.allreduces[0]}"][1]
         rows.append(summarize(config, metrics, max_weight_difference(reference, weights)))
     print_rows(rows, f"stage 0 {args.allreduces[0]}")
+    memory = gpt2_memory()
+    print_gpt2_memory(memory)
     payload = {"benchmark": "zero", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
                "command": " ".join(["python", "zero_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
                "settings": {k: v for k, v in vars(args).items() if k != "json"},
                "wall_time_s": time.time() - started, "load_average_before": list(load_before),
                "load_average_after": list(os.getloadavg()),
                "step_time_spread_ms": {name: [m["step_time_ms_median"] for m, _ in ms] for name, ms in runs.items()},
-               "rows": rows}
+               "rows": rows, "gpt2_memory": memory}
     write_json(args.json, payload)
     print(f"wrote {os.path.relpath(args.json, HERE)}")
     return payload
