@@ -22,6 +22,8 @@ def local_group():
         return group
 
     yield get
+    for group in groups.values():  # every worker of every group leaves at once, then each group is joined
+        group.request_stop()
     for group in groups.values():
         group.close()
 

@@ -29,8 +29,9 @@ def test_expected_output_shape():
 
 
 # a world of 1 is test_default_is_ten_iterations_in_a_world_of_one's; repeatability is shown at 2 processes;
-# 8 processes on 2 cores already queue every rank behind others (16 took 30 s of the suite's 5 minutes)
-@pytest.mark.parametrize("world_size,num_iter,runs", [(2, 10, 2), (5, 4, 1), (8, 2, 1)])
+# 8 processes on 2 cores already queue every rank behind others (16 took 30 s of the suite's 5 minutes, and 5
+# besides these two added 13 s and nothing the two do not show)
+@pytest.mark.parametrize("world_size,num_iter,runs", [(2, 10, 2), (8, 2, 1)])
 def test_rank_ordered_output_is_exact_and_repeatable(world_size, num_iter, runs):
     outputs = [run_torchrun(world_size, num_iter) for _ in range(runs)]
     for out in outputs:
