@@ -78,6 +78,22 @@ def epoch_order(dataset_size: int, rank: int, world_size: int, seed: int, epoch:
 
 
 
+class Splits:
+    """What every data set of the trainer shares: ``train`` and ``val`` (anything with a length: samples or
+    windows) and ``batch_size``, from which an epoch's micro-batch sizes on this rank follow."""
+    train: Any
+    val: Any
+    batch_size: int
+
+    @property
+    def val_size(self) -> int:
+        return len(self.val)
+
+    def batch_sizes(self) -> list[int]:
+        return micro_batch_sizes(len(self.train), dist.get_world_size(), self.batch_size)
+
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Data in memory: uint8 images on the training device, batches gathered, cropped and flipped there
 # ----------------------------------------------------------------------------------------------------------
@@ -249,7 +265,7 @@ def load_cifar100(data_dir: str, ctx: utils.DistContext, comm_device: torch.devi
 
 
 @dataclass
-class MemoryData:
+class MemoryData(Splits):
     """CIFAR-100 or the synthetic set on the training device, behind the data interface the trainer uses."""
     train: ImageSet
     val: ImageSet
@@ -264,9 +280,6 @@ class MemoryData:
         device = self.train.images.device  # constants made once, on the device
         self.mean = torch.tensor(CIFAR100_MEAN, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(CIFAR100_STD, device=device).view(1, 3, 1, 1)
-
-    def batch_sizes(self) -> list[int]:
-        return micro_batch_sizes(len(self.train), dist.get_world_size(), self.batch_size)
 
     def train_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches ``start``, ``start + 1``, ... of ``epoch``: normalized images and labels on the device."""
@@ -283,10 +296,6 @@ class MemoryData:
 
     def close(self) -> None:
         pass
-
-    @property
-    def val_size(self) -> int:
-        return len(self.val)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -385,7 +394,7 @@ class Batches:
         return len(self.batches)
 
 
-class FolderData:
+class FolderData(Splits):
     """An image folder streamed through DataLoader workers, behind the data interface the trainer uses."""
 
     def __init__(self, root: str, augment: str, size: int, workers: int, seed: int, batch_size: int,
@@ -409,13 +418,6 @@ class FolderData:
             self.loaders[name] = torch.utils.data.DataLoader(
                 samples, batch_sampler=Batches(), num_workers=workers, persistent_workers=workers > 0,
                 pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
-
-    @property
-    def val_size(self) -> int:
-        return len(self.val)
-
-    def batch_sizes(self) -> list[int]:
-        return micro_batch_sizes(len(self.train), dist.get_world_size(), self.batch_size)
 
     def signature(self) -> list[int]:
         """What every rank must see alike: sample and class counts, and a hash of the file lists."""
@@ -570,7 +572,7 @@ def text_stream(contents: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)
 
 
-class TextData:
+class TextData(Splits):
     """Every text file under ``root`` split by file into training and validation, in windows of ``context``
     bytes, behind the data interface the trainer uses (labels are the next bytes: 256 classes per position)."""
     num_classes = 256
@@ -591,13 +593,6 @@ class TextData:
                                  f"bytes to predict in {len(self.files[key])} files of {root}): lower --context "
                                  f"or add text")
         self.context, self.seed, self.batch_size, self.device = context, seed, batch_size, device
-
-    @property
-    def val_size(self) -> int:
-        return len(self.val)
-
-    def batch_sizes(self) -> list[int]:
-        return micro_batch_sizes(len(self.train), dist.get_world_size(), self.batch_size)
 
     def signature(self) -> list[int]:
         """What every rank must see alike: the splits' file lists and sizes."""
