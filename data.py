@@ -552,7 +552,7 @@ class TextSet:
     """One split as one byte stream (each file's bytes, then a 0 byte to end the document), read as windows of
     ``context`` + 1 bytes that do not overlap: window i is stream[i T : i T + T + 1], its first T bytes the
     inputs and its last T the targets (the byte after each input), so every byte after the first is predicted
-    once per epoch. The bytes live once, in a uint8 tensor (not one Python object per byte); a batch gathers its
+    once per epoch, but for the fewer than T after the last whole window. The bytes live once, in a uint8 tensor (not one Python object per byte); a batch gathers its
     windows from it."""
     stream: torch.Tensor  # uint8 (n,)
     context: int
@@ -568,8 +568,10 @@ class TextSet:
 
 
 def text_stream(contents: list[bytes]) -> torch.Tensor:
-    joined = b"".join(content + b"\0" for content in contents)
-    return torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)
+    """The files' bytes as one uint8 tensor, each file followed by a 0 byte (the end of a document)."""
+    if not contents:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b"\0".join(contents) + b"\0"), dtype=torch.uint8)
 
 
 class TextData(Splits):
