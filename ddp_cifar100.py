@@ -816,6 +816,7 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
     waits = run.data_wait_ms[len(times) - len(steps):]
     return {
         "world_size": run.ctx.world_size, "device": run.device.type, "backend": run.ctx.backend,
+        "machine": utils.machine_info(run.device),  # where the figures came from (CPU model, GPU, versions)
         "optimizer_steps": position.optimizer_steps, "micro_batches": position.micro_batches,
         "trainable_parameters": trainable, "num_classes": run.data.num_classes,
         **{key: final[key] for key in ("train_loss", "val_loss", "val_acc", "val_acc5", "val_correct",
