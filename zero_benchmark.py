@@ -110,7 +110,8 @@ def expected_bytes(label: str, psi: int, world_size: int, grad_accum: int) -> di
             "sent_bytes_per_step": sends if counted else None}
 
 
-GPT2_SHAPES = {"GPT-2 small": dict(layers=12, width=768, heads=12), "GPT-2 medium": dict(layers=24, width=1024, heads=16)}
+GPT2_SHAPES = {"GPT-2 small": GPT_SIZES["gpt2"],  # models.py's gpt2 is GPT-2 small's shape; medium is wider and deeper
+               "GPT-2 medium": dict(GPT_SIZES["gpt2"], layers=24, width=1024, heads=16)}
 
 
 def gpt2_memory(world_sizes: tuple[int, ...] = (2, 8)) -> list[dict]:
@@ -121,7 +122,7 @@ def gpt2_memory(world_sizes: tuple[int, ...] = (2, 8)) -> list[dict]:
     rows = []
     for name, shape in GPT2_SHAPES.items():
         with torch.device("meta"):
-            psi = sum(p.numel() for p in GPT(vocab_size=50257, context=1024, **shape).parameters())
+            psi = sum(p.numel() for p in GPT(vocab_size=50257, **shape).parameters())
         for world_size in world_sizes:
             for stage in range(4):
                 held = expected_bytes(f"stage {stage} torch", psi, world_size, 1)
