@@ -149,14 +149,14 @@ def _wait(request) -> None:
         request.wait()
 
 
-def _split_bounds(length: int, pieces: int) -> list[int]:
+def split_bounds(length: int, pieces: int) -> list[int]:
     """Boundaries of ``pieces`` consecutive parts of ``length`` elements; the first length % pieces get one more."""
     base, extra = divmod(length, pieces)
     return [i * base + min(i, extra) for i in range(pieces + 1)]
 
 
 def _segments(region: torch.Tensor, pieces: int) -> list[torch.Tensor]:
-    bounds = _split_bounds(region.numel(), pieces)
+    bounds = split_bounds(region.numel(), pieces)
     return [region[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
@@ -215,7 +215,7 @@ def _ring(flat: torch.Tensor, rank: int, size: int, group, segment: int, shift: 
     n = flat.numel()
     if size == 1 or n == 0:
         return
-    bounds = _split_bounds(n, size)
+    bounds = split_bounds(n, size)
     largest = bounds[1] - bounds[0]  # ceil(n / p)
     pieces = -(-largest // segment)  # segments per chunk, the same for every chunk
     segs = [_segments(flat[bounds[c]:bounds[c + 1]], pieces) for c in range(size)]

@@ -34,6 +34,14 @@ ln 2, printed beside gzip -9's bits per byte on the same validation bytes). The 
 --betas, --norm-weight-decay (decay on matrices only), --clip-grad-norm, --scheduler cosine --warmup-steps
 --min-lr --decay-steps. --generate N samples N bytes from a checkpoint's GPT and exits.
 
+Data parallelism over slow links (--grad-sync diloco|localsgd, diloco.py): --replicas R groups of W/R processes,
+each trained by the loop above over its own process group (zero.shard's group=, --zero 0-2; SyncBatchNorm over the
+replica), meeting every --local-steps H optimizer steps: an outer all-reduce of the pseudo-gradients over the
+ranks at the same place in every replica (on diloco.py's ring, --outer-compress, --fragments, --outer-delay) and
+an outer step (--outer-optimizer, --outer-lr, --outer-momentum; localsgd: averaging). Validation evaluates the
+shared point; a checkpoint holds each replica's weights, optimizer and outer state. --eval-every N validates every
+N steps for curves of loss against training time and bytes sent.
+
 Validation: rank 0 splits the validation indices into W contiguous shards (sizes differ by at most one), pads
 them to equal length with the true length in front, and sends them with dist.scatter; every rank evaluates its
 shard with the running BatchNorm statistics (broadcast from rank 0 first) and the float64 loss sums and int64
@@ -90,6 +98,7 @@ unset or 0), so that the restarted group runs through.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import itertools
@@ -113,6 +122,7 @@ from tqdm import tqdm
 
 import utils
 import zero
+from diloco import DiLoCo, data_parallel_bytes, encoded_bytes
 from data import FolderData, MemoryData, TextData, default_text_dir, derive_seed, load_data
 from gradsync import DataParallel, broadcast_state
 from models import GPT, GPT_SIZES, LANGUAGE_MODELS, MODELS, blocks, build_model
@@ -122,6 +132,9 @@ from utils import UsageError
 WARMUP_STEPS = 3  # optimizer steps left out of the step-time statistics (allocator and autograd warm-up)
 PROFILE_STEPS = f"{WARMUP_STEPS}:{WARMUP_STEPS + 3}"  # --profile's default window: 3 steps after the warm-up
 FAULT_ENV = "DDP_CIFAR100_FAULT"
+OURS = ("custom", "diloco", "localsgd")  # the syncs built on zero.shard
+DILOCO_FLAGS = ("grad_sync", "replicas", "local_steps", "outer_optimizer", "outer_lr", "outer_momentum",
+                "outer_compress", "fragments", "outer_delay")
 NORM_TORCH_ON_CPU = ("--norm torch (nn.SyncBatchNorm) needs CUDA: use --device cuda (with a GPU), or --norm custom "
                      "or --norm local on the CPU")
 
@@ -212,6 +225,8 @@ def trajectory_config(args: argparse.Namespace, world_size: int, schedule_steps:
     config["sizes"] = [len(data.train), data.val_size, data.num_classes] if args.dataset != "cifar100" else None
     config["norm"] = "local" if args.norm == "local" else "synchronized"  # custom and torch compute the same
     config["schedule_steps"] = schedule_steps if args.scheduler in ("onecycle", "cosine") else None
+    if args.grad_sync in ("diloco", "localsgd"):  # the replicas are processes: their number is the run's too
+        config.update(world_size=world_size, diloco={key: getattr(args, key) for key in DILOCO_FLAGS})
     return config
 
 
@@ -379,6 +394,12 @@ class Run:
     state_bytes: dict[str, int] | None = None  # what this rank holds at an optimizer step (zero.state_bytes)
     grad_norms: list[torch.Tensor] = field(default_factory=list)  # --clip-grad-norm: each step's norm, unclipped
     first_step: int = 0  # the optimizer step this run started from (a resumed run: the checkpoint's)
+    outer: DiLoCo | None = None  # --grad-sync diloco|localsgd: the replicas' outer loop
+    replica: int = 0  # which replica this rank belongs to (diloco, localsgd) ...
+    replica_size: int = 1  # ... and how many ranks each replica has
+    evals: list[dict[str, Any]] = field(default_factory=list)  # --eval-every's evaluations (rank 0's figures)
+    train_start: float = 0.0  # perf_counter() when training began ...
+    eval_seconds: float = 0.0  # ... and the seconds --eval-every's evaluations have taken since
     baselines: dict[str, float] = field(default_factory=dict)  # text: gzip's and the unigram's bits/byte (rank 0)
 
     @property
@@ -429,7 +450,7 @@ def make_scaler(args: argparse.Namespace, device: torch.device, **settings: Any)
     """--amp fp16's gradient scaler (disabled otherwise). With sharded gradients each rank sees its shard alone,
     so whether any is inf must be agreed on: ShardedGradScaler all-reduces it. Replicated gradients are the same
     everywhere."""
-    sharded = (args.grad_sync == "custom" and args.zero > 0) or args.grad_sync == "fsdp"
+    sharded = (args.grad_sync in OURS and args.zero > 0) or args.grad_sync == "fsdp"
     kind = ShardedGradScaler if sharded else torch.amp.GradScaler
     return kind(device.type, enabled=args.amp == "fp16", **settings)
 
@@ -461,14 +482,27 @@ def set_up(args: argparse.Namespace) -> Run:
     model = model.to(device, memory_format=data.memory_format)
     broadcast_state(model)
     # the gradient sync, and the optimizer through it
+    within, across, replica = replica_groups(args, ctx)
+    if within is not None:  # SyncBatchNorm normalizes over its replica's samples alone
+        for module in model.modules():
+            if hasattr(module, "process_group"):
+                module.process_group = within
     if args.grad_sync == "ddp":
         sync: DataParallel = DDPSync(model, device, args.bucket_mb, zero_redundancy=args.zero == 1)
     elif args.grad_sync == "fsdp":
         sync = FSDPSync(model, blocks(model), reshard_after_forward=args.zero == 3)
     else:
-        sync = zero.shard(model, args.zero, blocks(model) if args.zero == 3 else None, collectives=args.allreduce,
-                          bucket_mb=args.bucket_mb, overlap=args.sync_mode == "overlap",
+        sync = zero.shard(model, args.zero, blocks(model) if args.zero == 3 else None, group=within,
+                          collectives=args.allreduce, bucket_mb=args.bucket_mb, overlap=args.sync_mode == "overlap",
                           accumulate=args.zero3_accumulate, timeout_s=args.timeout)
+    outer = None
+    if across is not None:
+        try:
+            outer = DiLoCo(model, across, args.local_steps, args.outer_lr, args.outer_momentum,
+                           args.outer_optimizer == "nesterov", args.outer_compress, args.fragments, args.outer_delay,
+                           args.timeout)
+        except ValueError as exc:  # e.g. more fragments than the model has parameters
+            raise UsageError(f"--grad-sync {args.grad_sync}: {exc}") from None
     optimizer = make_optimizer(args, model, sync)
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
     schedule_steps = args.epochs * steps_per_epoch  # the learning-rate schedule's length
@@ -489,7 +523,29 @@ def set_up(args: argparse.Namespace) -> Run:
                {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp], steps_per_epoch,
                trajectory_config(args, ctx.world_size, schedule_steps, data),
                os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None, writer,
-               utils.IntervalTimer(device), recent=recent)
+               utils.IntervalTimer(device), recent=recent, outer=outer, replica=replica,
+               replica_size=ctx.world_size // (args.replicas or ctx.world_size) if outer is not None else 1)
+
+
+def replica_groups(args: argparse.Namespace, ctx: utils.DistContext) -> tuple[Any, Any, int]:
+    """--grad-sync diloco|localsgd: the process group of this rank's replica (ranks R_i = i W/R .. (i+1) W/R - 1,
+    the inner data parallelism), the group across replicas (this rank and the ranks at its place in every other
+    replica: the outer all-reduce, always gloo: its ring works on host memory), and the replica's index. Every rank
+    makes every group, in one order (torch.distributed's rule). (None, None, 0) for the other syncs."""
+    if args.grad_sync not in ("diloco", "localsgd"):
+        return None, None, 0
+    world, replicas = ctx.world_size, args.replicas or ctx.world_size
+    if world % replicas:
+        raise UsageError(f"--replicas {replicas} does not divide the {world} processes into equal replicas")
+    per = world // replicas
+    within = across = None
+    for i in range(replicas):
+        group = dist.new_group(list(range(i * per, (i + 1) * per)))
+        within = group if ctx.rank // per == i else within
+    for place in range(per):
+        group = dist.new_group([i * per + place for i in range(replicas)], backend="gloo")
+        across = group if ctx.rank % per == place else across
+    return within, across, ctx.rank // per
 
 
 def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
@@ -501,6 +557,8 @@ def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
     position = Position(optimizer_steps=state["optimizer_steps"], micro_batches=state["micro_batches_total"])
     if run.args.eval_only:
         try:
+            if run.outer is not None and "replicas" in state:  # the shared point is what validation evaluates
+                run.outer.load_state_dict(state["replicas"][run.replica]["outer"])
             run.sync.load_model_state_dict(state["model"])
         except RuntimeError as exc:
             raise UsageError(f"checkpoint {path} does not fit --model {run.args.model}: "
@@ -508,8 +566,11 @@ def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
         return position, list(state["history"]), [0.0, 0.0, 0.0]
     world_size = run.ctx.world_size
     check_compatible(state, run.config, path, run.args, world_size)
-    run.sync.load_model_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    replica = state["replicas"][run.replica] if run.outer is not None else state  # its own weights and optimizer
+    run.sync.load_model_state_dict(replica["model"])
+    run.optimizer.load_state_dict(replica["optimizer"])
+    if run.outer is not None:
+        run.outer.load_state_dict(replica["outer"])
     if run.scheduler is not None:
         run.scheduler.load_state_dict(state["scheduler"])
     run.scaler.load_state_dict(state["scaler"])
@@ -538,16 +599,32 @@ def checkpoint(run: Run, position: Position, history: list[dict[str, Any]], sums
         return
     optimizer_state = run.optimizer.state_dict()  # the sharded stages gather it to rank 0, every rank calls it
     model_state = run.sync.model_state_dict()  # --zero 3, fsdp: gathered one unit at a time
+    replicas = None
+    if run.outer is not None:  # every replica's own weights, optimizer and outer state; "model": the shared point
+        replicas = gather_replicas(run, model_state, optimizer_state)
+        with run.outer.global_weights():
+            model_state = {key: value.clone() for key, value in run.model.state_dict().items()}
     if run.ctx.rank != 0:
         return
     save_checkpoint(run.checkpoint_path, {
-        "model": model_state, "optimizer": optimizer_state, "world_size": run.ctx.world_size,
+        "model": model_state, **({"replicas": replicas} if replicas is not None else {}),
+        "optimizer": optimizer_state, "world_size": run.ctx.world_size,
         "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
         "scaler": run.scaler.state_dict(), "epoch": position.epoch, "micro_batch": position.micro_batch,
         "optimizer_steps": position.optimizer_steps, "micro_batches_total": position.micro_batches,
         "history": history, "epoch_sums": sums, "fingerprint": fingerprint(run.config), "config": run.config,
         "rng_seed": run.args.seed,  # every random draw derives from it and the position (module docstring)
     })
+
+
+def gather_replicas(run: Run, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> list[Any] | None:
+    """Each replica's first rank sends its replica's state to rank 0 (the others hold the same: module docstring);
+    rank 0 gets them in replica order, the others None."""
+    first = run.ctx.rank % run.replica_size == 0
+    mine = {"model": model_state, "optimizer": optimizer_state, "outer": run.outer.state_dict()} if first else None
+    gathered: list[Any] = [None] * run.ctx.world_size
+    dist.gather_object(mine, gathered if run.ctx.rank == 0 else None, dst=0)
+    return [state for state in gathered if state is not None] if run.ctx.rank == 0 else None
 
 
 def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -597,6 +674,9 @@ def optimizer_step(run: Run, position: Position, batches: Iterator[tuple[torch.T
         if run.scheduler is not None:
             run.scheduler.step()
         run.optimizer.zero_grad()
+    if run.outer is not None:  # diloco, localsgd: the replicas meet when one of their all-reduces is due
+        with utils.profiled("outer step"):
+            run.outer.step()
     run.timer.stop()
     run.data_wait_ms.append(waited * 1e3)
     if run.recent is not None:
@@ -638,6 +718,8 @@ def train_epoch(run: Run, position: Position, history: list[dict[str, Any]], sum
         if (stop_requested(args, position) or at_interval) and position.micro_batch < len(sizes):
             epoch_sums = sums.gather(run.comm_device)
             checkpoint(run, position, history, epoch_sums)
+        if args.eval_every and position.optimizer_steps % args.eval_every == 0:
+            evaluate_during_training(run, position)
         # fault injection (see the module docstring)
         if rank == fault_rank and position.optimizer_steps == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -645,6 +727,22 @@ def train_epoch(run: Run, position: Position, history: list[dict[str, Any]], sum
     bar.close()
     run.timer.collect()
     return steps, samples
+
+
+def evaluate_during_training(run: Run, position: Position) -> None:
+    """--eval-every: the validation loss now, against the seconds of training so far (these evaluations left out)
+    and the bytes the busiest rank has sent so far: the curves of loss against time and against bytes."""
+    start = time.perf_counter()
+    entry = {"step": position.optimizer_steps, "time_s": start - run.train_start - run.eval_seconds,
+             "sent_bytes": int(utils.max_across_ranks(bytes_sent(run, position)))}
+    entry.update(validate(run))
+    if run.args.dataset == "text":
+        entry["val_bits_per_byte"] = entry["val_loss"] / math.log(2)
+    run.evals.append(entry)
+    run.model.train()
+    utils.print0(f"step {entry['step']} | val loss {entry['val_loss']:.4f} | {entry['time_s']:.1f} s of training | "
+                 f"{entry['sent_bytes'] / 1e6:.2f} MB sent")
+    run.eval_seconds += time.perf_counter() - start
 
 
 def log_recent_steps(run: Run, step: int, bar: tqdm) -> None:
@@ -696,8 +794,10 @@ def validate(run: Run) -> dict[str, Any]:
         else:
             empty = (torch.zeros(0, 3, args.image_size, args.image_size, device=run.device),
                      torch.zeros(0, dtype=torch.int64, device=run.device))
-    return evaluate(run.model, run.data, max(args.batch_size, 256), run.device, run.comm_device, run.amp_dtype,
-                    empty)
+    # diloco, localsgd: the replicas differ inside a window; the model evaluated is their shared point
+    with run.outer.global_weights() if run.outer is not None else contextlib.nullcontext():
+        return evaluate(run.model, run.data, max(args.batch_size, 256), run.device, run.comm_device,
+                        run.amp_dtype, empty)
 
 
 def end_epoch(run: Run, position: Position, history: list[dict[str, Any]], sums: EpochSums,
@@ -752,6 +852,22 @@ def describe_text(run: Run) -> None:
                  f"alone (unigram entropy)")
 
 
+def describe_outer(run: Run) -> str:
+    """diloco, localsgd: the replicas and how they meet, for the run's first line."""
+    args = run.args
+    if run.outer is None:
+        return ""
+    replicas = run.ctx.world_size // run.replica_size
+    text = f" ({replicas} replicas of {run.replica_size}, meeting every {args.local_steps} steps"
+    if args.grad_sync == "diloco":
+        text += f", outer {args.outer_optimizer} lr {args.outer_lr} momentum {args.outer_momentum}"
+    if args.outer_compress != "none":
+        text += f", {args.outer_compress} with error feedback"
+    if args.fragments > 1 or args.outer_delay:
+        text += f", {args.fragments} fragments applied {args.outer_delay} steps after launch"
+    return text + ")"
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the training (or evaluation) ``args`` describe; returns the metrics and, on every rank, the model."""
     wall_start = time.perf_counter()
@@ -765,11 +881,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             describe_text(run)
         utils.print0(f"{args.model} ({trainable:,} parameters, {run.data.num_classes} classes) on "
                      f"{run.ctx.world_size} x {run.device.type} ({run.ctx.backend}), grad-sync {args.grad_sync}"
+                     f"{describe_outer(run)}"
                      f"{f' --zero {args.zero}' if args.zero else ''}, {args.optimizer}, "
                      f"norm {args.norm}, {args.batch_size} x {args.grad_accum} x {run.ctx.world_size} samples "
                      f"per step, {run.steps_per_epoch} steps per epoch")
         utils.reset_peak_memory(run.device)
         run.profiler = start_profiler(run, position)
+        run.train_start = time.perf_counter()
         train_time, samples_trained, run_steps, final = 0.0, 0, 0, None
         while not args.eval_only and final is None and position.epoch < args.epochs \
                 and not stop_requested(args, position):
@@ -801,6 +919,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if run.profiler is not None:  # stopped by an error: leave no profiler running in this process
             run.profiler.stop()
         run.sync.close()  # hooks off, --zero 3's units gathered, --allreduce ring|butterfly's thread stopped
+        if run.outer is not None:
+            run.outer.close()
         run.data.close()
     if run.ctx.rank == 0 and args.metrics_out:
         utils.write_json(args.metrics_out, metrics)
@@ -825,6 +945,7 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         "state_bytes": {key: int(utils.max_across_ranks(value)) for key, value in (run.state_bytes or
                         {"params": 0, "grads": 0, "optimizer": 0}).items()},
         "sent_bytes_per_step": sent_per_step(run, position),
+        **sent_figures(run, position, trainable),
         "grad_norms": [float(norm) for norm in run.grad_norms],  # --clip-grad-norm: this run's, before clipping
         **text_figures(run, final, samples_trained, train_time),
         "gathered_peak": gathered_peak(run),
@@ -847,6 +968,40 @@ def text_figures(run: Run, final: dict[str, Any], samples_trained: int, train_ti
     return {"val_bits_per_byte": final["val_loss"] / math.log(2),
             "tokens_per_s": samples_trained * run.args.context / train_time if train_time else 0.0,
             **{f"val_{key}": value for key, value in run.baselines.items()}}
+
+
+def sent_figures(run: Run, position: Position, trainable: int) -> dict[str, Any]:
+    """sent_bytes: the most any rank sent over this run, gradient sync and outer all-reduces together (DDP: what an
+    ideal ring sends, 2 (W-1)/W of the model per step, the figure to compare with); data_parallel_sent_bytes: that
+    ideal ring's figure over the same steps. diloco, localsgd: the outer all-reduces, each with the bytes the busiest
+    rank sent, the time the step waited for it to land and the steps it was in flight."""
+    if run.outer is not None:
+        run.outer.wait()  # an all-reduce still in flight at the end has its bytes counted too
+    steps = position.optimizer_steps - run.first_step
+    figures: dict[str, Any] = {"sent_bytes": int(utils.max_across_ranks(bytes_sent(run, position))),
+                               "data_parallel_sent_bytes": steps * data_parallel_bytes(trainable, run.ctx.world_size),
+                               "evals": run.evals}
+    if run.outer is not None:
+        log = run.outer.log
+        busiest = [int(utils.max_across_ranks(entry["bytes"] or 0)) for entry in log]  # every rank has each entry
+        figures["outer_all_reduces"] = [
+            {"step": entry["step"], "fragment": entry["fragment"], "elements": entry["elements"], "bytes": sent,
+             "wait_ms": entry.get("wait_ms"), "delay_steps": run.args.outer_delay}
+            for entry, sent in zip(log, busiest)]
+        figures["peak_in_flight_bytes"] = max(encoded_bytes(len(start), run.args.outer_compress)
+                                              for start in run.outer.start)
+        figures["model_bytes"] = encoded_bytes(trainable, "none")
+    return figures
+
+
+def bytes_sent(run: Run, position: Position) -> int:
+    """What this rank has sent in this run: its gradient sync's count (DDP, FSDP2: an ideal ring's figure) and
+    its outer all-reduces that have landed."""
+    sent = run.sync.sent_bytes()
+    if sent is None:
+        trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+        sent = (position.optimizer_steps - run.first_step) * data_parallel_bytes(trainable, run.ctx.world_size)
+    return sent + (run.outer.sent_bytes() if run.outer is not None else 0)
 
 
 def gathered_peak(run: Run) -> dict[str, int] | None:
@@ -926,18 +1081,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "synthetic")
     add("--workers", type=int, default=0, help="imagefolder: DataLoader processes that decode and augment")
     add("--context", type=int, default=None,
-        help="text: bytes per window, the GPT's context (default: the model's, 128 for gpt, 1024 for gpt2)")
+        help="text: bytes per window, the GPT's context (default: the model's, 128 for gpt, 64 for gpt-tiny, 1024 "
+             "for gpt2)")
     add("--val-fraction", type=float, default=0.1,
         help="text: the share of the bytes, in whole files chosen by a hash of their path, kept for validation")
     add("--model", choices=MODELS, default="net",
         help="net, resnet and vit: small models for 32-pixel images; resnet18..., vit_b_16...: torchvision's "
-             "(weights=None; a ViT takes --image-size, which its patch size must divide); gpt (1.9M parameters) "
-             "and gpt2 (GPT-2 small's shape, 86M with 256 bytes for vocabulary): byte-level GPTs for --dataset text")
+             "(weights=None; a ViT takes --image-size, which its patch size must divide); gpt (1.3M parameters), "
+             "gpt-tiny (0.12M) and gpt2 (GPT-2 small's shape, 86M with 256 bytes for vocabulary): byte-level GPTs "
+             "for --dataset text")
     add("--channels-last", action="store_true", help="model and batches in channels-last memory format")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
-    add("--grad-sync", choices=("custom", "ddp", "fsdp"), default="custom",
+    add("--grad-sync", choices=("custom", "ddp", "fsdp", "diloco", "localsgd"), default="custom",
         help="custom: gradsync.py / zero.py, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's fully_shard "
-             "on the model's blocks and the root (with --zero 2 or 3)")
+             "on the model's blocks and the root (with --zero 2 or 3); diloco: --replicas that train alone (custom "
+             "inside each, --zero 0-2) and meet every --local-steps through an outer optimizer (diloco.py); "
+             "localsgd: the same, meeting by averaging their weights")
+    add("--replicas", type=int, default=None, metavar="R",
+        help="diloco, localsgd: the number of replicas, each of W/R processes (default: one process each)")
+    add("--local-steps", type=int, default=None, metavar="H",
+        help="diloco, localsgd: inner optimizer steps between two meetings of the replicas (default 50)")
+    add("--outer-optimizer", choices=("sgd", "nesterov"), default=None,
+        help="diloco: SGD on the averaged pseudo-gradient, with Nesterov momentum (default, the paper's) or "
+             "heavy-ball momentum")
+    add("--outer-lr", type=float, default=None, help="diloco: the outer learning rate (default 0.7)")
+    add("--outer-momentum", type=float, default=None, help="diloco: the outer momentum (default 0.9)")
+    add("--outer-compress", choices=("none", "bf16", "int8", "int4"), default=None,
+        help="diloco, localsgd: how the outer all-reduce's messages travel on the ring: float32, bfloat16, or "
+             "int8/int4 codes with a float32 scale per 256 values; with error feedback (default none)")
+    add("--fragments", type=int, default=None, metavar="F",
+        help="diloco, localsgd: streaming: the parameters in F runs, meeting at staggered steps (default 1)")
+    add("--outer-delay", type=int, default=None, metavar="D",
+        help="diloco, localsgd: inner steps an outer all-reduce runs on its thread before it is applied, the "
+             "progress made meanwhile kept (default 0: at once; at most --local-steps / --fragments)")
     add("--zero", type=int, choices=(0, 1, 2, 3), default=0,
         help="ZeRO stage (zero.py): 0 replicated; 1 optimizer state sharded over the processes; 2 gradients too; "
              "3 parameters too, gathered one unit (block) at a time with prefetch (--bucket-mb plays no part). "
@@ -1006,6 +1182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"with --profile: this run's optimizer steps A to B-1, counted from 0 (default {PROFILE_STEPS}: "
              f"after the warm-up)")
     add("--metrics-out", default=None, help="JSON summary from rank 0")
+    add("--eval-every", type=int, default=0, metavar="N",
+        help="also evaluate every N optimizer steps: the metrics' evals list each one's step, seconds of training "
+             "so far (evaluations left out), bytes sent so far by the busiest rank and validation figures")
     add("--timeout", type=float, default=1800.0, help="seconds, for process-group set-up and collectives")
     args = parser.parse_args(argv)
     positive = {"--grad-accum": args.grad_accum, "--batch-size": args.batch_size, "--epochs": args.epochs,
@@ -1015,7 +1194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
     for flag, value in {"--max-steps": args.max_steps, "--checkpoint-every": args.checkpoint_every,
-                        "--momentum": args.momentum, "--weight-decay": args.weight_decay,
+                        "--momentum": args.momentum, "--eval-every": args.eval_every,
+                        "--weight-decay": args.weight_decay,
                         "--norm-weight-decay": args.norm_weight_decay or 0}.items():
         if value < 0:
             raise UsageError(f"{flag} must not be negative, got {value}")
@@ -1024,7 +1204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_recipe_flags(args)
     if not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.allreduce != "torch" and args.grad_sync != "custom":
+    check_outer_flags(args)
+    if args.allreduce != "torch" and args.grad_sync not in OURS:
         raise UsageError(f"--allreduce {args.allreduce} is for --grad-sync custom ({args.grad_sync} uses its own "
                          f"collectives)")
     if args.grad_sync == "fsdp" and args.zero not in (2, 3):
@@ -1036,7 +1217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.zero and args.allreduce == "butterfly":
         raise UsageError(f"--zero {args.zero} runs on reduce-scatter and all-gather: --allreduce torch or ring "
                          f"(the butterfly has no halves here)")
-    if args.zero >= 2 and args.sync_mode == "after" and args.grad_sync == "custom":
+    if args.zero >= 2 and args.sync_mode == "after" and args.grad_sync in OURS:
         raise UsageError(f"--zero {args.zero} reduce-scatters gradients as backward completes them; --sync-mode "
                          f"after would keep every full gradient (use --zero 1)")
     if args.zero3_accumulate is not None and (args.zero != 3 or args.grad_sync != "custom"):
@@ -1047,6 +1228,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError("--log-dir needs the tensorboard package (pip install tensorboard)")
     args.profile_steps = parse_profile_steps(args.profile_steps, args.profile)
     return resolve_data_flags(args)
+
+
+def check_outer_flags(args: argparse.Namespace) -> None:
+    """diloco and localsgd's flags: refused elsewhere, defaults filled in, one line when they do not fit."""
+    given = [f"--{key.replace('_', '-')}" for key in DILOCO_FLAGS[1:] if getattr(args, key) is not None]
+    if args.grad_sync not in ("diloco", "localsgd"):
+        if given:
+            raise UsageError(f"{given[0]} is for --grad-sync diloco or localsgd")
+        return
+    if args.grad_sync == "localsgd":  # averaging the weights is outer SGD with lr 1 and no momentum
+        outer = [flag for flag in given if flag in ("--outer-optimizer", "--outer-lr", "--outer-momentum")]
+        if outer:
+            raise UsageError(f"{outer[0]} is diloco's: localsgd averages the weights (outer SGD, lr 1, no momentum)")
+        args.outer_optimizer, args.outer_lr, args.outer_momentum = "sgd", 1.0, 0.0
+    defaults = {"local_steps": 50, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
+                "outer_compress": "none", "fragments": 1, "outer_delay": 0}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.zero == 3:
+        raise UsageError(f"--grad-sync {args.grad_sync} takes --zero 0, 1 or 2 inside the replicas (stage 3 keeps no "
+                         f"whole weights between steps for the outer step to read)")
+    if args.replicas is not None and args.replicas < 1:
+        raise UsageError(f"--replicas must be positive, got {args.replicas}")
+    if not 1 <= args.fragments <= args.local_steps:
+        raise UsageError(f"--fragments {args.fragments} must be between 1 and --local-steps {args.local_steps}")
+    if not 0 <= args.outer_delay <= args.local_steps // args.fragments:
+        raise UsageError(f"--outer-delay {args.outer_delay} must be between 0 and --local-steps / --fragments = "
+                         f"{args.local_steps // args.fragments} (one fragment in flight at a time)")
+    if not args.outer_lr > 0 or args.outer_momentum < 0:
+        raise UsageError(f"--outer-lr must be positive and --outer-momentum not negative, got {args.outer_lr} and "
+                         f"{args.outer_momentum}")
 
 
 def check_recipe_flags(args: argparse.Namespace) -> None:

@@ -383,7 +383,7 @@ def test_gpt_sizes_and_blocks():
     shapes: tied embedding V x W, positions C x W, final LayerNorm 2W, and per block the attention's 4 W x W and the
     MLP's 2 x 4 W x W matrices, plus at most 13 W of biases and LayerNorm parameters (nanoGPT's full set: qkv 3W,
     projections W and W, MLP 4W, two LayerNorms 4W). With V = 50257 the upper end is nanoGPT's 124,439,808."""
-    assert models.LANGUAGE_MODELS == ("gpt", "gpt2") and set(models.LANGUAGE_MODELS) <= set(models.MODELS)
+    assert models.LANGUAGE_MODELS == ("gpt", "gpt-tiny", "gpt2") and set(models.LANGUAGE_MODELS) <= set(models.MODELS)
     assert models.GPT_SIZES["gpt2"] == {"layers": 12, "width": 768, "heads": 12, "context": 1024}
     small = models.build_model("gpt", 0.0, "custom", 256, context=CONTEXT)
     size = models.GPT_SIZES["gpt"]

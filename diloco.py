@@ -1,0 +1,410 @@
+"""Data parallelism over slow links: replicas that train alone for H steps and then meet (DiLoCo), with the meeting
+compressed on our ring and streamed in fragments. A library for your own loop, beside zero.py's.
+
+    outer = diloco.DiLoCo(model, group=across, local_steps=50, outer_lr=0.7, outer_momentum=0.9,
+                          compress="int4", fragments=4, delay=1)
+    for batch in data:                      # the replica's ordinary data-parallel step (zero.shard over `within`)
+        loss_fn(model, batch).backward(); optimizer.step(); optimizer.zero_grad()
+        outer.step()                        # counts the inner step; meets the other replicas when one is due
+    with outer.global_weights():            # the shared point the replicas last agreed on, for evaluation
+        evaluate(model)
+    outer.state_dict(); outer.load_state_dict(state)    # this rank's outer state: exact resume mid-window
+    outer.close()
+
+The world is R replicas of W/R processes. Inside a replica every step is ordinary data parallelism over its group
+(``within``); across replicas, ``group`` (``across``) holds this rank and the rank at the same position in every
+other replica, and nothing crosses it but the outer all-reduce. The training state of every replica is whole on each
+of its ranks (zero.shard's stages 0-2), so the R-rank rings of the W/R positions run side by side on identical
+inputs: each rank sends what one ring sends.
+
+DiLoCo (Douillard et al., 2023, arXiv:2311.08105). Every replica starts a window from the shared point theta,
+takes H inner steps with its own optimizer (AdamW, its state kept across windows), reaching theta_r, and then
+
+    Delta_r = theta - theta_r                      the pseudo-gradient: minus the replica's progress
+    Delta   = 1/R sum_r Delta_r                     one all-reduce across the replicas
+    theta  <- OuterOpt(theta, Delta)                SGD with Nesterov momentum (lr 0.7, momentum 0.9: the paper's)
+
+and every replica starts its next window from the new theta. Outer SGD with lr 1 and no momentum makes theta the
+mean of the theta_r: model averaging every H steps (local SGD, ``localsgd``), and with H = 1 and plain inner SGD
+that is data parallelism's step exactly. The sign matters: theta - lr * Delta moves toward the replicas' mean
+(torchft's first version stepped away from it: torchtitan #1507).
+
+The outer all-reduce (``ring_allreduce_compressed``) is the ring of allreduce.py with every message encoded:
+``none`` (the values as they are), ``bf16``, ``int8`` or ``int4`` (round to nearest on a scale per block of
+BLOCK = 256 elements, absmax / 127 or absmax / 7, the scale sent as float32 beside the codes; int4's codes in
+[-7, 7] two to a byte). Partial sums are decoded, added in the flat's dtype (float32) and encoded again at each
+hop; the owner of a chunk divides the sum by R and encodes it once more, and the all-gather forwards that message
+unchanged, so every rank decodes the same bits. Every rounding is charged to the rank that made it: ``error``
+receives, on each rank, what its encodings lost, in units of the sum, so that
+
+    R * result + sum_r error_r = sum_r input_r          (up to the adds' own rounding)
+
+Error feedback adds each rank's ``error`` to its next pseudo-gradient, so what the rounding lost in one window is
+sent in a later one: over T windows, R * sum_t applied_t + sum_r error_r(T) = sum_t sum_r Delta_r,t, and nothing
+is lost over time (Seide et al. 2014; Karimireddy et al. 2019). An encoding of values v with scale s = absmax / L
+errs by at most s / 2 per element; the sum a hop encodes after k contributions is at most k M in size (M: the
+largest |input| in the block), so the sum's error is at most sum_{k=1}^{R-1} k M / (2L) and the mean's at most
+that / R plus M / (2L) for the final encoding: (R - 1) / 4 + 1/2 of M / L (to first order: a partial sum also
+carries the earlier hops' errors). For bf16 (8 significant bits) each encoding errs by at most 2^-8 of the value.
+Bytes: what each rank sends per all-reduce of n elements in R chunks c_i is
+sum_{i != r} b(c_i) + sum_{i != r+1} b(c_i), with b(c) = 4c (none, float32), 2c (bf16), c + 4 ceil(c / 256)
+(int8), ceil(c / 2) + 4 ceil(c / 256) (int4) (``encoded_bytes``); data parallelism sends 2 (W-1)/W of the model
+in float32 every step.
+
+Streaming DiLoCo (Douillard et al., 2025, arXiv:2501.18512). ``fragments`` F splits the parameters, in the model's
+order, into F runs of about equal size; fragment f meets after inner steps t with t = (f + 1) floor(H / F) (mod H)
+(fragment F-1 at the window's end, as plain DiLoCo; each fragment's first window is shorter), so one fragment is on
+the wire at a time and the peak bytes in flight are 1/F of the model's. Its all-reduce runs on a thread of its own
+(AllreduceThread, over a group of its own) while the next ``delay`` inner steps compute, and is applied after
+inner step t + delay; the local progress made meanwhile is kept on top of the new point,
+
+    theta_f_local <- theta_f_new + (theta_f_local(now) - theta_f_local(at launch)),
+
+so every inner step's update enters exactly one pseudo-gradient (the paper mixes the two with a weight instead).
+delay <= floor(H / F) keeps one fragment in flight at a time. With delay 0 the update is applied at once, and the
+schedule is a fixed function of the inner step: a run stopped anywhere resumes exactly from ``state_dict``, which
+holds the shared point, the outer momentum, this rank's error feedback, the inner-step count and any fragment in
+flight (landed, not yet applied).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from allreduce import AllreduceThread, split_bounds
+
+CODECS = ("none", "bf16", "int8", "int4")
+BLOCK = 256  # elements per scale (int8, int4)
+LEVELS = {"int8": 127, "int4": 7}  # codes in [-L, L]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Encodings: a chunk of float values <-> one uint8 message
+# ----------------------------------------------------------------------------------------------------------
+def encoded_bytes(numel: int, codec: str, dtype: torch.dtype = torch.float32) -> int:
+    """The bytes of one message carrying ``numel`` values of ``dtype`` under ``codec``."""
+    blocks = -(-numel // BLOCK)
+    return {"none": numel * dtype.itemsize, "bf16": 2 * numel, "int8": numel + 4 * blocks,
+            "int4": -(-numel // 2) + 4 * blocks}[codec]
+
+
+def encode(values: torch.Tensor, codec: str) -> torch.Tensor:
+    """``values`` (1-D) as one uint8 message of encoded_bytes(numel) bytes: [float32 scale per block | codes] (the
+    scales first, so that they are 4-aligned)."""
+    if codec == "none":
+        return values.contiguous().view(torch.uint8)
+    if codec == "bf16":
+        return values.to(torch.bfloat16).view(torch.uint8)
+    levels, n = LEVELS[codec], values.numel()
+    blocks = torch.zeros(-(-n // BLOCK) * BLOCK, dtype=values.dtype)
+    blocks[:n] = values
+    blocks = blocks.view(-1, BLOCK)
+    scales = (blocks.abs().amax(1) / levels).float()  # sent as float32; the divisor below is that same number
+    divisor = torch.where(scales > 0, scales, 1.0).to(values.dtype)
+    codes = torch.round(blocks / divisor[:, None]).clamp_(-levels, levels).to(torch.int8).view(-1)[:n]
+    if codec == "int8":
+        packed = codes.view(torch.uint8)
+    else:  # two codes a byte, each + 8 in 4 bits (1..15); an odd count leaves the last high half 0
+        shifted = (codes + 8).to(torch.uint8)
+        if n % 2:
+            shifted = torch.cat([shifted, shifted.new_zeros(1)])
+        packed = shifted[0::2] | (shifted[1::2] << 4)
+    return torch.cat([scales.view(torch.uint8), packed])
+
+
+def decode(message: torch.Tensor, codec: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``numel`` values of ``dtype`` a message from ``encode`` carries (every rank decodes the same bits)."""
+    if codec == "none":
+        return message.view(dtype)
+    if codec == "bf16":
+        return message.view(torch.bfloat16).to(dtype)
+    blocks = -(-numel // BLOCK)
+    scales = message[:4 * blocks].view(torch.float32).to(dtype)
+    if codec == "int8":
+        codes = message[4 * blocks:].view(torch.int8)
+    else:
+        packed = message[4 * blocks:]
+        codes = torch.stack([packed & 15, packed >> 4], 1).view(-1)[:numel].to(torch.int8) - 8
+    padded = torch.zeros(blocks * BLOCK, dtype=dtype)
+    padded[:numel] = codes.to(dtype)
+    return (padded.view(blocks, BLOCK) * scales[:, None]).view(-1)[:numel]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The ring, with every message encoded
+# ----------------------------------------------------------------------------------------------------------
+def ring_bytes(numel: int, rank: int, size: int, codec: str, dtype: torch.dtype = torch.float32) -> int:
+    """What ``ring_allreduce_compressed`` makes ``rank`` send for a flat of ``numel`` elements (module docstring)."""
+    bounds = split_bounds(numel, size)
+    widths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if size == 1:
+        return 0
+    return sum(encoded_bytes(widths[i], codec, dtype) for i in range(size) if i != rank) + \
+        sum(encoded_bytes(widths[i], codec, dtype) for i in range(size) if i != (rank + 1) % size)
+
+
+def ring_allreduce_compressed(flat: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,
+                              segment_elements: int | None = None, *, codec: str = "int8",
+                              error: torch.Tensor | None = None) -> int:
+    """Average the 1-D CPU tensor ``flat`` in place over ``group`` with a ring whose messages are ``codec``-encoded
+    (module docstring); the result is the same bits on every rank. ``error`` (``flat``'s shape, or None) is SET to
+    what this rank's encodings lost, in units of the sum. Returns the bytes this rank sent. ``segment_elements`` is
+    ignored (AllreduceThread's signature): each step sends one chunk as one message, the outer all-reduce being
+    rare and its chunks small next to a slow link's bandwidth-delay product.
+
+    Rank r owns chunk r. Reduce-scatter step s = 0 .. R-2: send chunk r-1-s (step 0 this rank's own values, later
+    the partial sum just made), receive chunk r-2-s and add it to this rank's values of that chunk; after R-1 steps
+    chunk r holds the sum. All-gather step s: send the message of chunk r-s (step 0: the owned chunk's mean, encoded
+    once), receive chunk r-1-s's message, decode it into place and forward it unchanged at step s+1."""
+    if codec not in CODECS:
+        raise ValueError(f"codec is one of {', '.join(CODECS)}, not {codec!r}")
+    if flat.dim() != 1 or flat.device.type != "cpu" or not flat.is_floating_point():
+        raise ValueError(f"ring_allreduce_compressed takes a 1-D floating CPU tensor, got {flat.dtype} "
+                         f"{tuple(flat.shape)} on {flat.device}")
+    if error is not None:
+        error.zero_()
+    bounds = split_bounds(flat.numel(), size)
+
+    def chunk(i: int) -> torch.Tensor:
+        i %= size
+        return flat[bounds[i]:bounds[i + 1]]
+
+    def charge(i: int, exact: torch.Tensor, sent_as: torch.Tensor) -> None:  # what this rank's encoding lost
+        if error is not None:
+            error[bounds[i % size]:bounds[i % size + 1]] += exact - sent_as
+
+    sent = 0
+
+    def exchange(outgoing: torch.Tensor, incoming_bytes: int, tag: int) -> torch.Tensor:
+        nonlocal sent
+        incoming = torch.empty(incoming_bytes, dtype=torch.uint8)
+        recv = dist.irecv(incoming, group=group, group_src=(rank - 1) % size, tag=tag) if incoming_bytes else None
+        send = dist.isend(outgoing, group=group, group_dst=(rank + 1) % size, tag=tag) if outgoing.numel() else None
+        sent += outgoing.numel()
+        for request in (send, recv):
+            if request is not None:
+                request.wait()
+        return incoming
+
+    if size == 1:
+        return 0
+    # reduce-scatter: encoded partial sums travel, decoded and added in flat's dtype at each hop
+    message = encode(chunk(rank - 1), codec)
+    charge(rank - 1, chunk(rank - 1), decode(message, codec, chunk(rank - 1).numel(), flat.dtype))
+    for step in range(size - 1):
+        target = chunk(rank - 2 - step)
+        incoming = exchange(message, encoded_bytes(target.numel(), codec, flat.dtype), step)
+        target += decode(incoming, codec, target.numel(), flat.dtype)
+        if step < size - 2:  # forward the partial sum, encoded again
+            message = encode(target, codec)
+            charge(rank - 2 - step, target, decode(message, codec, target.numel(), flat.dtype))
+    # the owner's mean, encoded once: what every rank (the owner too) ends with
+    owned = chunk(rank)
+    total = owned.clone()
+    message = encode(owned / size, codec).clone()  # "none" views its input: keep the bytes apart from ``flat``
+    owned.copy_(decode(message, codec, owned.numel(), flat.dtype))
+    charge(rank, total, size * owned)
+    # all-gather: messages forwarded unchanged, so every rank decodes the same bits
+    for step in range(size - 1):
+        target = chunk(rank - 1 - step)
+        message = exchange(message, encoded_bytes(target.numel(), codec, flat.dtype), size - 1 + step)
+        target.copy_(decode(message, codec, target.numel(), flat.dtype))
+    return sent
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DiLoCo: the outer loop
+# ----------------------------------------------------------------------------------------------------------
+def split_fragments(params: list[nn.Parameter], fragments: int) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut into ``fragments`` consecutive non-empty runs of about equal element counts (a cut
+    at the first parameter that reaches k/F of the total)."""
+    if not 1 <= fragments <= len(params):
+        raise ValueError(f"fragments must be between 1 and the {len(params)} parameters, got {fragments}")
+    total, seen, runs = sum(p.numel() for p in params), 0, [[]]
+    for i, p in enumerate(params):
+        left, to_start = len(params) - i, fragments - len(runs)  # parameters to place (this one too), runs to start
+        if runs[-1] and to_start and (seen >= len(runs) * total / fragments or left <= to_start):
+            runs.append([])
+        runs[-1].append(p)
+        seen += p.numel()
+    return runs
+
+
+@dataclass
+class InFlight:
+    """One fragment's outer all-reduce between its launch and its application."""
+    fragment: int
+    apply_at: int  # the inner step after which it is applied
+    average: torch.Tensor  # the pseudo-gradient, averaged in place once landed
+    at_launch: torch.Tensor | None  # the fragment's local weights at the launch (delay > 0)
+    future: Any = None  # the thread's; None once landed
+    entry: dict[str, Any] | None = None  # its line in DiLoCo.log (None: launched before a resume, counted there)
+
+
+class DiLoCo:
+    """The outer loop of DiLoCo (module docstring) over ``model``'s parameters, across ``group``.
+
+    ``local_steps`` H; ``outer_lr``, ``outer_momentum`` and ``nesterov``: the outer SGD's; ``compress``: the outer
+    all-reduce's encoding (with error feedback unless "none"); ``fragments`` F and ``delay`` (inner steps between an
+    all-reduce's launch and its application). The outer state (shared point, momentum, error feedback) lives on the
+    CPU in the parameters' dtype. Call ``step()`` after every inner optimizer step."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, local_steps: int = 500,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, compress: str = "none",
+                 fragments: int = 1, delay: int = 0, timeout_s: float | None = None):
+        if compress not in CODECS:
+            raise ValueError(f"compress is one of {', '.join(CODECS)}, not {compress!r}")
+        if local_steps < 1 or fragments < 1 or local_steps < fragments:
+            raise ValueError(f"local_steps ({local_steps}) must be at least fragments ({fragments}) and 1")
+        if not 0 <= delay <= local_steps // fragments:
+            raise ValueError(f"delay must be in [0, local_steps // fragments = {local_steps // fragments}] (one "
+                             f"fragment in flight at a time), got {delay}")
+        self.model, self.local_steps, self.compress, self.delay = model, local_steps, compress, delay
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.fragments = split_fragments(params, fragments)
+        # fragment f meets after inner steps t = offsets[f] (mod H)
+        self.offsets = [((f + 1) * (local_steps // fragments)) % local_steps for f in range(fragments)]
+        self.offsets[-1] = 0  # the last fragment at the window's end, whatever H mod F
+        self.start = [self._flatten(f).clone() for f in range(fragments)]  # the shared point, per fragment
+        self.error = [torch.zeros_like(s) for s in self.start] if compress != "none" else None
+        self.outer_optimizer = torch.optim.SGD(self.start, lr=outer_lr, momentum=outer_momentum,
+                                               nesterov=nesterov and outer_momentum > 0)
+        self.thread = AllreduceThread("ring", timeout_s, group=group)
+        self.rank, self.size = self.thread.rank, self.thread.size
+        self.inner_steps = 0
+        self.in_flight: list[InFlight] = []
+        self.log: list[dict[str, Any]] = []  # one entry per outer all-reduce: step, fragment, bytes, wait
+
+    def _flatten(self, f: int) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).cpu() for p in self.fragments[f]])
+
+    def _write(self, f: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.fragments[f]:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def due(self, step: int) -> list[int]:
+        """The fragments that meet after inner step ``step`` (counted from 1)."""
+        return [f for f, offset in enumerate(self.offsets) if step % self.local_steps == offset]
+
+    def step(self) -> None:
+        """Count one inner step; launch the fragments due now, apply those whose delay is over."""
+        self.inner_steps += 1
+        self._apply_due()  # first, so that a launch at the step another lands keeps one fragment in flight
+        for f in self.due(self.inner_steps):
+            self._launch(f)
+        self._apply_due()  # delay 0: at once
+
+    def _apply_due(self) -> None:
+        while self.in_flight and self.in_flight[0].apply_at <= self.inner_steps:
+            self._apply(self.in_flight.pop(0))
+
+    def _launch(self, f: int) -> None:
+        local = self._flatten(f)
+        pseudo = self.start[f] - local  # Delta_r: the shared point minus this replica's
+        if self.error is not None:
+            pseudo += self.error[f]  # error feedback: what earlier roundings lost, sent now
+        operation = partial(ring_allreduce_compressed, codec=self.compress,
+                            error=None if self.error is None else self.error[f])
+        entry = {"step": self.inner_steps, "fragment": f, "elements": pseudo.numel(), "bytes": None,
+                 "launched_s": time.perf_counter()}
+        self.log.append(entry)
+        self.in_flight.append(InFlight(f, self.inner_steps + self.delay, pseudo, local if self.delay else None,
+                                       self.thread.submit(pseudo, operation=operation), entry))
+
+    def _land(self, item: InFlight) -> None:
+        if item.future is None:
+            return
+        waited = time.perf_counter()
+        sent = item.future.result()
+        landed = time.perf_counter()
+        if item.entry is not None:
+            item.entry.update(bytes=sent, wait_ms=(landed - waited) * 1e3,
+                              in_flight_ms=(landed - item.entry.pop("launched_s")) * 1e3)
+        item.future = None
+
+    def _apply(self, item: InFlight) -> None:
+        self._land(item)
+        f = item.fragment
+        # the outer step on this fragment alone: torch.optim.SGD skips tensors whose .grad is None
+        self.start[f].grad = item.average
+        self.outer_optimizer.step()
+        self.start[f].grad = None
+        new = self.start[f]
+        if item.at_launch is not None:  # keep the inner steps taken while the all-reduce was on the wire
+            new = new + (self._flatten(f) - item.at_launch)
+        self._write(f, new)
+
+    @contextlib.contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """The model holds the shared point (as last applied) inside the block, its own weights again after."""
+        own = [self._flatten(f) for f in range(len(self.fragments))]
+        for f, start in enumerate(self.start):
+            self._write(f, start)
+        try:
+            yield
+        finally:
+            for f, weights in enumerate(own):
+                self._write(f, weights)
+
+    def wait(self) -> None:
+        """Wait until every outer all-reduce in flight has landed (they stay unapplied until their step)."""
+        for item in self.in_flight:
+            self._land(item)
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank has sent in outer all-reduces that have landed."""
+        return sum(entry["bytes"] or 0 for entry in self.log)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's outer state (an all-reduce in flight is waited for, and kept unapplied)."""
+        self.wait()
+        return {"inner_steps": self.inner_steps, "start": [s.clone() for s in self.start],
+                "outer_optimizer": self.outer_optimizer.state_dict(),
+                "error": None if self.error is None else [e.clone() for e in self.error],
+                "in_flight": [{"fragment": i.fragment, "apply_at": i.apply_at, "average": i.average.clone(),
+                               "at_launch": i.at_launch} for i in self.in_flight]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["start"]) != len(self.start) or any(a.shape != b.shape for a, b in zip(state["start"],
+                                                                                            self.start)):
+            raise ValueError(f"the outer state has {len(state['start'])} fragments of "
+                             f"{[s.numel() for s in state['start']]} elements, this model "
+                             f"{[s.numel() for s in self.start]}")
+        if (state["error"] is None) != (self.error is None):
+            raise ValueError("the outer state and this DiLoCo disagree on error feedback (compress none or not)")
+        self.inner_steps = state["inner_steps"]
+        with torch.no_grad():
+            for mine, saved in zip(self.start, state["start"]):
+                mine.copy_(saved)
+            for mine, saved in zip(self.error or [], state["error"] or []):
+                mine.copy_(saved)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.in_flight = [InFlight(i["fragment"], i["apply_at"], i["average"].clone(),
+                                   None if i["at_launch"] is None else i["at_launch"].clone())
+                          for i in state["in_flight"]]
+
+    def close(self) -> None:
+        """Wait for what is in flight (unapplied), stop the thread and its group; a second call does nothing."""
+        self.wait()
+        self.thread.close()
+
+
+def outer_step_bytes(numel: int, size: int, codec: str, dtype: torch.dtype = torch.float32) -> int:
+    """The most any rank of ``size`` sends in one outer all-reduce of ``numel`` elements."""
+    return max(ring_bytes(numel, r, size, codec, dtype) for r in range(size))
+
+
+def data_parallel_bytes(numel: int, world_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """What an ideal ring all-reduce of the whole gradient sends per rank and step: 2 (W-1)/W of it."""
+    return math.ceil(2 * (world_size - 1) * numel * dtype.itemsize / world_size)
