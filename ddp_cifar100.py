@@ -973,14 +973,16 @@ def text_figures(run: Run, final: dict[str, Any], samples_trained: int, train_ti
 def sent_figures(run: Run, position: Position, trainable: int) -> dict[str, Any]:
     """sent_bytes: the most any rank sent over this run, gradient sync and outer all-reduces together (DDP: what an
     ideal ring sends, 2 (W-1)/W of the model per step, the figure to compare with); data_parallel_sent_bytes: that
-    ideal ring's figure over the same steps. diloco, localsgd: the outer all-reduces, each with the bytes the busiest
-    rank sent, the time the step waited for it to land and the steps it was in flight."""
+    ideal ring's figure over the same steps (data_parallel_bytes_per_step: per step; an outer step at H replaces H of
+    them). diloco, localsgd: the outer all-reduces, each with the bytes the busiest rank sent, the time the step
+    waited for it to land and the steps it was in flight."""
     if run.outer is not None:
         run.outer.wait()  # an all-reduce still in flight at the end has its bytes counted too
     steps = position.optimizer_steps - run.first_step
+    per_step = data_parallel_bytes(trainable, run.ctx.world_size)
     figures: dict[str, Any] = {"sent_bytes": int(utils.max_across_ranks(bytes_sent(run, position))),
-                               "data_parallel_sent_bytes": steps * data_parallel_bytes(trainable, run.ctx.world_size),
-                               "evals": run.evals}
+                               "data_parallel_sent_bytes": steps * per_step,
+                               "data_parallel_bytes_per_step": per_step, "evals": run.evals}
     if run.outer is not None:
         log = run.outer.log
         busiest = [int(utils.max_across_ranks(entry["bytes"] or 0)) for entry in log]  # every rank has each entry

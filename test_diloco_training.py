@@ -71,7 +71,8 @@ def test_bytes_in_the_metrics_follow_the_ring(local_group):
         assert evals[1]["sent_bytes"] == metrics["sent_bytes"]
         params = metrics["trainable_parameters"]
         assert sum(r["elements"] for r in reduces[:2]) == params
-        assert metrics["data_parallel_sent_bytes"] == 4 * diloco.data_parallel_bytes(params, 2)
+        assert metrics["data_parallel_bytes_per_step"] == diloco.data_parallel_bytes(params, 2) == 4 * params
+        assert metrics["data_parallel_sent_bytes"] == 4 * metrics["data_parallel_bytes_per_step"]
 
 
 def test_resume_mid_window_with_a_fragment_in_flight_is_exact(local_group, tmp_path):
