@@ -503,6 +503,8 @@ def set_up(args: argparse.Namespace) -> Run:
                            args.timeout)
         except ValueError as exc:  # e.g. more fragments than the model has parameters
             raise UsageError(f"--grad-sync {args.grad_sync}: {exc}") from None
+    if args.compile:  # in place: the same module, hooks and state_dict keys; compiled at its first call
+        model.compile(backend=args.compile_backend)
     optimizer = make_optimizer(args, model, sync)
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
     schedule_steps = args.epochs * steps_per_epoch  # the learning-rate schedule's length
@@ -1093,6 +1095,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "gpt-tiny (0.12M) and gpt2 (GPT-2 small's shape, 86M with 256 bytes for vocabulary): byte-level GPTs "
              "for --dataset text")
     add("--channels-last", action="store_true", help="model and batches in channels-last memory format")
+    add("--compile", action="store_true",
+        help="torch.compile the model (in place, at its first call): SyncBatchNorm compiles without a graph break")
+    add("--compile-backend", default="inductor", metavar="NAME",
+        help="--compile's backend: inductor (default), aot_eager (no code generation: the tests'), eager")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
     add("--grad-sync", choices=("custom", "ddp", "fsdp", "diloco", "localsgd"), default="custom",
         help="custom: gradsync.py / zero.py, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's fully_shard "
@@ -1222,6 +1228,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.zero >= 2 and args.sync_mode == "after" and args.grad_sync in OURS:
         raise UsageError(f"--zero {args.zero} reduce-scatters gradients as backward completes them; --sync-mode "
                          f"after would keep every full gradient (use --zero 1)")
+    if args.compile and args.zero == 3:
+        raise UsageError(f"--compile does not take --zero 3 (--grad-sync {args.grad_sync}): its parameters are "
+                         f"gathered in module hooks, which torch.compile would trace")
     if args.zero3_accumulate is not None and (args.zero != 3 or args.grad_sync != "custom"):
         raise UsageError(f"--zero3-accumulate is for --grad-sync custom --zero 3, not --grad-sync {args.grad_sync} "
                          f"--zero {args.zero}")

@@ -564,8 +564,12 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
             _named_all_reduce(sums, process_group, "syncbn.forward.all_reduce")  # the forward's one collective
             count = sums[-1]  # 2C, 2C, 1 -> the last number is the global count N
             # Reading N on CUDA waits for the GPU. A rank with 2+ values of its own knows N >= 2 and skips it;
-            # if N < 2, every rank has fewer than 2 and reads it, so all of them raise together.
-            if count.device.type == "cpu" or local_count < 2:
+            # if N < 2, every rank has fewer than 2 and reads it, so all of them raise together. A compiled graph
+            # reads nothing on the host: the check runs on the device, in the graph.
+            if torch.compiler.is_compiling():
+                if local_count < 2:
+                    torch._assert_async(count >= 2, "Expected more than 1 value per channel when training")
+            elif count.device.type == "cpu" or local_count < 2:
                 count = _checked_count(int(count), process_group.size())
         ctx.process_group = process_group
 
@@ -614,7 +618,11 @@ class sync_batch_norm(torch.autograd.Function):  # noqa: N801 (the name the desi
 
 
 def _named_all_reduce(sums: torch.Tensor, group: dist.ProcessGroup, name: str) -> None:
-    """all_reduce(SUM), shown as a range called ``name`` in torch.profiler traces (nothing when not profiling)."""
+    """all_reduce(SUM), shown as a range called ``name`` in torch.profiler traces (nothing when not profiling).
+    Compiled, Dynamo turns it into a functional all_reduce in the graph (and the profiler names the op itself)."""
+    if torch.compiler.is_compiling():
+        dist.all_reduce(sums, group=group)
+        return
     with utils.profiled(name):
         dist.all_reduce(sums, group=group)
 
