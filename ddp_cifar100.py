@@ -503,8 +503,10 @@ def set_up(args: argparse.Namespace) -> Run:
                            args.timeout)
         except ValueError as exc:  # e.g. more fragments than the model has parameters
             raise UsageError(f"--grad-sync {args.grad_sync}: {exc}") from None
-    if args.compile:  # in place: the same module, hooks and state_dict keys; compiled at its first call
-        model.compile(backend=args.compile_backend)
+    if args.compile:  # the forward only, compiled at its first call: the module, its state_dict keys and the
+        # syncs' hooks stay as they are, and run eagerly (compiling the whole call would trace the syncs' forward
+        # pre-hooks, which re-attach gradient views parameter by parameter: a recompile for each)
+        model.forward = torch.compile(model.forward, backend=args.compile_backend)
     optimizer = make_optimizer(args, model, sync)
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
     schedule_steps = args.epochs * steps_per_epoch  # the learning-rate schedule's length
@@ -1096,7 +1098,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "for --dataset text")
     add("--channels-last", action="store_true", help="model and batches in channels-last memory format")
     add("--compile", action="store_true",
-        help="torch.compile the model (in place, at its first call): SyncBatchNorm compiles without a graph break")
+        help="torch.compile the model's forward (at its first call; its hooks stay eager): SyncBatchNorm compiles "
+             "without a graph break")
     add("--compile-backend", default="inductor", metavar="NAME",
         help="--compile's backend: inductor (default), aot_eager (no code generation: the tests'), eager")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
