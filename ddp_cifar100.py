@@ -482,7 +482,7 @@ def set_up(args: argparse.Namespace) -> Run:
     model = model.to(device, memory_format=data.memory_format)
     broadcast_state(model)
     # the gradient sync, and the optimizer through it
-    within, across, replica = replica_groups(args, ctx)
+    within, across, replica, replica_size = replica_groups(args, ctx)
     if within is not None:  # SyncBatchNorm normalizes over its replica's samples alone
         for module in model.modules():
             if hasattr(module, "process_group"):
@@ -528,16 +528,17 @@ def set_up(args: argparse.Namespace) -> Run:
                trajectory_config(args, ctx.world_size, schedule_steps, data),
                os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None, writer,
                utils.IntervalTimer(device), recent=recent, outer=outer, replica=replica,
-               replica_size=ctx.world_size // (args.replicas or ctx.world_size) if outer is not None else 1)
+               replica_size=replica_size)
 
 
-def replica_groups(args: argparse.Namespace, ctx: utils.DistContext) -> tuple[Any, Any, int]:
+def replica_groups(args: argparse.Namespace, ctx: utils.DistContext) -> tuple[Any, Any, int, int]:
     """--grad-sync diloco|localsgd: the process group of this rank's replica (ranks R_i = i W/R .. (i+1) W/R - 1,
     the inner data parallelism), the group across replicas (this rank and the ranks at its place in every other
-    replica: the outer all-reduce, always gloo: its ring works on host memory), and the replica's index. Every rank
-    makes every group, in one order (torch.distributed's rule). (None, None, 0) for the other syncs."""
+    replica: the outer all-reduce, always gloo: its ring works on host memory), the replica's index and its number of
+    ranks. Every rank makes every group, in one order (torch.distributed's rule). (None, None, 0, 1) for the other
+    syncs."""
     if args.grad_sync not in ("diloco", "localsgd"):
-        return None, None, 0
+        return None, None, 0, 1
     world, replicas = ctx.world_size, args.replicas or ctx.world_size
     if world % replicas:
         raise UsageError(f"--replicas {replicas} does not divide the {world} processes into equal replicas")
@@ -549,7 +550,7 @@ def replica_groups(args: argparse.Namespace, ctx: utils.DistContext) -> tuple[An
     for place in range(per):
         group = dist.new_group([i * per + place for i in range(replicas)], backend="gloo")
         across = group if ctx.rank % per == place else across
-    return within, across, ctx.rank // per
+    return within, across, ctx.rank // per, per
 
 
 def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:

@@ -278,7 +278,6 @@ class DiLoCo:
         self.outer_optimizer = torch.optim.SGD(self.start, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=nesterov and outer_momentum > 0)
         self.thread = AllreduceThread("ring", timeout_s, group=group)
-        self.rank, self.size = self.thread.rank, self.thread.size
         self.inner_steps = 0
         self.in_flight: list[InFlight] = []
         self.log: list[dict[str, Any]] = []  # one entry per outer all-reduce: step, fragment, bytes, wait
