@@ -1,6 +1,6 @@
 """torch.compile against eager on this machine: our SyncBatchNorm alone, and the trainer's optimizer step.
 
-    python compile_benchmark.py [--parts bn,trainer] [--backend inductor] [--iters 400] [--repeats 2]
+    python compile_benchmark.py [--parts bn,trainer,overlap] [--backend inductor] [--iters 400] [--repeats 2]
                                 [--json results/compile-<machine>.json]
 
 ``--parts bn``: syncbn.SyncBatchNorm's forward + backward at the assignment's (batch, hid_dim) grid (bn_benchmark.py's
@@ -36,6 +36,13 @@ median over compiled runs minus its median over eager runs. The wall-time differ
 also holds the evaluation's recompile for eval mode, and any change in step time). The compiled runs' Dynamo logs
 (TORCH_LOGS=graph_breaks,recompiles, rank 0) are counted: graph breaks, recompiles and which functions recompiled.
 
+``--parts overlap``: what compiling does to the gradient buckets' overlap with the backward, read from the trainer's
+own --profile traces: ``--overlap-model`` (net) with --norm local (so every all_reduce inside backward is a gradient
+bucket's) and ``--bucket-mb 1`` (several buckets; the smallest Dynamo's DDPOptimizer takes), 12 steps, steps 8-10
+profiled; --grad-sync custom eager, --compile forward and --compile blocks, and --grad-sync ddp eager and --compile
+forward. From rank 0's trace (overlap_in_trace): how much of the backward's computation ran with a bucket's
+all_reduce already launched beside it, and what is left of the backward after its last launch.
+
 Goals (printed met/missed, and in the JSON): compiled SyncBatchNorm forward + backward at most 0.8x eager, per
 shape and by the median ratio over the grid; the compiled trainer step at most 0.9x eager for the small ResNet.
 """
@@ -65,7 +72,7 @@ from bn_benchmark import BATCH_SIZES, HID_DIMS, make_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = "compile_benchmark.py"
-PARTS = ("bn", "trainer")
+PARTS = ("bn", "trainer", "overlap")
 MODELS = ("net", "resnet", "vit")  # the trainer's models for 32-pixel images
 ROUNDS = 4  # alternating rounds the bn part's calls are split into
 WARMUP = 10  # untimed calls before each round (4x before the first)
@@ -269,12 +276,13 @@ def run_bn(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 # Part 2: the trainer, torchrun subprocesses
 # ----------------------------------------------------------------------------------------------------------
-def trainer_command(args: argparse.Namespace, model: str, compiled: bool, metrics_path: str) -> list[str]:
+def trainer_command(args: argparse.Namespace, model: str, compiled: bool, metrics_path: str,
+                    extra: list[str] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
            os.path.join(HERE, "ddp_cifar100.py"), "--device", "cpu", "--dataset", "synthetic", "--model", model,
            "--train-size", str(args.train_size), "--val-size", str(args.val_size),
            "--batch-size", str(args.batch_size), "--epochs", "1", "--max-steps", str(args.max_steps),
-           "--metrics-out", metrics_path]
+           "--metrics-out", metrics_path, *extra]
     return cmd + (["--compile", "--compile-backend", args.backend] if compiled else [])
 
 
@@ -288,12 +296,14 @@ def dynamo_log_counts(stderr: str) -> dict[str, Any]:
             "recompile_limit_hit": sum("hit config.recompile_limit" in line for line in lines)}
 
 
-def run_trainer_once(args: argparse.Namespace, model: str, compiled: bool, attempts: int = 2) -> dict[str, Any]:
-    """One trainer run (retried once if it fails: a shared machine can fail a run for reasons of its own)."""
+def run_trainer_once(args: argparse.Namespace, model: str, compiled: bool, attempts: int = 2,
+                     extra: list[str] = ()) -> dict[str, Any]:
+    """One trainer run (retried once if it fails: a shared machine can fail a run for reasons of its own), with
+    ``extra`` flags after the usual ones (the later of a flag given twice wins)."""
     for attempt in range(1, attempts + 1):
         with tempfile.TemporaryDirectory(prefix="compilebench-") as tmp:
             metrics_path = os.path.join(tmp, "metrics.json")
-            cmd = trainer_command(args, model, compiled, metrics_path)
+            cmd = trainer_command(args, model, compiled, metrics_path, extra)
             env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                        TORCH_LOGS="graph_breaks,recompiles")
             started = time.perf_counter()
@@ -311,7 +321,7 @@ def run_trainer_once(args: argparse.Namespace, model: str, compiled: bool, attem
                 return {
                     "model": model, "mode": "compiled" if compiled else "eager", "attempts": attempt,
                     "command": shlex.join(["torchrun"] + cmd[3:]).replace(metrics_path, "METRICS.json")
-                                                                 .replace(HERE + os.sep, ""),
+                                                                 .replace(HERE + os.sep, "").replace(tmp, "TMP"),
                     "step_time_ms_median": metrics["step_time_ms_median"],
                     "step_time_ms_p10": metrics.get("step_time_ms_p10"),
                     "step_time_ms_p90": metrics.get("step_time_ms_p90"),
@@ -417,6 +427,79 @@ def run_trainer_part(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Part 3: what compiling does to the gradient hooks' overlap, read from the trainer's --profile traces
+# ----------------------------------------------------------------------------------------------------------
+def overlap_in_trace(path: str) -> dict[str, Any]:
+    """The gradient buckets' timing in one rank's --profile trace (Chrome JSON), per profiled step.
+
+    Every all_reduce launched inside the "backward" range is a gradient bucket's (the runs use --norm local, so
+    no SyncBatchNorm collective is there): torch.profiler's "c10d::allreduce_" event marks its launch, for
+    gradsync's hooks and DDP's reducer alike. The last bucket launches when the last gradient (the first layer's)
+    is ready, so the backward's computation ends there: ``compute_ms`` = last launch - start of backward;
+    ``overlapped_ms`` = last launch - first launch, the part of that computation with a bucket's all_reduce
+    already running beside it; ``tail_ms`` = end of backward - last launch, what is left after the computation
+    (the last buckets' transfer and the wait for them). Medians over the profiled steps."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = []
+    for backward in (e for e in events if e["name"] == "backward"):
+        start, end = backward["ts"], backward["ts"] + backward["dur"]
+        launches = sorted(e["ts"] for e in events if e["name"] == "c10d::allreduce_" and start <= e["ts"] <= end)
+        if launches:
+            steps.append({"buckets": len(launches), "compute_ms": (launches[-1] - start) / 1e3,
+                          "overlapped_ms": (launches[-1] - launches[0]) / 1e3, "tail_ms": (end - launches[-1]) / 1e3,
+                          "backward_ms": backward["dur"] / 1e3})
+    if not steps:
+        raise BenchmarkError(f"{path}: no gradient all_reduce inside a backward range")
+    row = {key: statistics.median(step[key] for step in steps) for key in steps[0]}
+    row["overlapped_share"] = row["overlapped_ms"] / row["compute_ms"] if row["compute_ms"] > 0 else 0.0
+    row["profiled_steps"] = len(steps)
+    return row
+
+
+OVERLAP_RUNS = [("custom", "eager"), ("custom", "forward"), ("custom", "blocks"), ("ddp", "eager"),
+                ("ddp", "forward")]  # (--grad-sync, eager or --compile's scope)
+
+
+def run_overlap_part(args: argparse.Namespace) -> dict[str, Any]:
+    flags = ["--norm", "local", "--bucket-mb", str(args.overlap_bucket_mb), "--max-steps", "12",
+             "--profile-steps", "8:11"]
+    print(f"part overlap: ddp_cifar100.py --model {args.overlap_model} {' '.join(flags)} --profile DIR, "
+          f"{NPROC} processes; the gradient buckets in rank 0's trace, eager vs --compile forward|blocks "
+          f"(--grad-sync custom: the hooks of gradsync.py; ddp: DistributedDataParallel's reducer, for which "
+          f"Dynamo's DDPOptimizer splits the compiled graph at the buckets)", flush=True)
+    rows = []
+    progress = progress_bar(len(OVERLAP_RUNS), "overlap")
+    for sync, mode in OVERLAP_RUNS:
+        if progress is None:
+            print(f"[{len(rows) + 1}/{len(OVERLAP_RUNS)}] {sync} {mode} ...", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="compilebench-profile-") as tmp:
+            extra = ["--grad-sync", sync, *flags, "--profile", os.path.join(tmp, "trace")]
+            if mode != "eager":
+                extra += ["--compile", mode, "--compile-backend", args.backend]
+            run = run_trainer_once(args, args.overlap_model, False, extra=extra)
+            row = overlap_in_trace(os.path.join(tmp, "trace", "rank0.pt.trace.json"))
+        rows.append({"grad_sync": sync, "mode": mode, **row, "step_ms": run["step_time_ms_median"],
+                     "command": run["command"]})
+        if progress is not None:
+            progress.update()
+    if progress is not None:
+        progress.close()
+    print(f"{'sync':<6} {'mode':<7} | {'buckets':>7} | {'backward ms':>11} {'compute ms':>10} | "
+          f"{'overlapped ms':>13} {'share':>5} | {'tail ms':>7} | {'step ms':>7}")
+    for row in rows:
+        print(f"{row['grad_sync']:<6} {row['mode']:<7} | {row['buckets']:>7.0f} | {row['backward_ms']:>11.1f} "
+              f"{row['compute_ms']:>10.1f} | {row['overlapped_ms']:>13.1f} {row['overlapped_share']:>5.2f} | "
+              f"{row['tail_ms']:>7.1f} | {row['step_ms']:>7.1f}")
+    return {"model": args.overlap_model, "processes": NPROC, "compile_backend": args.backend, "flags": flags,
+            "measure": "rank 0's --profile trace, median over its 3 profiled steps: buckets = all_reduce launches "
+                       "inside backward; compute = last launch - backward start; overlapped = last launch - "
+                       "first launch; share = overlapped / compute; tail = backward end - last launch",
+            "step_measure": "the profiled run's step_time_ms_median (12 steps, 3 of them profiled: a rough figure; "
+                            "the trainer part times steps)", "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -435,7 +518,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="bn,trainer", help="comma-separated: bn, trainer (default both)")
+    parser.add_argument("--parts", default="bn,trainer,overlap",
+                        help="comma-separated: bn, trainer, overlap (default all three)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--iters", type=int, default=400,
                         help="bn: timed forward+backward calls per mode and shape (default 400)")
@@ -447,6 +531,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-size", type=int, default=256, help="trainer: synthetic validation set size")
     parser.add_argument("--batch-size", type=int, default=32, help="trainer: per-process batch")
     parser.add_argument("--max-steps", type=int, default=40, help="trainer: at most this many steps (1 epoch)")
+    parser.add_argument("--overlap-model", default="net", choices=MODELS,
+                        help="overlap: the trainer's model (default net, the assignment's: 3.3 MB of gradients)")
+    parser.add_argument("--overlap-bucket-mb", type=float, default=1.0,
+                        help="overlap: --bucket-mb (default 1, the smallest DDPOptimizer takes)")
     parser.add_argument("--run-timeout", type=float, default=900.0,
                         help="seconds allowed for one trainer run or one bn shape")
     parser.add_argument("--json", default=None, help="results file (default: results/compile-<machine_tag>.json)")
@@ -463,6 +551,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("iters", "repeats", "train_size", "val_size", "batch_size", "max_steps"):
         if getattr(args, flag) < 1:
             raise BenchmarkError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.overlap_bucket_mb < 1:
+        raise BenchmarkError(f"--overlap-bucket-mb must be at least 1 (DDPOptimizer's smallest), got "
+                             f"{args.overlap_bucket_mb:g}")
     if args.run_timeout <= 0:
         raise BenchmarkError(f"--run-timeout must be positive, got {args.run_timeout}")
     import torch._dynamo  # here, not at the top: the LocalGroup's workers import this file and need none of it
@@ -520,6 +611,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         bn = run_bn(args) if "bn" in args.parts else None
         trainer = run_trainer_part(args) if "trainer" in args.parts else None
+        overlap = run_overlap_part(args) if "overlap" in args.parts else None
     except (BenchmarkError, utils.WorkerError, TimeoutError) as exc:
         if isinstance(exc, utils.WorkerError):
             print(exc, file=sys.stderr)  # the workers' tracebacks
@@ -538,7 +630,8 @@ def main(argv: list[str] | None = None) -> None:
     utils.write_json(path, {
         "benchmark": "compile", "command": command, "machine": utils.machine_info("cpu"),
         "machine_tag": utils.machine_tag("cpu"), "torch": torch.__version__, "settings": settings,
-        "wall_time_s": wall, "bn": bn, "trainer": trainer, "goals": verdicts})
+        "wall_time_s": wall, "bn": bn, "trainer": trainer, "overlap": overlap,
+        "goals": verdicts})
     print(f"wrote {os.path.relpath(path, HERE) if path.startswith(HERE) else path} ({wall / 60:.1f} min)")
 
 

@@ -91,6 +91,10 @@ and at stage 3 "unit I forward", "unit I backward", "all_gather unit I (S)", "re
 syncbn's collectives, optimizer step. Without
 --profile no profiler exists and no range is made.
 
+torch.compile: --compile (or --compile forward) compiles the model's forward into one graph at its first call,
+--compile blocks each block's forward apart; hooks stay eager either way (compile_forward says what each keeps of
+the gradient buckets' overlap with the backward). --compile-backend picks the backend (inductor by default).
+
 Fault injection, for tests of elastic restarts: DDP_CIFAR100_FAULT="RANK:STEP" makes that rank SIGKILL itself
 right after optimizer step STEP, but only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT
 unset or 0), so that the restarted group runs through.
@@ -133,6 +137,7 @@ WARMUP_STEPS = 3  # optimizer steps left out of the step-time statistics (alloca
 PROFILE_STEPS = f"{WARMUP_STEPS}:{WARMUP_STEPS + 3}"  # --profile's default window: 3 steps after the warm-up
 FAULT_ENV = "DDP_CIFAR100_FAULT"
 OURS = ("custom", "diloco", "localsgd")  # the syncs built on zero.shard
+COMPILE_SCOPES = ("forward", "blocks")  # what --compile compiles: the model's forward, or each block's
 DILOCO_FLAGS = ("grad_sync", "replicas", "local_steps", "outer_optimizer", "outer_lr", "outer_momentum",
                 "outer_compress", "fragments", "outer_delay")
 NORM_TORCH_ON_CPU = ("--norm torch (nn.SyncBatchNorm) needs CUDA: use --device cuda (with a GPU), or --norm custom "
@@ -401,6 +406,7 @@ class Run:
     train_start: float = 0.0  # perf_counter() when training began ...
     eval_seconds: float = 0.0  # ... and the seconds --eval-every's evaluations have taken since
     baselines: dict[str, float] = field(default_factory=dict)  # text: gzip's and the unigram's bits/byte (rank 0)
+    compile_counts: dict[str, int] | None = None  # --compile: Dynamo's counters before the run (compile_figures)
 
     @property
     def device(self) -> torch.device:
@@ -503,10 +509,7 @@ def set_up(args: argparse.Namespace) -> Run:
                            args.timeout)
         except ValueError as exc:  # e.g. more fragments than the model has parameters
             raise UsageError(f"--grad-sync {args.grad_sync}: {exc}") from None
-    if args.compile:  # the forward only, compiled at its first call: the module, its state_dict keys and the
-        # syncs' hooks stay as they are, and run eagerly (compiling the whole call would trace the syncs' forward
-        # pre-hooks, which re-attach gradient views parameter by parameter: a recompile for each)
-        model.forward = torch.compile(model.forward, backend=args.compile_backend)
+    compile_counts = compile_forward(args, model)
     optimizer = make_optimizer(args, model, sync)
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / args.grad_accum)
     schedule_steps = args.epochs * steps_per_epoch  # the learning-rate schedule's length
@@ -528,7 +531,52 @@ def set_up(args: argparse.Namespace) -> Run:
                trajectory_config(args, ctx.world_size, schedule_steps, data),
                os.path.join(args.checkpoint_dir, "last.pt") if args.checkpoint_dir else None, writer,
                utils.IntervalTimer(device), recent=recent, outer=outer, replica=replica,
-               replica_size=replica_size)
+               replica_size=replica_size, compile_counts=compile_counts)
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Dynamo's process-wide counters: graphs compiled (a frame each, forward; AOTAutograd's backward graphs are
+    not counted apart) and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def compile_figures(run: Run) -> dict[str, Any] | None:
+    """--compile's figures for the metrics: the scope, and the graphs and graph breaks of this run (rank 0's)."""
+    if run.compile_counts is None:
+        return None
+    now = dynamo_counts()
+    return {"scope": run.args.compile, "backend": run.args.compile_backend,
+            **{key: now[key] - run.compile_counts[key] for key in now}}
+
+
+def compile_forward(args: argparse.Namespace, model: nn.Module) -> dict[str, int] | None:
+    """--compile: torch.compile a forward method, at its first call. The module, its state_dict keys and the syncs'
+    hooks stay as they are and run eagerly (compiling the module's whole call would trace the syncs' forward
+    pre-hooks, which re-attach gradient views parameter by parameter: a recompile for each).
+
+    forward: the model's, one graph, whose backward is one autograd node: every gradient comes out at its end, so
+    the hand-written sync's hooks launch all buckets together after the computation (DDP keeps its overlap:
+    Dynamo's DDPOptimizer splits the graph at DDP's buckets). blocks: each block's (models.blocks: the units
+    stage 3 and FSDP2 gather), a graph and a backward node per block: the gradients of a block are out when its
+    backward ends, the buckets overlap the earlier blocks' backward again, and stage 3's gathers stay in the
+    blocks' module hooks, outside the graphs. Blocks of one class share a code object, so Dynamo keeps one
+    compiled entry per shape and mode (training, evaluation) under it: the recompile limit is raised to cover
+    two per block. Returns Dynamo's counters before any compiling (None without --compile)."""
+    if not args.compile:
+        return None
+    counts = dynamo_counts()
+    if args.compile == "forward":
+        model.forward = torch.compile(model.forward, backend=args.compile_backend)
+    elif args.compile == "blocks":
+        import torch._dynamo as dynamo
+
+        units = blocks(model)
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 2 * len(units))
+        for unit in units:
+            unit.forward = torch.compile(unit.forward, backend=args.compile_backend)
+    return counts
 
 
 def replica_groups(args: argparse.Namespace, ctx: utils.DistContext) -> tuple[Any, Any, int, int]:
@@ -953,7 +1001,7 @@ def summarize(run: Run, position: Position, history: list[dict[str, Any]], final
         **sent_figures(run, position, trainable),
         "grad_norms": [float(norm) for norm in run.grad_norms],  # --clip-grad-norm: this run's, before clipping
         **text_figures(run, final, samples_trained, train_time),
-        "gathered_peak": gathered_peak(run),
+        "gathered_peak": gathered_peak(run), "compile": compile_figures(run),
         "wall_time_s": time.perf_counter() - wall_start, "train_time_s": train_time,
         "samples_per_s": samples_trained / train_time if train_time else 0.0,
         "step_time_ms_median": statistics.median(steps) if steps else None,
@@ -1098,9 +1146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "gpt-tiny (0.12M) and gpt2 (GPT-2 small's shape, 86M with 256 bytes for vocabulary): byte-level GPTs "
              "for --dataset text")
     add("--channels-last", action="store_true", help="model and batches in channels-last memory format")
-    add("--compile", action="store_true",
-        help="torch.compile the model's forward (at its first call; its hooks stay eager): SyncBatchNorm compiles "
-             "without a graph break")
+    add("--compile", nargs="?", const="forward", choices=COMPILE_SCOPES, default=None,
+        help="torch.compile at the first call, hooks left eager: the model's forward as one graph (forward, the "
+             "default; SyncBatchNorm compiles without a graph break; the hand-written sync's bucket all-reduces then "
+             "wait for the whole backward), or each block's forward apart (blocks: a backward per block, so the "
+             "buckets overlap the backward again; takes --zero 3)")
     add("--compile-backend", default="inductor", metavar="NAME",
         help="--compile's backend: inductor (default), aot_eager (no code generation: the tests'), eager")
     add("--dropout", type=float, default=0.5, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
@@ -1232,9 +1282,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.zero >= 2 and args.sync_mode == "after" and args.grad_sync in OURS:
         raise UsageError(f"--zero {args.zero} reduce-scatters gradients as backward completes them; --sync-mode "
                          f"after would keep every full gradient (use --zero 1)")
-    if args.compile and args.zero == 3:
-        raise UsageError(f"--compile does not take --zero 3 (--grad-sync {args.grad_sync}): its parameters are "
-                         f"gathered in module hooks, which torch.compile would trace")
+    if args.compile == "forward" and args.zero == 3:
+        raise UsageError(f"--compile forward does not take --zero 3 (--grad-sync {args.grad_sync}): its parameters "
+                         f"are gathered in the blocks' module hooks, which compiling the model's forward would "
+                         f"trace; --compile blocks leaves them outside the graphs")
+    if args.compile and args.grad_sync == "ddp" and args.bucket_mb < 1:  # an AssertionError deep in Dynamo else
+        raise UsageError(f"--compile with --grad-sync ddp takes --bucket-mb 1 or more, not {args.bucket_mb:g}: "
+                         f"torch's DDPOptimizer splits the compiled graph at DDP's buckets and requires the first "
+                         f"(1 MB) to be no larger than the others")
     if args.zero3_accumulate is not None and (args.zero != 3 or args.grad_sync != "custom"):
         raise UsageError(f"--zero3-accumulate is for --grad-sync custom --zero 3, not --grad-sync {args.grad_sync} "
                          f"--zero {args.zero}")

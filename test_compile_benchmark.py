@@ -22,7 +22,7 @@ def test_bn_part_writes_rows_graph_facts_and_verdicts(tmp_path, capsys):
     payload = json.loads(path.read_text())
     assert payload["command"] == "python compile_benchmark.py " + " ".join(argv)
     assert payload["machine"]["cpu_count"] >= 1 and payload["machine"]["torch"]
-    assert payload["trainer"] is None
+    assert payload["trainer"] is None and payload["overlap"] is None
     bn = payload["bn"]
     assert bn["processes"] == 2 and bn["compile_backend"] == "aot_eager" and positive(bn["first_compile_s"])
     (row,) = bn["rows"]
@@ -47,7 +47,8 @@ def test_bn_part_writes_rows_graph_facts_and_verdicts(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--parts", "bn,gpu"], "--parts takes a comma-separated list of bn, trainer, got bn,gpu"),
+    (["--parts", "bn,gpu"], "--parts takes a comma-separated list of bn, trainer, overlap, got bn,gpu"),
+    (["--overlap-bucket-mb", "0.5"], "--overlap-bucket-mb must be at least 1 (DDPOptimizer's smallest), got 0.5"),
     (["--shapes", "32x"], "--shapes takes 'grid' or a comma-separated list of BATCHxHID"),
     (["--models", "resnet50"], "--models takes a comma-separated list of net, resnet, vit, got resnet50"),
     (["--iters", "0"], "--iters must be at least 1, got 0"),
@@ -58,3 +59,26 @@ def test_bad_flags_are_one_line(argv, message):
         compile_benchmark.main(argv)
     text = str(raised.value)
     assert text.startswith("compile_benchmark.py: error: " + message) and "\n" not in text
+
+
+def test_overlap_is_read_from_the_backward_ranges_and_their_all_reduce_launches(tmp_path):
+    """overlap_in_trace on a made-up trace of two steps (microseconds): the launches inside each "backward" range
+    count, those outside (the forward's, another step's) do not; medians over the steps."""
+    def event(name, ts, dur):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur}
+
+    events = [event("backward", 1000, 500), event("c10d::allreduce_", 900, 5),  # before backward: not a bucket
+              event("c10d::allreduce_", 1100, 5), event("c10d::allreduce_", 1300, 5),
+              event("backward", 3000, 400), event("c10d::allreduce_", 3350, 5), event("c10d::allreduce_", 3360, 5),
+              event("c10d::allreduce_", 3370, 5), {"ph": "i", "name": "c10d::allreduce_", "ts": 3100}]
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    row = compile_benchmark.overlap_in_trace(str(path))
+    # step 1: 2 buckets, compute 300, overlapped 200, tail 200; step 2: 3 buckets, compute 370, overlapped 20, tail 30
+    assert row["buckets"] == 2.5 and row["profiled_steps"] == 2
+    assert math.isclose(row["compute_ms"], 0.335) and math.isclose(row["overlapped_ms"], 0.110)
+    assert math.isclose(row["tail_ms"], 0.115) and math.isclose(row["backward_ms"], 0.450)
+    assert math.isclose(row["overlapped_share"], 0.110 / 0.335)
+    path.write_text(json.dumps({"traceEvents": events[:2]}))
+    with pytest.raises(compile_benchmark.BenchmarkError, match="no gradient all_reduce inside a backward range"):
+        compile_benchmark.overlap_in_trace(str(path))
