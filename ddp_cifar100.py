@@ -121,7 +121,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tqdm import tqdm
 
 import utils
@@ -455,10 +454,13 @@ def make_scheduler(args: argparse.Namespace, optimizer: torch.optim.Optimizer, t
 def make_scaler(args: argparse.Namespace, device: torch.device, **settings: Any) -> torch.amp.GradScaler:
     """--amp fp16's gradient scaler (disabled otherwise). With sharded gradients each rank sees its shard alone,
     so whether any is inf must be agreed on: ShardedGradScaler all-reduces it. Replicated gradients are the same
-    everywhere."""
+    everywhere. (Imported only then: torch.distributed.fsdp takes about a second to import, in every process.)"""
     sharded = (args.grad_sync in OURS and args.zero > 0) or args.grad_sync == "fsdp"
-    kind = ShardedGradScaler if sharded else torch.amp.GradScaler
-    return kind(device.type, enabled=args.amp == "fp16", **settings)
+    if sharded and args.amp == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, **settings)
+    return torch.amp.GradScaler(device.type, enabled=args.amp == "fp16", **settings)
 
 
 def make_deterministic() -> None:

@@ -19,7 +19,6 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -38,13 +37,19 @@ def make_ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> Distri
                                    **{no_buffer_sync: False})
 
 
-class ConsolidatingZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+def consolidating_zero_redundancy_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
+                                            **settings: Any) -> torch.optim.Optimizer:
     """ZeroRedundancyOptimizer whose state_dict() consolidates first (every rank calls it; rank 0 gets the whole,
-    the others {}), so it is saved as any optimizer is."""
+    the others {}), so it is saved as any optimizer is. torch.distributed.optim is imported here, at first use:
+    it brings FSDP and DTensor with it, about a second of every process's start-up otherwise."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    def state_dict(self) -> dict[str, Any]:
-        self.consolidate_state_dict(to=0)
-        return super().state_dict() if dist.get_rank() == 0 else {}
+    class ConsolidatingZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+        def state_dict(self) -> dict[str, Any]:
+            self.consolidate_state_dict(to=0)
+            return super().state_dict() if dist.get_rank() == 0 else {}
+
+    return ConsolidatingZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **settings)
 
 
 class DDPSync:
@@ -58,7 +63,7 @@ class DDPSync:
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                   **settings: Any) -> torch.optim.Optimizer:
         if self.zero_redundancy:
-            return ConsolidatingZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **settings)
+            return consolidating_zero_redundancy_optimizer(params, optimizer_class, **settings)
         return optimizer_class(params, **settings)
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
