@@ -16,6 +16,7 @@ bound. A real error (a missing all_reduce, statistics of one rank, a count taken
 order, by the difference between the ranks' batches, O(0.1).
 """
 import copy
+import json
 
 import pytest
 import torch
@@ -219,23 +220,47 @@ def test_cuda_kernel_path_compiles_fullgraph(local_group, world_size):
 TRAIN = TINY + ["--model", "resnet", "--epochs", "1", "--max-steps", "3", "--bucket-mb", "0.01"]
 
 
+def launches_before_a_compiled_backward(trace_path) -> int:
+    """In a --profile trace: collectives launched inside a "backward" range, outside every compiled backward node
+    (those are the syncs' hooks, not SyncBatchNorm's collective in the graph), while a compiled backward node of
+    that same backward was still to start: communication that could overlap compiled computation. An order of
+    events, not a timing: one graph's backward node starts before any hook fires, so with --compile forward there
+    is none; with blocks, the later blocks' gradients are synchronized before the earlier blocks' backward runs."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    found = 0
+    for backward in (e for e in events if e["name"] == "backward"):
+        start, end = backward["ts"], backward["ts"] + backward["dur"]
+        nodes = [(e["ts"], e["ts"] + e["dur"]) for e in events if start <= e["ts"] <= end
+                 and e["name"] == "autograd::engine::evaluate_function: CompiledFunctionBackward"]
+        launches = [e["ts"] for e in events if start <= e["ts"] <= end and e["name"].startswith("c10d::")
+                    and not any(a <= e["ts"] <= b for a, b in nodes)]
+        found += sum(any(a > launch for a, _ in nodes) for launch in launches)
+    return found
+
+
 @pytest.mark.parametrize("scope,flags", [("forward", []), ("blocks", ["--zero", "3"])],
                          ids=["forward", "blocks-zero3"])
-def test_trainer_compile_equals_eager(local_group, scope, flags):
+def test_trainer_compile_equals_eager(local_group, tmp_path, scope, flags):
     """--compile (aot_eager) through the trainer with SyncBatchNorm: 3 steps, the eager run's weights; the model's
     forward as one graph at stage 0, and each block's forward apart at stage 3 (its gathers stay in the blocks'
     hooks, outside the graphs). float32: the compiled backward adds a few sums in another order, and 3 SGD steps
     at lr 0.05 carry such roundings to a few 1e-8 (the drift the project measures: 4.5e-8 after 4 steps); a lost
-    synchronization is O(1e-3)."""
+    synchronization is O(1e-3). The compiled run's --profile trace (steps 1 and 2) shows what each scope does to
+    the overlap of the syncs' collectives with the backward: none with one graph, some with blocks."""
     group = local_group(2)
     eager = group.run(train_in_group, TRAIN + flags)[0]
-    compiled = group.run(train_in_group, TRAIN + flags + ["--compile", scope, "--compile-backend", "aot_eager"])[0]
+    compiled = group.run(train_in_group, TRAIN + flags + ["--compile", scope, "--compile-backend", "aot_eager",
+                                                          "--profile", str(tmp_path), "--profile-steps", "1:3"])[0]
     difference = max_difference(eager["state"], compiled["state"])
     figures = compiled["metrics"]["compile"]
-    print(f"\n--compile {scope} {' '.join(flags)}: max |dw| = {difference:.2e}; {figures}")
+    overlapping = launches_before_a_compiled_backward(tmp_path / "rank0.pt.trace.json")
+    print(f"\n--compile {scope} {' '.join(flags)}: max |dw| = {difference:.2e}; {figures}; {overlapping} "
+          f"collectives launched before a compiled backward node of their backward")
     assert difference <= 1e-6
     assert eager["metrics"]["compile"] is None and figures["scope"] == scope and figures["graph_breaks"] == 0
     assert figures["graphs"] >= 1  # it did compile (in a reused worker, blocks may find graphs compiled before)
+    assert (overlapping > 0) == (scope == "blocks")
 
 
 @pytest.mark.parametrize("flags,message", [
