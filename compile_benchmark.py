@@ -19,11 +19,12 @@ run: torch._dynamo.explain on the forward (graph count, graph breaks and their r
 all_reduce calls in the forward and backward graphs AOTAutograd hands to a backend; nn.SyncBatchNorm is tried on
 the same CPU tensors (it refuses them: its graph count can only be taken on a GPU).
 
-``--parts trainer``: the trainer's step, eager against ``--compile --compile-backend <--backend>``, for each of
+``--parts trainer``: the trainer's step, eager against ``--compile forward --compile-backend <--backend>``, for each of
 ``--models`` (default resnet, the small ResNet, and net, the assignment's), 2 processes:
 
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --device cpu --dataset synthetic --model M
-        --train-size 2048 --val-size 256 --batch-size 32 --epochs 1 --max-steps 40 --metrics-out FILE [--compile]
+        --train-size 2048 --val-size 256 --batch-size 32 --epochs 1 --max-steps 40 --metrics-out FILE
+        [--compile forward]
 
 with OMP_NUM_THREADS=1 and a fresh inductor cache per run (every compiled run compiles from scratch, as a first
 run does). Read from the metrics: step_time_ms_median (the trainer leaves its warm-up steps out) and wall_time_s.
@@ -276,14 +277,15 @@ def run_bn(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 # Part 2: the trainer, torchrun subprocesses
 # ----------------------------------------------------------------------------------------------------------
-def trainer_command(args: argparse.Namespace, model: str, compiled: bool, metrics_path: str,
+def trainer_command(args: argparse.Namespace, model: str, scope: str | None, metrics_path: str,
                     extra: list[str] = ()) -> list[str]:
+    """The trainer's torchrun command: eager (``scope`` None) or --compile ``scope`` (forward, blocks)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
            os.path.join(HERE, "ddp_cifar100.py"), "--device", "cpu", "--dataset", "synthetic", "--model", model,
            "--train-size", str(args.train_size), "--val-size", str(args.val_size),
            "--batch-size", str(args.batch_size), "--epochs", "1", "--max-steps", str(args.max_steps),
            "--metrics-out", metrics_path, *extra]
-    return cmd + (["--compile", "--compile-backend", args.backend] if compiled else [])
+    return cmd + (["--compile", scope, "--compile-backend", args.backend] if scope else [])
 
 
 def dynamo_log_counts(stderr: str) -> dict[str, Any]:
@@ -296,14 +298,15 @@ def dynamo_log_counts(stderr: str) -> dict[str, Any]:
             "recompile_limit_hit": sum("hit config.recompile_limit" in line for line in lines)}
 
 
-def run_trainer_once(args: argparse.Namespace, model: str, compiled: bool, attempts: int = 2,
+def run_trainer_once(args: argparse.Namespace, model: str, scope: str | None, attempts: int = 2,
                      extra: list[str] = ()) -> dict[str, Any]:
-    """One trainer run (retried once if it fails: a shared machine can fail a run for reasons of its own), with
-    ``extra`` flags after the usual ones (the later of a flag given twice wins)."""
+    """One trainer run, eager or --compile ``scope`` (retried once if it fails: a shared machine can fail a run for
+    reasons of its own), with ``extra`` flags after the usual ones (the later of a flag given twice wins)."""
+    mode = "eager" if scope is None else "compiled" if scope == "forward" else f"compiled {scope}"
     for attempt in range(1, attempts + 1):
         with tempfile.TemporaryDirectory(prefix="compilebench-") as tmp:
             metrics_path = os.path.join(tmp, "metrics.json")
-            cmd = trainer_command(args, model, compiled, metrics_path, extra)
+            cmd = trainer_command(args, model, scope, metrics_path, extra)
             env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                        TORCH_LOGS="graph_breaks,recompiles")
             started = time.perf_counter()
@@ -311,7 +314,7 @@ def run_trainer_once(args: argparse.Namespace, model: str, compiled: bool, attem
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE,
                                       timeout=args.run_timeout)
             except subprocess.TimeoutExpired:
-                raise BenchmarkError(f"trainer run ({model}, {'compiled' if compiled else 'eager'}) took more "
+                raise BenchmarkError(f"trainer run ({model}, {mode}) took more "
                                      f"than --run-timeout {args.run_timeout:.0f} s") from None
             elapsed = time.perf_counter() - started
             if proc.returncode == 0 and os.path.exists(metrics_path):
@@ -319,9 +322,9 @@ def run_trainer_once(args: argparse.Namespace, model: str, compiled: bool, attem
                     metrics = json.load(f)
                 steps = metrics["step_times_ms"]
                 return {
-                    "model": model, "mode": "compiled" if compiled else "eager", "attempts": attempt,
+                    "model": model, "mode": mode, "attempts": attempt,
                     "command": shlex.join(["torchrun"] + cmd[3:]).replace(metrics_path, "METRICS.json")
-                                                                 .replace(HERE + os.sep, "").replace(tmp, "TMP"),
+                                                                 .replace(HERE + os.sep, ""),
                     "step_time_ms_median": metrics["step_time_ms_median"],
                     "step_time_ms_p10": metrics.get("step_time_ms_p10"),
                     "step_time_ms_p90": metrics.get("step_time_ms_p90"),
@@ -332,12 +335,12 @@ def run_trainer_once(args: argparse.Namespace, model: str, compiled: bool, attem
                     "process_wall_s": elapsed, "train_loss": metrics.get("train_loss"),
                     "val_loss": metrics.get("val_loss"), "optimizer_steps": metrics.get("optimizer_steps"),
                     "trainer_compile_entry": metrics.get("compile"),
-                    "dynamo_log": dynamo_log_counts(proc.stderr) if compiled else None,
+                    "dynamo_log": dynamo_log_counts(proc.stderr) if scope else None,
                     "step_times_ms": steps}
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-30:])
-        print(f"{PROG}: trainer run ({model}, {'compiled' if compiled else 'eager'}) attempt {attempt} failed "
+        print(f"{PROG}: trainer run ({model}, {mode}) attempt {attempt} failed "
               f"(exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
-    raise BenchmarkError(f"trainer run ({model}, {'compiled' if compiled else 'eager'}) failed {attempts} times; "
+    raise BenchmarkError(f"trainer run ({model}, {mode}) failed {attempts} times; "
                          f"its log's tail is above")
 
 
@@ -362,7 +365,7 @@ def run_trainer_part(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"[{sum(map(len, runs.values())) + 1}/{total}] {label} ...", file=sys.stderr, flush=True)
             else:
                 progress.set_postfix_str(label)
-            runs[(model, compiled)].append(run_trainer_once(args, model, compiled))
+            runs[(model, compiled)].append(run_trainer_once(args, model, "forward" if compiled else None))
             if progress is not None:
                 progress.update()
     if progress is not None:
@@ -475,12 +478,10 @@ def run_overlap_part(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[{len(rows) + 1}/{len(OVERLAP_RUNS)}] {sync} {mode} ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="compilebench-profile-") as tmp:
             extra = ["--grad-sync", sync, *flags, "--profile", os.path.join(tmp, "trace")]
-            if mode != "eager":
-                extra += ["--compile", mode, "--compile-backend", args.backend]
-            run = run_trainer_once(args, args.overlap_model, False, extra=extra)
+            run = run_trainer_once(args, args.overlap_model, None if mode == "eager" else mode, extra=extra)
             row = overlap_in_trace(os.path.join(tmp, "trace", "rank0.pt.trace.json"))
         rows.append({"grad_sync": sync, "mode": mode, **row, "step_ms": run["step_time_ms_median"],
-                     "command": run["command"]})
+                     "command": run["command"].replace(tmp, "TMP")})
         if progress is not None:
             progress.update()
     if progress is not None:
