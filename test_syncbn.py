@@ -138,13 +138,24 @@ def path(groups) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # Worker functions: fn(rank, world_size, *args), run in every process of a LocalGroup
 # ----------------------------------------------------------------------------------------------------------
+def rows_in_loss(rank, world_size, batch_size):
+    """The assignment's loss is the sum of the outputs of the first half of the global batch: this rank's share."""
+    return min(max(world_size * batch_size // 2 - rank * batch_size, 0), batch_size)
+
+
+def assignment_reference(num_workers, hid_dim, batch_size, seed):
+    """nn.BatchNorm1d over the concatenated batch, the same loss: its output and input gradient."""
+    x = global_batch([batch_size] * num_workers, (hid_dim,), seed).requires_grad_()
+    y = nn.BatchNorm1d(hid_dim, affine=False)(x)
+    y[: num_workers * batch_size // 2].sum().backward()
+    return y.detach(), x.grad
+
+
 def assignment_worker(rank, world_size, hid_dim, batch_size, seed):
     sizes = [batch_size] * world_size
     x = rank_slice(global_batch(sizes, (hid_dim,), seed), sizes, rank).clone().requires_grad_()
     y = syncbn.SyncBatchNorm(hid_dim)(x)
-    # loss = sum of the outputs of the first B/2 samples of the global batch: this rank's share of them
-    rows_in_loss = min(max(world_size * batch_size // 2 - rank * batch_size, 0), batch_size)
-    y[:rows_in_loss].sum().backward()
+    y[:rows_in_loss(rank, world_size, batch_size)].sum().backward()
     return y.detach(), x.grad
 
 
@@ -236,14 +247,9 @@ def too_few_values_worker(rank, world_size, sizes):
 def test_batchnorm(local_group, num_workers, hid_dim, batch_size):
     seed = 1000 * num_workers + hid_dim + batch_size
     results = local_group(num_workers).run(assignment_worker, hid_dim, batch_size, seed)
-
-    sizes = [batch_size] * num_workers
-    x = global_batch(sizes, (hid_dim,), seed).requires_grad_()
-    y = nn.BatchNorm1d(hid_dim, affine=False)(x)
-    y[: num_workers * batch_size // 2].sum().backward()
-
-    output_error = max_error([r[0] for r in results], y.detach())
-    grad_error = max_error([r[1] for r in results], x.grad)
+    y, grad = assignment_reference(num_workers, hid_dim, batch_size, seed)
+    output_error = max_error([r[0] for r in results], y)
+    grad_error = max_error([r[1] for r in results], grad)
     record(f"test_batchnorm[{num_workers}-{hid_dim}-{batch_size}]", output=output_error, input_grad=grad_error)
     assert output_error <= 1e-3 and grad_error <= 1e-3
 

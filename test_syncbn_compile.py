@@ -114,7 +114,7 @@ def compiled_assignment_worker(rank, world_size, hid_dim, batch_size, seed):
     computed in the graph (a count read on the host would break it). Eager runs the same case beside it."""
     import torch._dynamo.utils
 
-    from test_syncbn import global_batch, rank_slice
+    from test_syncbn import global_batch, rank_slice, rows_in_loss
 
     graphs = torch._dynamo.utils.counters["stats"]
     if "call" not in _COMPILED:
@@ -122,13 +122,13 @@ def compiled_assignment_worker(rank, world_size, hid_dim, batch_size, seed):
         _COMPILED["call"] = torch.compile(lambda module, x: module(x), backend="aot_eager", fullgraph=True,
                                           dynamic=True)
     sizes = [batch_size] * world_size
-    rows_in_loss = min(max(world_size * batch_size // 2 - rank * batch_size, 0), batch_size)
+    rows = rows_in_loss(rank, world_size, batch_size)
     results = {}
     for mode, call in (("eager", lambda module, x: module(x)), ("compiled", _COMPILED["call"])):
         x = rank_slice(global_batch(sizes, (hid_dim,), seed), sizes, rank).clone().requires_grad_()
         module = SyncBatchNorm(hid_dim)
         y, forward_all_reduces = all_reduces_run(lambda: call(module, x))
-        _, backward_all_reduces = all_reduces_run(lambda: y[:rows_in_loss].sum().backward())
+        _, backward_all_reduces = all_reduces_run(lambda: y[:rows].sum().backward())
         results[mode] = {"y": y.detach(), "grad": x.grad, "running_var": module.running_var,
                          "all_reduces": (forward_all_reduces, backward_all_reduces)}
     results["graphs"] = graphs["unique_graphs"] - _COMPILED["graphs_before"]
@@ -143,19 +143,16 @@ def test_assignment_cases_compiled(local_group, num_workers, hid_dim, batch_size
     assignment's 1e-3 (output and input gradient), eager within the 1e-6 argued above, and, counted as the
     compiled code runs, one all_reduce in the forward and one in the backward (none with one process). At most
     one graph per hid_dim: the channel count is specialized, the batch size is not."""
-    from test_syncbn import global_batch, max_error
+    from test_syncbn import assignment_reference, max_error
 
     seed = 1000 * num_workers + hid_dim + batch_size
     results = local_group(num_workers).run(compiled_assignment_worker, hid_dim, batch_size, seed)
-    sizes = [batch_size] * num_workers
-    x = global_batch(sizes, (hid_dim,), seed).requires_grad_()
-    y = torch.nn.BatchNorm1d(hid_dim, affine=False)(x)
-    y[: num_workers * batch_size // 2].sum().backward()
+    y, grad = assignment_reference(num_workers, hid_dim, batch_size, seed)
     expected_all_reduces = (1, 1) if num_workers > 1 else (0, 0)
     errors = {}
     for mode in ("compiled", "eager"):
-        errors[mode] = (max_error([r[mode]["y"] for r in results], y.detach()),
-                        max_error([r[mode]["grad"] for r in results], x.grad))
+        errors[mode] = (max_error([r[mode]["y"] for r in results], y),
+                        max_error([r[mode]["grad"] for r in results], grad))
         assert all(r[mode]["all_reduces"] == expected_all_reduces for r in results), (mode, results[0][mode])
     parity = max(max((r["compiled"][k] - r["eager"][k]).abs().max().item() for k in ("y", "grad", "running_var"))
                  for r in results)
