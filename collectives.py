@@ -8,7 +8,8 @@
 
 A flat given to reduce_scatter or all_gather has ``size`` equal chunks (zero.py pads it); chunk r is rank r's.
 Each call is asynchronous and returns a Pending. Under torch.profiler (the trainer's --profile) it is a range
-named by the caller that opens at the launch and closes when the result has landed, whichever thread lands it.
+named by the caller that opens at the launch and closes when the result has landed, whichever thread lands it;
+one launched under a profiler is waited for before that profiler stops (zero.py's [Note: a profiler's window]).
 
 kind "torch" runs torch.distributed's collectives in place on ``group`` (the output is this rank's chunk of the
 input: NCCL's in-place convention, which gloo follows too). "ring" and "butterfly" run allreduce.py's algorithms,
@@ -83,22 +84,20 @@ class Collectives:
             return dist.reduce_scatter_tensor(self.chunk(flat), flat, group=self.group, async_op=True)
         return self._launch(name, start)
 
-    def all_gather(self, flat: torch.Tensor, name: str, until_landed: bool = True) -> Pending:
-        """Every rank's chunk r of ``flat`` into chunk r of every rank's ``flat``, bit for bit. ``until_landed``
-        False: the range covers the launch only (for one that may land after a profiler's window has closed: a
-        range still open then corrupts the trace)."""
+    def all_gather(self, flat: torch.Tensor, name: str) -> Pending:
+        """Every rank's chunk r of ``flat`` into chunk r of every rank's ``flat``, bit for bit."""
         def start() -> Any:
             if self.thread is not None:
                 return self.thread.submit(flat, operation=ring_all_gather)
             self.nominal_sent += self._one_way_bytes(flat)
             return dist.all_gather_into_tensor(flat, self.chunk(flat), group=self.group, async_op=True)
         with torch.no_grad():  # a flat behind parameters: gloo's in-place copies must not be recorded
-            return self._launch(name, start, until_landed)
+            return self._launch(name, start)
 
-    def _launch(self, name: str, start: Any, until_landed: bool = True) -> Pending:
+    def _launch(self, name: str, start: Any) -> Pending:
         with utils.profiled(name) as span:
             work = start()
-            if span is None or not until_landed:
+            if span is None:
                 return Pending(work, self.thread is not None)
             # the range ends when the result lands, not when the launch returns: record_function's hand-over to a
             # future (what torch.distributed.rpc's profiling uses)

@@ -971,12 +971,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                          f"{100 * val['val_acc5']:.2f}% ({val['val_correct']}/{val['val_total']})")
         metrics = summarize(run, position, history, final, trainable, train_time, samples_trained, wall_start)
     finally:
-        if run.profiler is not None:  # stopped by an error: leave no profiler running in this process
-            run.profiler.stop()
-        run.sync.close()  # hooks off, --zero 3's units gathered, --allreduce ring|butterfly's thread stopped
-        if run.outer is not None:
-            run.outer.close()
-        run.data.close()
+        try:  # hooks off, --zero 3's units gathered, --allreduce ring|butterfly's thread stopped
+            run.sync.close()  # before the profiler stops: what it launched under the profiler lands first
+        finally:
+            if run.profiler is not None:  # stopped by an error: leave no profiler running in this process
+                run.profiler.stop()
+            if run.outer is not None:
+                run.outer.close()
+            run.data.close()
     if run.ctx.rank == 0 and args.metrics_out:
         utils.write_json(args.metrics_out, metrics)
     metrics["model"] = run.model  # for in-process callers (tests), whole (sync.close()); not part of the JSON

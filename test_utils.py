@@ -1,4 +1,9 @@
-"""utils.py: device and backend resolution on machines this one is not (GPUs faked with monkeypatch)."""
+"""utils.py: device and backend resolution on machines this one is not (GPUs faked with monkeypatch), and what a
+LocalGroup reports when a worker dies."""
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -38,3 +43,21 @@ def test_impossible_placements_are_refused_in_one_line(gpus, gpu_count, device, 
     with pytest.raises(ValueError, match=message) as error:
         utils.resolve_device_backend(device, backend, 0, 2)
     assert "\n" not in str(error.value)
+
+
+def die_or_raise(rank: int, world_size: int) -> None:
+    """Rank 0 is killed by a signal, as a crash or the OOM killer would; rank 1 then fails as its peers would."""
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)
+    raise RuntimeError("Connection reset by peer (the echo of rank 0's death)")
+
+
+def test_a_worker_that_dies_is_named_with_its_exit_code():
+    """A worker killed by a signal reports nothing; the WorkerError names it and its exit code beside its peer's
+    traceback, rather than leaving only the peer's "Connection reset by peer" to guess from."""
+    with pytest.raises(utils.WorkerError) as failure, utils.LocalGroup(2, timeout_s=60) as group:
+        group.run(die_or_raise)
+    message = str(failure.value)
+    assert "Connection reset by peer (the echo" in message
+    assert f"--- rank 0 --- died, exit code {-signal.SIGKILL}" in message

@@ -409,8 +409,9 @@ def test_stage_3_prefetches_the_next_unit_while_the_current_one_computes(local_g
     range and before unit I+1's begins, and in backward unit I-1's inside unit I's and before unit I-1's begins
     (the root's backward, which comes first, launches the last block's): the orders the forward recorded, 0 1 2 3
     started and 1 2 3 0 finished, whose reverse the backward runs. At the step's edge the optimizer's step
-    launches the root's and unit 1's all-gathers, so the next step's first forward starts with both in flight:
-    its unit 0 forward launches no gather of unit 1. Every unit is reduce-scattered per micro-batch."""
+    launches the root's and unit 1's all-gathers, so the next step's first forward starts with both gathered: its
+    unit 0 forward launches no gather of unit 1; under a profiler the step waits for both (a gloo collective still
+    in flight when the profiler stops is a segfault). Every unit is reduce-scattered per micro-batch."""
     argv = BASE + ["--optimizer", "sgd", "--zero", "3", "--max-steps", "2", "--profile-steps", "0:2"]
     for events in local_group(2).run(profiled_events, argv, str(tmp_path)):
         def ranges(prefix):
@@ -434,6 +435,8 @@ def test_stage_3_prefetches_the_next_unit_while_the_current_one_computes(local_g
                         (phase, unit, following)
         for unit in (0, 1):  # the step's edge
             assert any(steps[0][0] <= g <= steps[0][1] for g in gathers(unit)), unit
+        for start, end, _ in steps:  # under the profiler both land inside the step, before the window may close
+            assert len([s for s, e, _ in ranges("all_gather wait") if start <= s and e <= end]) == 2
         for unit in range(4):
             assert len(ranges(f"reduce_scatter unit {unit} (")) == 6
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import math
 import multiprocessing as mp
@@ -155,6 +156,7 @@ def _group_worker(rank: int, world_size: int, store_path: str, backend: str, tim
                   tasks: Any, results: Any) -> None:
     # With a couple of cores and several workers, one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a crash prints every thread's Python stack to stderr before it dies
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -236,8 +238,13 @@ class LocalGroup:
             else:
                 out[rank] = value
         if errors:
+            # A worker that died without a word (a signal, the kernel's OOM killer) is named with its exit code:
+            # its peers' "Connection reset by peer" is only the echo.
+            dead = [f"--- rank {r} --- died, exit code {p.exitcode}" for r, p in enumerate(self._procs)
+                    if not p.is_alive() and out[r] is None and not any(e.startswith(f"--- rank {r} ---\n")
+                                                                       for e in errors)]
             self.close(kill=True)
-            raise WorkerError(f"LocalGroup({self.world_size}) {what} failed:\n" + "\n".join(errors))
+            raise WorkerError(f"LocalGroup({self.world_size}) {what} failed:\n" + "\n".join(errors + dead))
         return out
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:

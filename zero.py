@@ -544,13 +544,13 @@ class ZeroStage3(ZeroStage2):
     # ------------------------------------------------------------------------------------------------------
     # A unit's life: SHARDED -> GATHERING -> GATHERED -> SHARDED
     # ------------------------------------------------------------------------------------------------------
-    def _gather(self, unit: Unit, until_landed: bool = True) -> None:
+    def _gather(self, unit: Unit) -> None:
         """Give the unit's flat its storage back, put this rank's shard in place and launch the all-gather of the
         others' (asynchronously, like the reduce-scatters)."""
         assert unit.state is UnitState.SHARDED, unit.state
         self._allocate(unit)
         self.comm.chunk(unit.flat).copy_(self.weights[unit.index])
-        unit.gather = self.comm.all_gather(unit.flat, unit.name("all_gather"), until_landed)
+        unit.gather = self.comm.all_gather(unit.flat, unit.name("all_gather"))
         unit.state = UnitState.GATHERING
         held = self._held()
         self.peak["units"] = max(self.peak["units"], len([u for u in held if u is not self.root]))
@@ -583,14 +583,14 @@ class ZeroStage3(ZeroStage2):
             wanted, self.wanted = self.wanted, None
             self._prefetch(wanted)
 
-    def _prefetch(self, unit: Unit | None, until_landed: bool = True) -> None:
+    def _prefetch(self, unit: Unit | None) -> None:
         """Launch the unit's all-gather ahead of its use, unless max_gathered units are already held."""
         if unit is None or unit.state is not UnitState.SHARDED:
             return
         if unit is not self.root and len([u for u in self._held() if u is not self.root]) >= self.max_gathered:
             self.wanted = unit
             return
-        self._gather(unit, until_landed)
+        self._gather(unit)
 
     @staticmethod
     def _after(order: list[Unit], unit: Unit) -> Unit | None:
@@ -599,11 +599,19 @@ class ZeroStage3(ZeroStage2):
 
     def _after_step(self, layout: Layout, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The step's edge: the next forward's first units launched now (the optimizer updated the shards they
-        are gathered from); nothing else, since the next forward gathers every unit. Their profiler ranges cover
-        the launch only: they may land after a profiler's window has closed."""
+        are gathered from); nothing else, since the next forward gathers every unit. [Note: a profiler's window]
+        Under a recording torch.profiler they land here, inside the step: the profiler.step() that closes a
+        window comes next, and a gloo collective launched under a profiler that is still in flight when that
+        profiler stops kills the process with a segfault when it is waited for (PyTorch's; 1 trainer run in 5
+        here, and 2 processes out of 2 within 200 launch-stop-wait rounds of a bare all_gather_into_tensor)."""
         if self.order:
-            self._prefetch(self.order[0], until_landed=False)
-            self._prefetch(self._after(self.order, self.order[0]), until_landed=False)
+            units = [self.order[0], self._after(self.order, self.order[0])]
+            for unit in units:
+                self._prefetch(unit)
+            if torch.autograd._profiler_enabled():
+                for unit in units:
+                    if unit is not None and unit.state is UnitState.GATHERING:
+                        self._materialize(unit)
 
     # ------------------------------------------------------------------------------------------------------
     # Hooks: forward (module hooks), backward (a hook on each unit's output; the gradients' hooks)
