@@ -45,19 +45,24 @@ def test_impossible_placements_are_refused_in_one_line(gpus, gpu_count, device, 
     assert "\n" not in str(error.value)
 
 
-def die_or_raise(rank: int, world_size: int) -> None:
-    """Rank 0 is killed by a signal, as a crash or the OOM killer would; rank 1 then fails as its peers would."""
+def die_or_answer(rank: int, world_size: int, peer_raises: bool) -> str:
+    """Rank 0 is killed by a signal, as a crash or the OOM killer would; rank 1 then fails as its peers would, or
+    answers."""
     if rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1.0)
-    raise RuntimeError("Connection reset by peer (the echo of rank 0's death)")
+    if peer_raises:
+        raise RuntimeError("Connection reset by peer (the echo of rank 0's death)")
+    return "done"
 
 
-def test_a_worker_that_dies_is_named_with_its_exit_code():
+@pytest.mark.parametrize("peer_raises", [True, False], ids=["peer-raises", "peer-answers"])
+def test_a_worker_that_dies_is_named_with_its_exit_code(peer_raises):
     """A worker killed by a signal reports nothing; the WorkerError names it and its exit code beside its peer's
-    traceback, rather than leaving only the peer's "Connection reset by peer" to guess from."""
+    traceback, rather than leaving only the peer's "Connection reset by peer" to guess from; and when nothing else
+    fails, its death is the failure, not a TimeoutError at the end of the group's timeout."""
     with pytest.raises(utils.WorkerError) as failure, utils.LocalGroup(2, timeout_s=60) as group:
-        group.run(die_or_raise)
+        group.run(die_or_answer, peer_raises)
     message = str(failure.value)
-    assert "Connection reset by peer (the echo" in message
+    assert ("Connection reset by peer (the echo" in message) == peer_raises
     assert f"--- rank 0 --- died, exit code {-signal.SIGKILL}" in message

@@ -215,36 +215,41 @@ class LocalGroup:
         self._collect("start-up", start_timeout_s)
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        """Every worker's answer, in rank order. After a failure (an error, or a worker that died without a word:
+        a signal, the kernel's OOM killer) the others get 5 s to answer, or less once all that have not are dead:
+        a failed rank's peers are often stuck in a collective with it."""
         out: list[Any] = [None] * self.world_size
-        seen = 0
+        answered: set[int] = set()
+        errors: list[str] = []
         deadline = time.monotonic() + timeout_s
-        errors = []
-        while seen < self.world_size:
-            remaining = deadline - time.monotonic()
+        failed_at = None
+        while len(answered) < self.world_size:
             try:
-                rank, status, value = self._results.get(timeout=max(remaining, 0.01))
+                rank, status, value = self._results.get(timeout=0.5)
             except queue.Empty:
-                if errors:  # the peers of a failed rank are stuck in a collective: report the failure
+                now = time.monotonic()
+                silent = [r for r in range(self.world_size) if r not in answered]
+                dead = [r for r in silent if not self._procs[r].is_alive()]
+                failed_at = failed_at if failed_at is not None or not dead else now
+                if failed_at is not None and (now > failed_at + 5.0 or dead == silent):
                     break
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                self.close(kill=True)
-                raise TimeoutError(f"LocalGroup({self.world_size}): {what} did not finish within {timeout_s:.0f}s"
-                                   + (f"; dead workers: {dead}" if dead else "")) from None
-            seen += 1
+                if now > deadline:
+                    self.close(kill=True)
+                    raise TimeoutError(f"LocalGroup({self.world_size}): {what} did not finish within "
+                                       f"{timeout_s:.0f}s") from None
+                continue
+            answered.add(rank)
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{value}")
-                # The other ranks may now wait forever in a collective: give them a moment, then stop.
-                deadline = min(deadline, time.monotonic() + 5.0)
+                failed_at = failed_at if failed_at is not None else time.monotonic()
             else:
                 out[rank] = value
+        # a worker that died is named with its exit code: its peers' "Connection reset by peer" is only the echo
+        errors += [f"--- rank {r} --- died, exit code {p.exitcode}" for r, p in enumerate(self._procs)
+                   if r not in answered and not p.is_alive()]
         if errors:
-            # A worker that died without a word (a signal, the kernel's OOM killer) is named with its exit code:
-            # its peers' "Connection reset by peer" is only the echo.
-            dead = [f"--- rank {r} --- died, exit code {p.exitcode}" for r, p in enumerate(self._procs)
-                    if not p.is_alive() and out[r] is None and not any(e.startswith(f"--- rank {r} ---\n")
-                                                                       for e in errors)]
             self.close(kill=True)
-            raise WorkerError(f"LocalGroup({self.world_size}) {what} failed:\n" + "\n".join(errors + dead))
+            raise WorkerError(f"LocalGroup({self.world_size}) {what} failed:\n" + "\n".join(errors))
         return out
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
