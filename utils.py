@@ -230,7 +230,8 @@ class LocalGroup:
                 now = time.monotonic()
                 silent = [r for r in range(self.world_size) if r not in answered]
                 dead = [r for r in silent if not self._procs[r].is_alive()]
-                failed_at = failed_at if failed_at is not None or not dead else now
+                if dead and failed_at is None:
+                    failed_at = now
                 if failed_at is not None and (now > failed_at + 5.0 or dead == silent):
                     break
                 if now > deadline:
@@ -241,7 +242,8 @@ class LocalGroup:
             answered.add(rank)
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{value}")
-                failed_at = failed_at if failed_at is not None else time.monotonic()
+                if failed_at is None:
+                    failed_at = time.monotonic()
             else:
                 out[rank] = value
         # a worker that died is named with its exit code: its peers' "Connection reset by peer" is only the echo
