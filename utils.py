@@ -191,8 +191,9 @@ class LocalGroup:
 
     ``group.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` in every worker and returns the results as
     a list in rank order. ``fn`` must be importable by the workers (a module-level function). Any worker's
-    exception is re-raised here as WorkerError with its traceback; a call that does not finish within
-    ``timeout_s`` kills the group and raises TimeoutError. After either, the group is closed: make a new one.
+    exception is re-raised here as WorkerError with its traceback, and a worker that dies (a signal, a crash) as
+    one naming its exit code; a call that does not finish within ``timeout_s`` kills the group and raises
+    TimeoutError. After either, the group is closed: make a new one.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 120.0,
