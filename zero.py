@@ -604,7 +604,7 @@ class ZeroStage3(ZeroStage2):
         window comes next, and a gloo collective launched under a profiler and still in flight when that profiler
         stops kills the process with a segfault when it is waited for (PyTorch's: a bare all_gather_into_tensor
         launched, the profiler stopped, then waited crashed within 200 rounds in 2 tries of 2; the trainer's
-        profiled stage-3 runs crashed 2 times in 11 before this)."""
+        profiled stage-3 runs crashed 3 times in 17 before this)."""
         if self.order:
             units = [self.order[0], self._after(self.order, self.order[0])]
             for unit in units:
