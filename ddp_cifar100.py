@@ -310,6 +310,18 @@ def check_compatible(state: dict[str, Any], config: dict[str, Any], path: str, a
 # ----------------------------------------------------------------------------------------------------------
 # Training: set-up, resume, one epoch of optimizer steps, evaluation, checkpoint, summary
 # ----------------------------------------------------------------------------------------------------------
+def check_optimizer_state(state: dict[str, Any], path: str, args: argparse.Namespace, position: "Position") -> None:
+    """Refuse, in one line, a checkpoint whose optimizer state lacks what --optimizer keeps for every parameter it
+    has stepped (SGD's momentum, AdamW's moments and step), rather than train on from another state: the sharded
+    stages once wrote SGD's without its momentum. Under --amp fp16 the scaler may have skipped every step so far,
+    so there a state with no entry at all is accepted."""
+    stepped = position.optimizer_steps > 0 and (args.amp != "fp16" or bool(state["state"]))
+    problem = zero.missing_optimizer_state(OPTIMIZERS[args.optimizer], state, every_parameter=stepped)
+    if problem:
+        raise UsageError(f"checkpoint {path} cannot resume this run: its optimizer state is incomplete ({problem}); "
+                         f"resume from another checkpoint, or start afresh in an empty --checkpoint-dir")
+
+
 @dataclass
 class Position:
     """Where a run stands: the epoch, its next micro-batch, and the totals so far (with the weights, all a resume
@@ -412,16 +424,19 @@ class Run:
         return self.ctx.device
 
 
+OPTIMIZERS = {"sgd": torch.optim.SGD, "sgd_nesterov": torch.optim.SGD, "adamw": torch.optim.AdamW}  # --optimizer
+
+
 def make_optimizer(args: argparse.Namespace, model: nn.Module, sync: DataParallel) -> torch.optim.Optimizer:
     """--optimizer over the model's trainable parameters, through the sync (which shards it, or not). With
     --norm-weight-decay, two parameter groups: the matrices and tensors of higher rank (--weight-decay), and the
     vectors, biases and normalization weights (--norm-weight-decay), as torchvision's reference scripts split
     them (and nanoGPT, by the same test on p.dim())."""
-    kind, settings = {
-        "sgd": (torch.optim.SGD, {"lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay}),
-        "adamw": (torch.optim.AdamW, {"lr": args.lr, "weight_decay": args.weight_decay,
-                                      **({"betas": tuple(args.betas)} if args.betas else {})}),
-    }[args.optimizer]
+    sgd = {"lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay}
+    settings = {"sgd": sgd, "sgd_nesterov": {**sgd, "nesterov": True},
+                "adamw": {"lr": args.lr, "weight_decay": args.weight_decay,
+                          **({"betas": tuple(args.betas)} if args.betas else {})}}[args.optimizer]
+    kind = OPTIMIZERS[args.optimizer]
     trainable = [p for p in model.parameters() if p.requires_grad]
     params: list[Any] = trainable
     if args.norm_weight_decay is not None:
@@ -623,6 +638,7 @@ def resume(run: Run) -> tuple[Position, list[dict[str, Any]], list[float]]:
     check_compatible(state, run.config, path, run.args, world_size)
     replica = state["replicas"][run.replica] if run.outer is not None else state  # its own weights and optimizer
     run.sync.load_model_state_dict(replica["model"])
+    check_optimizer_state(replica["optimizer"], path, run.args, position)
     run.optimizer.load_state_dict(replica["optimizer"])
     if run.outer is not None:
         run.outer.load_state_dict(replica["outer"])
@@ -1190,8 +1206,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "(sharded, the default: gradients Psi/W), or keep each unit's full gradient over the window and "
              "reduce-scatter it once (unsharded: 4 Psi more during the window, K-1 fewer reduce-scatters, stage 0's "
              "summation order; what FSDP2 does)")
-    add("--optimizer", choices=("sgd", "adamw"), default="sgd",
-        help="SGD with --momentum and --weight-decay, or AdamW with --weight-decay (decoupled)")
+    add("--optimizer", choices=("sgd", "sgd_nesterov", "adamw"), default="sgd",
+        help="SGD with --momentum and --weight-decay (sgd_nesterov: Nesterov's momentum, as torchvision's reference "
+             "scripts name it), or AdamW with --weight-decay (decoupled)")
     add("--allreduce", choices=("torch", "ring", "butterfly"), default="torch",
         help="custom: which collectives sync the buckets: torch.distributed's, or allreduce.py's own (--zero 1/2: "
              "torch's reduce-scatter and all-gather, or the ring's)")

@@ -16,7 +16,10 @@ your own training loop.
 Parameter groups are given as to any torch.optim optimizer (a configure_optimizers with decay on matrices only
 works unchanged) and keep their hyperparameters at every stage. ``group`` is any process group: a sub-group trains
 as if it were alone. At stage >= 1 an optimizer built over the model's parameters outside ``sharded.optimizer``
-is refused at its first step(); a parameter that gets no gradient is named at the end of that backward.
+is refused at its first step(); a parameter that gets no gradient is named at the end of that backward. Every
+element-wise torch.optim optimizer is exact at every stage, its state dict torch.optim's own; the ones that need
+whole parameters (Adafactor, Muon, LBFGS, SparseAdam) are refused at ``sharded.optimizer`` ([Note: which
+optimizers]).
 
 What a rank holds, for Psi parameters in fp32 trained with AdamW (two state tensors per parameter), in bytes:
 
@@ -38,6 +41,7 @@ or the ring's), references.py (DDP, ZeroRedundancyOptimizer and FSDP2 behind the
 """
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import weakref
@@ -76,6 +80,16 @@ class Layout:
     runs: list[Run] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class ElementWise:
+    """Marks, while the state dict is gathered, a key whose value is one number per element (gathered by bucket)."""
+    dtype: torch.dtype
+
+
+def _same(a: Any, b: Any) -> bool:
+    return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
+
+
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     """torch.optim's two ways of giving parameters: an iterable of tensors, or of dicts (parameter groups)."""
     params = list(params)
@@ -100,6 +114,76 @@ def total_norm(parts: list[torch.Tensor], norm_type: float, group: dist.ProcessG
     return total.pow(1.0 / norm_type)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Which optimizers the flat shards can carry ([Note: which optimizers])
+# ----------------------------------------------------------------------------------------------------------
+def _optimizers(*names: str) -> list[type[torch.optim.Optimizer]]:
+    return [getattr(torch.optim, name) for name in names if hasattr(torch.optim, name)]  # Muon: torch >= 2.9
+
+
+# Each element's update reads only that element's weight, gradient and state, and the parameter's scalars (a step
+# count): exact on any run of any parameter. Add a class of your own that is element-wise: ELEMENTWISE.add(cls).
+ELEMENTWISE: set[type[torch.optim.Optimizer]] = set(_optimizers(
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
+# What each of these needs that a run of a flat shard is not: refused at sharded.optimizer().
+_WHOLE_PARAMETER_NEEDS = {
+    "Adafactor": "factors each matrix's second moment into row and column statistics, which needs the matrix",
+    "Muon": "orthogonalizes each matrix's update (Newton-Schulz iterations on the whole 2-D parameter)",
+    "LBFGS": "takes dot products over the whole model's gradient and re-evaluates the loss in a closure",
+    "SparseAdam": "steps sparse gradients, and the shards' gradients are dense",
+}
+WHOLE_PARAMETER: dict[type[torch.optim.Optimizer], str] = {
+    getattr(torch.optim, name): need for name, need in _WHOLE_PARAMETER_NEEDS.items() if hasattr(torch.optim, name)}
+
+
+def check_optimizer_class(optimizer_class: type[torch.optim.Optimizer], stage: int) -> None:
+    """One line, at sharded.optimizer(), for an optimizer the runs of a flat shard would give another algorithm
+    ([Note: which optimizers])."""
+    name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+    if optimizer_class in WHOLE_PARAMETER:
+        raise ValueError(f"sharded.optimizer: zero.shard stage {stage} cuts every parameter into flat runs spread "
+                         f"over the ranks, and torch.optim.{name} {WHOLE_PARAMETER[optimizer_class]}: on runs it "
+                         f"would be another algorithm; use stage 0 (whole parameters on every rank) or torch's "
+                         f"ZeroRedundancyOptimizer (whole parameters placed on ranks; the trainer's --grad-sync ddp "
+                         f"--zero 1)")
+    if optimizer_class not in ELEMENTWISE:
+        raise ValueError(f"sharded.optimizer: zero.shard stage {stage} gives {name} flat runs of the parameters, "
+                         f"which is exact only if it updates each element from that element's weight, gradient and "
+                         f"state alone; if {name} does, declare it first: zero.ELEMENTWISE.add({name})")
+
+
+def state_kinds(optimizer_class: type[torch.optim.Optimizer], settings: dict[str, Any],
+                device: torch.device | str = "cpu") -> dict[str, bool]:
+    """The state ``optimizer_class`` keeps per parameter once it has stepped it with ``settings`` (a parameter
+    group's hyperparameters): each key, True for a tensor of the parameter's shape (one number per element),
+    False for a scalar (a step count). Found by stepping a probe of two elements once: no table to keep, and
+    right for every setting that adds state (amsgrad, momentum, centered)."""
+    probe = torch.zeros(2, device=device, requires_grad=True)
+    probe.grad = torch.ones_like(probe)
+    optimizer = optimizer_class([{**{k: v for k, v in settings.items() if k != "params"}, "params": [probe]}])
+    optimizer.step()
+    return {key: torch.is_tensor(value) and value.shape == probe.shape
+            for key, value in optimizer.state[probe].items()}
+
+
+def missing_optimizer_state(optimizer_class: type[torch.optim.Optimizer], state: dict[str, Any],
+                            every_parameter: bool, device: torch.device | str = "cpu") -> str | None:
+    """What ``state`` (torch.optim's ordinary state_dict) lacks that ``optimizer_class`` keeps, in words, or None:
+    a parameter whose entry lacks a key its group's settings make the optimizer keep, or, if ``every_parameter``
+    (the run has stepped every parameter), a parameter with no entry at all."""
+    saved = {int(index): entry for index, entry in state["state"].items()}
+    for group in state["param_groups"]:
+        kinds = state_kinds(optimizer_class, group, device)
+        for index in group["params"]:
+            if index not in saved and not every_parameter:
+                continue
+            lacking = [key for key in kinds if key not in saved.get(index, {})]
+            if lacking:
+                return (f"parameter {index} has no {lacking[0]!r}, which torch.optim.{optimizer_class.__name__} "
+                        f"keeps for every parameter it has stepped")
+    return None
+
+
 class Sharded:
     """The optimizer side of stages 1-3. Rank r owns chunk r of every bucket's flat (the r-th of W equal slices):
     ``weights[b]`` is this rank's chunk of bucket b's weights, ``grads[b]`` its averaged, accumulated gradient.
@@ -114,10 +198,26 @@ class Sharded:
     reads only that element's weight, gradient and state), and wrong for one that takes a norm over a whole
     tensor (LAMB, LARS, Muon): those would see a run. Padding stays zero, and is in no run.
 
+    [Note: which optimizers] Known element-wise, so exact on runs (``ELEMENTWISE``): SGD (momentum, Nesterov),
+    Adam (amsgrad), AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop (centered, momentum), Rprop, ASGD; a
+    user's own element-wise class is added with ``zero.ELEMENTWISE.add(cls)``. Refused in one line at
+    ``sharded.optimizer`` (``WHOLE_PARAMETER``): Adafactor (row and column statistics of each matrix), Muon (an
+    orthogonalized update of each matrix), LBFGS (dot products over the whole gradient, and a closure), SparseAdam
+    (sparse gradients); so is any class not declared element-wise, since a run would silently give it another
+    algorithm. Why refuse rather than give them whole parameters: the stages' saving in memory and traffic comes
+    from cutting every bucket into W equal chunks, whatever the parameters' boundaries; whole parameters need
+    another placement (each parameter on one rank, as DeepSpeed's ZeRO-1 and torch's ZeroRedundancyOptimizer do,
+    with uneven ranks and a broadcast per parameter instead of one all-gather per bucket), or a gather of each
+    matrix for its update (stage 3's traffic at stage 1). torch's ZeroRedundancyOptimizer already is the first,
+    behind the same interface (references.py; the trainer's ``--grad-sync ddp --zero 1``), and stage 0 keeps
+    whole parameters on every rank: the refusal names both.
+
     [Note: the whole model's state] ``optimizer.state_dict()`` is torch.optim's ordinary form, over the model's
     parameters numbered group by group as an unsharded optimizer built with the same groups numbers them: a hook
     gathers each bucket's state to the group's rank 0 one bucket and key at a time (others get {}), and
     ``load_state_dict`` cuts this rank's runs out of such a dict. So any stage at any world size loads any other's.
+    Whatever the optimizer keeps (element-wise tensors only, like SGD's momentum; scalars only; both; nothing yet),
+    a parameter has an entry exactly when an unsharded optimizer would: when its runs have state.
     """
 
     def _shard(self, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -132,7 +232,9 @@ class Sharded:
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                   **settings: Any) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's runs of ``params`` (the model's parameters, or groups of them:
-        [Note: parameter groups]); step() updates the model ([Note: after the step])."""
+        [Note: parameter groups]); step() updates the model ([Note: after the step]). An optimizer that needs whole
+        parameters is refused here ([Note: which optimizers])."""
+        check_optimizer_class(optimizer_class, self.stage)
         groups = as_groups(params)
         layout = Layout({}, [])
         for g, group in enumerate(groups):
@@ -241,30 +343,40 @@ class Sharded:
         return self.weights[0].device if dist.get_backend(self.comm.group) == "nccl" else torch.device("cpu")
 
     def _full_optimizer_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> dict[str, Any]:
+        """State-dict post-hook: the inner optimizer's state over runs, made torch.optim's ordinary state over the
+        model's parameters, on the group's rank 0 (the others get {}). A parameter has an entry when the runs
+        covering it have state (whatever that state holds: SGD's momentum alone, AdamW's step and moments, a
+        scalar alone); its scalars are the first such run's (every run of a parameter has the same), its
+        element-wise tensors are gathered one bucket and key at a time."""
         layout = self.layouts[optimizer]
-        elementwise: dict[str, torch.dtype] = {}  # state with one number per element: gathered
-        scalars: dict[int, dict[str, Any]] = {}  # the rest (AdamW's step), per parameter index
+        entries: dict[int, dict[str, Any]] = {}  # parameter index -> {key: scalar value, or its dtype if element-wise}
         for number, run in enumerate(layout.runs):
-            for key, value in inner["state"].get(number, {}).items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    elementwise[key] = value.dtype
-                else:
-                    for p in self._params_in(run, layout):  # each its own copy: AdamW adds to its step in place
-                        scalars.setdefault(layout.index[id(p)][1], {})[key] = \
-                            value.clone() if torch.is_tensor(value) else value
-        shared: list[Any] = [None] * self.world_size  # every rank's, so all know every key, even without a run
-        dist.all_gather_object(shared, (elementwise, scalars), group=self.comm.group)
-        for their_elementwise, their_scalars in shared:
-            elementwise.update(their_elementwise)
-            for index, values in their_scalars.items():
-                scalars.setdefault(index, {}).update(values)
-        state: dict[int, dict[str, Any]] = {index: dict(values) for index, values in scalars.items()}
+            values = inner["state"].get(number)
+            if not values:  # no state yet: created lazily, at the first step
+                continue
+            for p in self._params_in(run, layout):
+                entry = entries.setdefault(layout.index[id(p)][1], {})
+                for key, value in values.items():
+                    if torch.is_tensor(value) and value.dim() > 0:  # a run's element-wise state is 1-D
+                        entry[key] = ElementWise(value.dtype)
+                    elif key not in entry:  # each its own copy: AdamW adds to its step in place
+                        entry[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+        shared: list[Any] = [None] * self.world_size  # every rank's, so all know every entry and key
+        dist.all_gather_object(shared, entries, group=self.comm.group)
+        for theirs in shared:
+            for index, values in theirs.items():
+                entries.setdefault(index, {}).update({k: v for k, v in values.items() if k not in entries[index]})
+        state = {index: {key: value for key, value in values.items() if not isinstance(value, ElementWise)}
+                 for index, values in sorted(entries.items())}
         device = self._comm_device()
         for b in self._buckets_of(layout):
             bucket = self.buckets[b]
             lo, hi = self.chunk_bounds(bucket)
             runs = [(number, run) for number, run in enumerate(layout.runs) if run.bucket is bucket]
-            for key, dtype in sorted(elementwise.items()):
+            indices = {id(p): layout.index[id(p)][1] for p in bucket.params if id(p) in layout.index}
+            keys = {key: kind.dtype for index in indices.values() for key, kind in entries.get(index, {}).items()
+                    if isinstance(kind, ElementWise)}
+            for key, dtype in sorted(keys.items()):  # the same buckets and keys, in the same order, on every rank
                 chunk = torch.zeros(hi - lo, dtype=dtype, device=device)
                 for number, run in runs:
                     if key in inner["state"].get(number, {}):
@@ -275,12 +387,12 @@ class Sharded:
                     continue
                 flat = torch.cat(pieces).cpu()
                 for p in bucket.params:
-                    if id(p) in layout.index and layout.index[id(p)][1] in state:
-                        state[layout.index[id(p)][1]][key] = bucket.view(flat, p).clone()  # its own storage
+                    if key in entries.get(indices.get(id(p)), {}):
+                        state[indices[id(p)]][key] = bucket.view(flat, p).clone()  # its own storage
         if self.rank != 0:
             return {}
         groups = [{**group, "params": list(layout.groups[g])} for g, group in enumerate(inner["param_groups"])]
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return {"state": state, "param_groups": groups}
 
     def _params_in(self, run: Run, layout: Layout) -> list[nn.Parameter]:
         return [p for p, start in zip(run.bucket.params, run.bucket.offsets)
@@ -288,32 +400,71 @@ class Sharded:
 
     def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> dict[str, Any]:
         """Load pre-hook: this rank's runs cut out of a state dict in torch.optim's ordinary form (every rank
-        passes the same), one bucket and key at a time."""
+        passes the same). Which keys are element-wise is asked of the optimizer itself (``state_kinds``, per
+        group), not guessed from shapes: a 0-dim parameter's moment and a step count look alike. A run steps its
+        parameters together and may cross any boundary within a group, so a group's parameters must agree: all
+        with an entry or none, the same keys and scalars; anything else, or an entry without a key the optimizer
+        keeps, is refused in one line (the same on every rank) rather than loaded as another state."""
         layout = self.layouts[optimizer]
         sizes = [len(group["params"]) for group in full["param_groups"]]
         if sizes != [len(indices) for indices in layout.groups]:
             raise ValueError(f"the optimizer state has parameter groups of {sizes} parameters; this optimizer's "
                              f"are of {[len(indices) for indices in layout.groups]}")
+        problem = missing_optimizer_state(type(optimizer), full, every_parameter=False, device=self.weights[0].device)
+        if problem:
+            raise ValueError(f"the optimizer state cannot be loaded: {problem}")
         saved = {int(index): values for index, values in full["state"].items()}
+        kinds = [state_kinds(type(optimizer), {**live, **group}, self.weights[0].device)
+                 for live, group in zip(optimizer.param_groups, full["param_groups"])]
+        shapes = {layout.index[id(p)][1]: p.shape for p in self.params if id(p) in layout.index}
+        group_of = {index: g for g, index in layout.index.values()}
+
+        def elementwise(index: int, key: str) -> bool:
+            known = kinds[group_of[index]].get(key)
+            if known is not None:
+                return known
+            value = saved[index][key]  # a key the probe did not show: by its shape
+            return torch.is_tensor(value) and value.dim() > 0 and value.shape == shapes[index]
+
+        for g, indices in enumerate(layout.groups):  # the same verdict on every rank, whichever runs it holds
+            with_state = [index for index in indices if index in saved]
+            if not with_state:
+                continue
+            first = saved[with_state[0]]
+            for index in indices:
+                other = saved.get(index)
+                differs = ("has no state" if other is None else "holds other keys" if other.keys() != first.keys()
+                           else "has other scalars (step counts)" if any(not _same(other[key], value)
+                                                                 for key, value in first.items()
+                                                                 if not elementwise(index, key)) else None)
+                if differs:
+                    raise ValueError(f"the optimizer state cannot be loaded: in parameter group {g}, parameter "
+                                     f"{index} {differs}, unlike parameter {with_state[0]}; a sharded optimizer "
+                                     f"steps a group's parameters together (in runs across their boundaries)")
         state: dict[int, dict[str, Any]] = {}
         for b in sorted({run.bucket.index for run in layout.runs}):
             bucket = self.buckets[b]
             runs = [(number, run) for number, run in enumerate(layout.runs) if run.bucket is bucket]
-            entries = {id(p): saved.get(layout.index[id(p)][1], {}) for p in bucket.params if id(p) in layout.index}
-            keys = {key: value.dtype for entry in entries.values() for key, value in entry.items()
-                    if torch.is_tensor(value) and value.dim() > 0}
+            indices = {id(p): layout.index[id(p)][1] for p in bucket.params if id(p) in layout.index}
+            keys = {key: saved[index][key].dtype for index in indices.values() for key in saved.get(index, {})
+                    if elementwise(index, key)}
             for key, dtype in sorted(keys.items()):
                 flat = torch.zeros(bucket.length, dtype=dtype)
                 for p in bucket.params:
-                    if key in entries.get(id(p), {}):
-                        bucket.view(flat, p).copy_(entries[id(p)][key])
+                    entry = saved.get(indices.get(id(p)), {})
+                    if key in entry:
+                        if tuple(entry[key].shape) != tuple(p.shape):
+                            raise ValueError(f"the optimizer state's {key!r} of parameter {indices[id(p)]} is "
+                                             f"{tuple(entry[key].shape)}, the parameter {tuple(p.shape)}")
+                        bucket.view(flat, p).copy_(entry[key])
                 for number, run in runs:
-                    state.setdefault(number, {})[key] = flat[run.start:run.end].clone()
-            for number, run in runs:  # the scalars: the run's first parameter's
-                entry = entries[id(self._params_in(run, layout)[0])]
-                for key, value in entry.items():
-                    if key not in keys:
-                        state.setdefault(number, {})[key] = value.clone() if torch.is_tensor(value) else value
+                    if indices[id(self._params_in(run, layout)[0])] in saved:
+                        state.setdefault(number, {})[key] = flat[run.start:run.end].clone()
+            for number, run in runs:  # the scalars: the run's first parameter's (its group's agree)
+                index = indices[id(self._params_in(run, layout)[0])]
+                for key, value in saved.get(index, {}).items():
+                    if not elementwise(index, key):
+                        state.setdefault(number, {})[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
         inner_index = {id(run): number for number, run in enumerate(layout.runs)}
         groups = [{**group, "params": [inner_index[id(run)] for run in layout.runs if run.group == g]}
                   for g, group in enumerate(full["param_groups"])]

@@ -1,0 +1,350 @@
+"""zero.shard's optimizer state over the whole torch.optim family: every element-wise optimizer, at stages 1-3,
+with both collectives, at 2 and 3 processes (3: uneven shards), in the session's reusable gloo workers.
+
+A user's model (two parameter groups: decay on matrices, none and another learning rate on vectors and on a 0-dim
+parameter; buckets and stage-3 units small enough that the groups' runs are cut across ranks), trained with
+gradient accumulation and clipping on a global batch that 2 and 3 processes split alike. For each optimizer and
+configuration:
+- ``optimizer.state_dict()`` before any step and after STEPS steps equals the unsharded optimizer's (one process,
+  the global batch): the same parameter indices, keys, dtypes and groups, and values within 1e-12;
+- that state, saved on 3 processes at one stage, is loaded on 2 at another stage, and MORE steps end within
+  1e-10 of one process's STEPS + MORE steps.
+And the optimizers that need whole parameters (Adafactor, Muon, LBFGS, SparseAdam), or that zero cannot know to
+be element-wise, are refused in one line at ``sharded.optimizer``; a state dict that lacks what the optimizer
+keeps, or whose parameters stepped together disagree, is refused in one line on load.
+
+Why the tolerances hold: float64 throughout; the shards sum the same terms as one process in another order
+(micro-batches, ranks, the ring), a few units of 2^-53 per gradient; a handful of steps of these optimizers
+amplify that to 1e-14 or so on states and weights of order 1 (Rprop and Adam divide by state of order |g|, so
+relative errors stay relative). One thing is torch's own: its load_state_dict casts NAdam's float32 mu_product
+to the parameters' float64, so NAdam resumed differs from its uninterrupted run by about 5e-12, sharded or not
+(checked on one process). A lost state is first order: SGD's momentum missing after STEPS steps moves the
+next step by lr * momentum * |buffer| ~ 1e-3, and a state loaded into the wrong elements or group by its size.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero
+from test_zero_contract import attempt, cloned
+
+FEATURES, HIDDEN, CLASSES = 6, 10, 5
+GLOBAL_BATCH, K = 12, 2       # samples per optimizer step over all ranks (2 and 3 divide it); micro-batches per step
+STEPS, MORE = 3, 2            # steps before the state dict is taken; steps after it is loaded elsewhere
+MAX_NORM, SEED = 0.5, 7
+BUCKET_MB = 400 / 2**20       # 50 float64 elements: several buckets, runs cut at the group boundaries
+STATE_TOL, WEIGHT_TOL = 1e-12, 1e-10
+
+# name -> (class, settings): every element-wise optimizer of torch.optim, and the settings that add state
+OPTIMIZERS = {
+    "SGD": (torch.optim.SGD, {"lr": 0.1}),  # no state at all
+    "SGD momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 5e-4}),
+    "SGD nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    "Adam amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}),
+    "Adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "NAdam": (torch.optim.NAdam, {"lr": 1e-2, "decoupled_weight_decay": True}),
+    "RAdam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),  # state before any step
+    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "RMSprop centered momentum": (torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.5}),
+    "Rprop": (torch.optim.Rprop, {"lr": 1e-2}),
+    "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "t0": 1}),  # averaging from the second step: ax, eta and mu move
+}
+STAGES, COLLECTIVES = (1, 2, 3), ("torch", "ring")
+CONFIGS = [(name, stage, collectives) for name in OPTIMIZERS for stage in STAGES for collectives in COLLECTIVES]
+
+
+class Net(nn.Module):
+    """A user's small classifier: a 0-dim learnable temperature among ordinary layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU(),
+                                  nn.Linear(HIDDEN, CLASSES))
+        self.temperature = nn.Parameter(torch.tensor(0.8))
+
+    def forward(self, x):
+        return self.body(x) / self.temperature
+
+
+def make_model() -> Net:
+    torch.manual_seed(SEED)
+    return Net().double()
+
+
+def parameter_groups(model: nn.Module) -> list[dict]:
+    """As nanoGPT's configure_optimizers and torchvision's recipes: decay on matrices; vectors and scalars apart,
+    here with their own learning-rate factor too (each group's hyperparameters must reach its elements)."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr_factor": 0.5}]
+
+
+def build_optimizer(factory, name: str, model: nn.Module) -> torch.optim.Optimizer:
+    cls, settings = OPTIMIZERS[name]
+    groups = parameter_groups(model)
+    groups[1]["lr"] = settings["lr"] * groups[1]["lr_factor"]
+    return factory(cls, groups, **settings)
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED)
+    x = torch.randn(STEPS + MORE, GLOBAL_BATCH, FEATURES, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (STEPS + MORE, GLOBAL_BATCH), generator=generator)
+    return x, y
+
+
+def micro_batch(step: int, rank: int, world_size: int, k: int):
+    x, y = data()
+    per = GLOBAL_BATCH // world_size // K
+    first = (rank * K + k) * per
+    return x[step, first:first + per], y[step, first:first + per]
+
+
+def reference(name: str) -> dict:
+    """One process, the global batch, the unsharded optimizer: its state dicts and weights."""
+    model = make_model()
+    optimizer = build_optimizer(lambda cls, groups, **s: cls(groups, **s), name, model)
+    x, y = data()
+    out = {"state at 0": cloned(optimizer.state_dict())}
+    for step in range(STEPS + MORE):
+        F.cross_entropy(model(x[step]), y[step]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == STEPS - 1:
+            out["state"] = cloned(optimizer.state_dict())
+    out["weights"] = cloned(model.state_dict())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# In the workers
+# ----------------------------------------------------------------------------------------------------------
+def sharded_run(name: str, stage: int, collectives: str, steps: range, load: dict | None = None) -> dict:
+    """A fresh model, shard and optimizer (loaded from ``load`` if given), ``steps`` steps; rank 0 gets the full
+    state dicts, every rank checks it got {} elsewhere."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    units = [model.body[0], model.body[3]] if stage == 3 else None
+    kwargs = {"bucket_mb": BUCKET_MB} if stage < 3 else {"units": units}
+    sharded = zero.shard(model, stage, collectives=collectives, **kwargs)
+    optimizer = build_optimizer(sharded.optimizer, name, model)
+    out = {"state at 0": optimizer.state_dict()}
+    if load is not None:
+        sharded.load_model_state_dict(load["weights"])
+        optimizer.load_state_dict(load["state"])
+    for step in steps:
+        for k in range(K):
+            sharded.set_requires_gradient_sync(k == K - 1)
+            x, y = micro_batch(step, rank, world_size, k)
+            (F.cross_entropy(model(x), y, reduction="sum") / (GLOBAL_BATCH / world_size)).backward()
+        sharded.clip_grad_norm_(MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    out["state"] = optimizer.state_dict()
+    out["weights"] = sharded.model_state_dict()
+    sharded.close()
+    if rank != 0:
+        return {"empty elsewhere": out["state"] == {} and out["state at 0"] == {}}
+    return cloned(out)
+
+
+def train_configs(rank, world_size, configs, saved=None):
+    """Every config from scratch for STEPS steps; with ``saved`` (another world size's results), also each config
+    resumed from there."""
+    runs = {config: sharded_run(*config, range(STEPS)) for config in configs}
+    return runs if saved is None else {**runs, **resume_configs(rank, world_size, configs, saved)}
+
+
+def resume_configs(rank, world_size, configs, saved):
+    """Each config loaded from the state ``saved`` at the NEXT stage (3 -> 1), then MORE steps."""
+    return {("resumed", name, stage, collectives):
+            sharded_run(name, stage, collectives, range(STEPS, STEPS + MORE), saved[name, stage % 3 + 1, collectives])
+            for name, stage, collectives in configs}
+
+
+class NotDeclared(torch.optim.SGD):
+    """A user's own optimizer that zero cannot know to be element-wise."""
+
+
+class Declared(torch.optim.SGD):
+    """The same, declared element-wise by its user."""
+
+
+def refusals(rank, world_size):
+    """Each case raises the same way on every rank, before any collective."""
+    out = {}
+    for cls in zero.WHOLE_PARAMETER:
+        for stage in STAGES:
+            model = make_model()
+            sharded = zero.shard(model, stage)
+            out[cls.__name__, stage] = attempt(lambda: sharded.optimizer(cls, [model.body[0].weight], lr=0.1))
+            sharded.close()
+    model = make_model()
+    sharded = zero.shard(model, 1)
+    out["not declared"] = attempt(lambda: sharded.optimizer(NotDeclared, model.parameters(), lr=0.1))
+    zero.ELEMENTWISE.add(Declared)
+    try:
+        out["declared"] = attempt(lambda: sharded.optimizer(Declared, model.parameters(), lr=0.1))
+    finally:
+        zero.ELEMENTWISE.discard(Declared)
+    sharded.close()
+
+    # Loads that cannot be honoured: one parameter's momentum missing (the others have it), an AdamW entry
+    # without its second moment, and two parameters stepped together with different step counts
+    x, y = micro_batch(0, rank, world_size, 0)
+    for case, (cls, settings) in {"momentum": OPTIMIZERS["SGD momentum"], "moment": OPTIMIZERS["AdamW"],
+                                  "steps": OPTIMIZERS["AdamW"]}.items():
+        model = make_model()
+        sharded = zero.shard(model, 2, bucket_mb=BUCKET_MB)
+        optimizer = sharded.optimizer(cls, model.parameters(), **settings)
+        sharded.set_requires_gradient_sync(True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        full = [optimizer.state_dict()]
+        dist.broadcast_object_list(full, group_src=0)
+        state = full[0]
+        if case == "momentum":
+            del state["state"][2]
+        elif case == "moment":
+            del state["state"][4]["exp_avg_sq"]
+        else:
+            state["state"][1]["step"] = state["state"][1]["step"] + 1
+        out[f"load without {case}"] = attempt(lambda: optimizer.load_state_dict(state))
+        sharded.close()
+    dist.barrier()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The runs: three calls of the groups in all
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def references():
+    return {name: reference(name) for name in OPTIMIZERS}
+
+
+@pytest.fixture(scope="module")
+def runs(local_group):
+    """{world size: every rank's runs}: 3 processes from scratch (uneven shards), then 2 from scratch and resumed
+    from 3's state at the next stage."""
+    three = local_group(3).run(train_configs, CONFIGS, timeout_s=280)
+    two = local_group(2).run(train_configs, CONFIGS, three[0], timeout_s=280)
+    return {2: two, 3: three}
+
+
+@pytest.fixture(scope="module")
+def refused(local_group):
+    return local_group(2).run(refusals, timeout_s=120)
+
+
+def state_difference(ours: dict, theirs: dict) -> float:
+    """The largest difference between two optimizer state dicts, after checking that they hold the same groups
+    (hyperparameters and parameter indices), the same parameters' entries, keys, shapes and dtypes."""
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert sorted(ours["state"]) == sorted(theirs["state"]), (sorted(ours["state"]), sorted(theirs["state"]))
+    worst = 0.0
+    for index, entry in theirs["state"].items():
+        mine = ours["state"][index]
+        assert mine.keys() == entry.keys(), (index, sorted(mine), sorted(entry))
+        for key, value in entry.items():
+            if not torch.is_tensor(value):
+                assert mine[key] == value, (index, key)
+                continue
+            assert (mine[key].dtype, mine[key].shape) == (value.dtype, value.shape), (index, key)
+            worst = max(worst, (mine[key] - value).abs().max().item() if value.numel() else 0.0)
+    return worst
+
+
+def weight_difference(ours: dict, theirs: dict) -> float:
+    assert ours.keys() == theirs.keys()
+    return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------------------
+def test_the_family_is_every_element_wise_optimizer_of_torch_optim():
+    """Every optimizer class torch.optim exports is either tested here as element-wise or refused as needing
+    whole parameters: a new one in a later torch fails this until it is placed."""
+    family = {getattr(torch.optim, name) for name in torch.optim.__all__
+              if isinstance(getattr(torch.optim, name), type) and issubclass(getattr(torch.optim, name),
+                                                                           torch.optim.Optimizer)}
+    family.discard(torch.optim.Optimizer)
+    tested = {cls for cls, _ in OPTIMIZERS.values()}
+    assert tested == zero.ELEMENTWISE
+    assert family == tested | set(zero.WHOLE_PARAMETER), family ^ (tested | set(zero.WHOLE_PARAMETER))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_reference_has_the_state_under_test(references, name):
+    """The harness: after STEPS steps the unsharded optimizer holds state for every parameter (none for plain
+    SGD), and the weights moved."""
+    state = references[name]["state"]["state"]
+    assert sorted(state) == ([] if name == "SGD" else list(range(7)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_dict_is_the_unsharded_optimizers(runs, references, world_size, name):
+    """Before any step and after STEPS: torch.optim's own state_dict, at every stage with both collectives."""
+    ref = references[name]
+    worst = 0.0
+    for stage in STAGES:
+        for collectives in COLLECTIVES:
+            ours = runs[world_size][0][name, stage, collectives]
+            assert state_difference(ours["state at 0"], ref["state at 0"]) == 0.0, (stage, collectives)
+            worst = max(worst, state_difference(ours["state"], ref["state"]))
+            assert worst < STATE_TOL, (stage, collectives, worst)
+    print(f"\n{name}, {world_size} processes, stages 1-3 x torch, ring: state max |d| = {worst:.1e}")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_state_saved_elsewhere_resumes_as_one_process(runs, references, name):
+    """Saved on 3 processes (uneven shards) at the next stage, loaded on 2: MORE steps end where one process's
+    STEPS + MORE do."""
+    world_size = 2
+    ref = references[name]
+    worst = 0.0
+    for stage in STAGES:
+        for collectives in COLLECTIVES:
+            ours = runs[world_size][0]["resumed", name, stage, collectives]
+            worst = max(worst, weight_difference(ours["weights"], ref["weights"]))
+            assert worst < WEIGHT_TOL, (stage, collectives, worst)
+    print(f"\n{name}, saved on 3 processes, resumed on 2 at another stage: weights max |d| = {worst:.1e}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_only_the_groups_rank_0_gets_the_state(runs, world_size):
+    for rank_runs in runs[world_size][1:]:
+        assert rank_runs and all(run["empty elsewhere"] for run in rank_runs.values())
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "Muon", "LBFGS", "SparseAdam"])
+def test_an_optimizer_that_needs_whole_parameters_is_refused_in_one_line(refused, name):
+    for stage in STAGES:
+        kind, message = refused[0][name, stage]
+        assert kind == "ValueError" and "\n" not in message
+        assert f"stage {stage} cuts every parameter into flat runs" in message and f"torch.optim.{name}" in message
+        assert "ZeroRedundancyOptimizer" in message and "stage 0" in message
+        assert refused[1][name, stage] == (kind, message)
+
+
+def test_an_optimizer_zero_cannot_know_is_refused_until_declared(refused):
+    kind, message = refused[0]["not declared"]
+    assert kind == "ValueError" and "\n" not in message
+    assert "zero.ELEMENTWISE.add(NotDeclared)" in message
+    assert refused[0]["declared"] == (None, None)
+
+
+@pytest.mark.parametrize("case, phrase", [("momentum", "parameter 2 has no state, unlike parameter 0"),
+                                          ("moment", "parameter 4 has no 'exp_avg_sq'"),
+                                          ("steps", "parameter 1 has other scalars (step counts), unlike parameter 0")])
+def test_a_state_that_cannot_be_loaded_is_refused_in_one_line(refused, case, phrase):
+    for rank in (0, 1):
+        kind, message = refused[rank][f"load without {case}"]
+        assert kind == "ValueError" and "\n" not in message and phrase in message, message
