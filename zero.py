@@ -34,9 +34,10 @@ Sent per rank and optimizer step of K micro-batches, in elements: stage 0 and 1,
 or a reduce-scatter and an all-gather); stage 2, (K+1)(W-1)/W Psi; stage 3, about 3K (W-1)/W Psi (every unit
 gathered for its forward and its backward, and reduce-scattered, on every micro-batch).
 
-Where each part is: Sharded (the optimizer side of stages 1-3: the shards, parameter groups, clipping, the
-unsharded state dicts), ZeroStage1, ZeroStage2, ZeroStage3 (each says what it adds to the one before), shard()
-at the end; gradsync.py (stage 0, buckets, hooks, the end of backward), collectives.py (the collectives, torch's
+Where each part is: ShardedOptimizer (the optimizer side of stages 1-3, a part each stage holds: the shards,
+parameter groups, clipping, the unsharded state dicts, which optimizers it carries), ZeroStage1, ZeroStage2,
+ZeroStage3 (each says what it adds to the one before, and in its own body what runs after a backward and after a
+step), shard() at the end; gradsync.py (stage 0, buckets, hooks, the end of backward), collectives.py (the collectives, torch's
 or the ring's), references.py (DDP, ZeroRedundancyOptimizer and FSDP2 behind the same interface).
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -60,8 +61,8 @@ from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadca
 
 
 @dataclass
-class Run:
-    """A stretch of one bucket's elements, inside this rank's chunk, whose parameters are all in one parameter
+class ShardRun:
+    """A run: a stretch of one bucket's elements, inside this rank's chunk, whose parameters are all in one parameter
     group: one tensor of the optimizer (``param``, a view of the weights' shard, its .grad a view of the gradient's
     shard). Flat element indices [start, end)."""
     bucket: Bucket
@@ -77,7 +78,7 @@ class Layout:
     ordinary numbering (group by group), the full groups, and this rank's runs in the inner optimizer's order."""
     index: dict[int, tuple[int, int]]  # id(model parameter) -> (group, index)
     groups: list[list[int]]  # the indices in each group
-    runs: list[Run] = field(default_factory=list)
+    runs: list[ShardRun] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -184,9 +185,12 @@ def missing_optimizer_state(optimizer_class: type[torch.optim.Optimizer], state:
     return None
 
 
-class Sharded:
-    """The optimizer side of stages 1-3. Rank r owns chunk r of every bucket's flat (the r-th of W equal slices):
-    ``weights[b]`` is this rank's chunk of bucket b's weights, ``grads[b]`` its averaged, accumulated gradient.
+class ShardedOptimizer:
+    """The optimizer side of stages 1-3, a part each stage holds (``stage.shards``) and hands its buckets, its
+    weights' and gradients' shards, and what to do after a step. Rank r owns chunk r of every bucket's flat (the
+    r-th of W equal slices): ``weights[b]`` is this rank's chunk of bucket b's weights, ``grads[b]`` its averaged,
+    accumulated gradient. The stage calls ``reattach_gradients()`` before each forward; ``optimizer()`` and
+    ``clip_grad_norm_()`` are the stage's own, as zero.shard's contract has them.
 
     [Note: parameter groups] ``optimizer(cls, params_or_groups)`` takes the model's own parameters, grouped as for
     any torch.optim optimizer, and builds ``cls`` over this rank's pieces of them: each bucket's chunk is cut into
@@ -220,10 +224,16 @@ class Sharded:
     a parameter has an entry exactly when an unsharded optimizer would: when its runs have state.
     """
 
-    def _shard(self, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def __init__(self, stage: int, buckets: list[Bucket], names: dict[int, str], comm: Collectives,
+                 weights: list[torch.Tensor], grads: list[torch.Tensor],
+                 after_step: Callable[[list[Bucket]], None]):
+        self.stage, self.buckets, self.names, self.comm = stage, buckets, names, comm
+        self.rank, self.world_size = comm.rank, comm.size
+        self.bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
         self.weights, self.grads = weights, grads
+        self.after_step = after_step  # given the buckets a step updated ([Note: after the step])
         self.layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, Layout] = weakref.WeakKeyDictionary()
-        self.hooks.append(register_optimizer_step_pre_hook(self._refuse_outside_optimizer))
+        self.hook = register_optimizer_step_pre_hook(self._refuse_outside_optimizer)  # the stage's close() removes it
 
     def chunk_bounds(self, bucket: Bucket) -> tuple[int, int]:
         width = bucket.length // self.world_size
@@ -257,20 +267,21 @@ class Sharded:
                   "params": [run.param for run in layout.runs if run.group == g]} for g, group in enumerate(groups)]
         optimizer = optimizer_class(inner, **settings)
         self.layouts[optimizer] = layout
-        optimizer.register_step_post_hook(partial(self._after_step, layout))
+        optimizer.register_step_post_hook(
+            lambda *_: self.after_step([self.buckets[b] for b in self._buckets_of(layout)]))
         optimizer.register_state_dict_post_hook(self._full_optimizer_state)
         optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
         return optimizer
 
-    def _piece(self, chunks: list[torch.Tensor], run: Run) -> torch.Tensor:
+    def _piece(self, chunks: list[torch.Tensor], run: ShardRun) -> torch.Tensor:
         """The run's stretch of its bucket's chunk in ``chunks`` (``weights`` or ``grads``): a view."""
         lo, _ = self.chunk_bounds(run.bucket)
         return chunks[run.bucket.index][run.start - lo:run.end - lo]
 
-    def _runs(self, layout: Layout) -> list[Run]:
+    def _runs(self, layout: Layout) -> list[ShardRun]:
         """This rank's chunk of every bucket, cut at every change of parameter group (and around parameters in
         no group, which no optimizer steps)."""
-        runs: list[Run] = []
+        runs: list[ShardRun] = []
         for bucket in self.buckets:
             lo, hi = self.chunk_bounds(bucket)
             for p, start in zip(bucket.params, bucket.offsets):
@@ -281,10 +292,10 @@ class Sharded:
                 if runs and runs[-1].bucket is bucket and runs[-1].group == g and runs[-1].end == first:
                     runs[-1].end = last
                 else:
-                    runs.append(Run(bucket, first, last, g))
+                    runs.append(ShardRun(bucket, first, last, g))
         return runs
 
-    def _reattach_gradients(self) -> None:
+    def reattach_gradients(self) -> None:
         """Each run's .grad its view of the gradient shard: put back, zeroed, where zero_grad() set it to None."""
         for layout in self.layouts.values():
             for run in layout.runs:
@@ -306,14 +317,6 @@ class Sharded:
                                        f" which stage {self.stage} keeps no averaged gradient for; build it with "
                                        f"sharded.optimizer(torch.optim.{kind}, params, ...) instead")
 
-    def _after_step(self, layout: Layout, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """[Note: after the step] Stages 1 and 2: every rank's updated chunks into every rank's weights (all-gather
-        in place, every bucket launched before any is waited for), so the model is whole for the next forward."""
-        buckets = [self.buckets[b] for b in self._buckets_of(layout)]
-        for bucket in buckets:
-            bucket.handle = self.comm.all_gather(self.param_flats[bucket.index], bucket.name("all_gather"))
-        self._wait(buckets, "all_gather wait")
-
     def _buckets_of(self, layout: Layout) -> list[int]:
         """The buckets holding any of ``layout``'s parameters (on any rank's chunk)."""
         return sorted({self.bucket_of[pid].index for pid in layout.index})
@@ -332,9 +335,6 @@ class Sharded:
         clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(self.grads, clip)
         return total
-
-    def held_gradient_buffers(self) -> list[torch.Tensor]:
-        return list(self.grads)
 
     # ------------------------------------------------------------------------------------------------------
     # The optimizer's state in torch.optim's ordinary form, and back ([Note: the whole model's state])
@@ -394,7 +394,7 @@ class Sharded:
         groups = [{**group, "params": list(layout.groups[g])} for g, group in enumerate(inner["param_groups"])]
         return {"state": state, "param_groups": groups}
 
-    def _params_in(self, run: Run, layout: Layout) -> list[nn.Parameter]:
+    def _params_in(self, run: ShardRun, layout: Layout) -> list[nn.Parameter]:
         return [p for p, start in zip(run.bucket.params, run.bucket.offsets)
                 if start < run.end and run.start < start + p.numel() and id(p) in layout.index]
 
@@ -416,7 +416,7 @@ class Sharded:
         saved = {int(index): values for index, values in full["state"].items()}
         kinds = [state_kinds(type(optimizer), {**live, **group}, self.weights[0].device)
                  for live, group in zip(optimizer.param_groups, full["param_groups"])]
-        shapes = {layout.index[id(p)][1]: p.shape for p in self.params if id(p) in layout.index}
+        shapes = {layout.index[id(p)][1]: p.shape for b in self.buckets for p in b.params if id(p) in layout.index}
         group_of = {index: g for g, index in layout.index.values()}
 
         def elementwise(index: int, key: str) -> bool:
@@ -470,22 +470,31 @@ class Sharded:
                   for g, group in enumerate(full["param_groups"])]
         return {"state": state, "param_groups": groups}
 
-    # ------------------------------------------------------------------------------------------------------
-    # The weights in flat buckets (the model's state dicts are BucketedSync's: whole between steps at 1 and 2)
-    # ------------------------------------------------------------------------------------------------------
-    def _flatten(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's parameters moved into one padded flat tensor, each parameter becoming a view into it laid
-        out as its gradient is (Bucket.view), so the flat weight and the flat gradient match element by element."""
-        flat = bucket.zeros()
-        with torch.no_grad():
-            for p in bucket.params:
-                view = bucket.view(flat, p)
-                view.copy_(p)
-                p.data = view
-        return flat
+
+# ----------------------------------------------------------------------------------------------------------
+# The stages
+# ----------------------------------------------------------------------------------------------------------
+def flatten_weights(bucket: Bucket) -> torch.Tensor:
+    """The bucket's parameters moved into one padded flat tensor, each parameter becoming a view into it laid out
+    as its gradient is (Bucket.view), so the flat weight and the flat gradient match element by element."""
+    flat = bucket.zeros()
+    with torch.no_grad():
+        for p in bucket.params:
+            view = bucket.view(flat, p)
+            view.copy_(p)
+            p.data = view
+    return flat
 
 
-class ZeroStage1(Sharded, GradientSync):
+def all_gather_weights(stage: ZeroStage1 | ZeroStage2, buckets: list[Bucket]) -> None:
+    """[Note: after the step] Stages 1 and 2: every rank's updated chunks into every rank's weights (all-gather in
+    place, every bucket launched before any is waited for), so the model is whole for the next forward."""
+    for bucket in buckets:
+        bucket.handle = stage.comm.all_gather(stage.param_flats[bucket.index], bucket.name("all_gather"))
+    stage._wait(buckets, "all_gather wait")
+
+
+class ZeroStage1(GradientSync):
     """Stage 1, the optimizer's state sharded. What it adds to stage 0 (gradsync.GradientSync): the buckets are
     padded to W equal chunks and hold the weights too (the parameters become views of flat weight buckets); on the
     window's last backward each complete bucket is reduce-scattered instead of all-reduced, so chunk r of it holds
@@ -501,28 +510,40 @@ class ZeroStage1(Sharded, GradientSync):
     collective = "reduce_scatter"
 
     def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, comm: Collectives):
-        GradientSync.__init__(self, model, bucket_mb, overlap, comm, chunks=comm.size)
-        self.param_flats = [self._flatten(bucket) for bucket in self.buckets]
-        self._shard([comm.chunk(flat) for flat in self.param_flats], [comm.chunk(flat) for flat in self.flats])
+        super().__init__(model, bucket_mb, overlap, comm, chunks=comm.size)
+        self.param_flats = [flatten_weights(bucket) for bucket in self.buckets]
+        self.weights = [comm.chunk(flat) for flat in self.param_flats]
+        self.grads = [comm.chunk(flat) for flat in self.flats]  # views: the reduce-scatter lands in place
+        self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
+                                       self._after_step)
+        self.hooks.append(self.shards.hook)
+        self.optimizer, self.clip_grad_norm_ = self.shards.optimizer, self.shards.clip_grad_norm_  # the part's
 
     def _average(self, bucket: Bucket, flat: torch.Tensor) -> Any:
         return self.comm.reduce_scatter(flat, bucket.name(self.collective))
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self._attach_gradients()
-        self._reattach_gradients()
+        self.shards.reattach_gradients()
+
+    def _after_step(self, buckets: list[Bucket]) -> None:
+        all_gather_weights(self, buckets)
 
     def _backward_done(self) -> None:
+        """Stage 0's (every bucket averaged, here reduce-scattered), then the rest of each flat zeroed."""
         synced = self.requires_sync
         super()._backward_done()
         if synced:
             for bucket, flat in zip(self.buckets, self.flats):
-                lo, hi = self.chunk_bounds(bucket)
+                lo, hi = self.shards.chunk_bounds(bucket)
                 flat[:lo].zero_()
                 flat[hi:].zero_()
 
+    def held_gradient_buffers(self) -> list[torch.Tensor]:
+        return list(self.grads)
 
-class ZeroStage2(Sharded, BucketedSync):
+
+class ZeroStage2(BucketedSync):
     """Stage 2, the gradients sharded too. What it adds to stage 1: no full gradient outlives its bucket. On EVERY
     micro-batch each parameter's gradient is copied into its bucket's buffer the moment autograd produces it, and
     the parameter's .grad freed; a complete bucket is reduce-scattered, its chunk added to this rank's gradient
@@ -536,11 +557,15 @@ class ZeroStage2(Sharded, BucketedSync):
     collective = "reduce_scatter"
 
     def __init__(self, model: nn.Module, bucketed: list[list[nn.Parameter]], comm: Collectives):
-        BucketedSync.__init__(self, model, bucketed, comm, chunks=comm.size)
-        self.param_flats = [self._flatten(bucket) for bucket in self.buckets]
-        self._shard([self._weights_shard(flat) for flat in self.param_flats],
-                    [torch.zeros(b.length // comm.size, dtype=b.params[0].dtype, device=b.params[0].device)
-                     for b in self.buckets])
+        super().__init__(model, bucketed, comm, chunks=comm.size)
+        self.param_flats = [flatten_weights(bucket) for bucket in self.buckets]
+        self.weights = [self._weights_shard(flat) for flat in self.param_flats]
+        self.grads = [torch.zeros(b.length // comm.size, dtype=b.params[0].dtype, device=b.params[0].device)
+                      for b in self.buckets]
+        self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
+                                       self._after_step)
+        self.hooks.append(self.shards.hook)
+        self.optimizer, self.clip_grad_norm_ = self.shards.optimizer, self.shards.clip_grad_norm_  # the part's
         for p in self.params:
             p.grad = None  # autograd allocates each gradient; the hook copies it out and frees it
         self.buffer_length = max(bucket.length for bucket in self.buckets)
@@ -555,7 +580,10 @@ class ZeroStage2(Sharded, BucketedSync):
         return self.comm.chunk(flat)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self._reattach_gradients()
+        self.shards.reattach_gradients()
+
+    def _after_step(self, buckets: list[Bucket]) -> None:
+        all_gather_weights(self, buckets)
 
     def _grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
         self._copy_out(bucket, param)
@@ -748,7 +776,7 @@ class ZeroStage3(ZeroStage2):
         position = next((i for i, u in enumerate(order) if u is unit), -1)
         return order[position + 1] if 0 <= position < len(order) - 1 else None
 
-    def _after_step(self, layout: Layout, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _after_step(self, buckets: list[Bucket]) -> None:
         """The step's edge: the next forward's first units launched now (the optimizer updated the shards they
         are gathered from); nothing else, since the next forward gathers every unit. [Note: a profiler's window]
         Under a recording torch.profiler they land here, inside the step: the profiler.step() that closes a
