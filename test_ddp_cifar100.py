@@ -24,6 +24,8 @@ from training_benchmark import named_ranges
 from data import FolderSamples, MemoryData, make_synthetic
 from gradsync import GradientSync
 from models import build_model
+from trainer.config import WARMUP_STEPS
+from trainer.evaluation import evaluate
 from trainer_testing import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
                              try_train_in_group)
 
@@ -38,7 +40,7 @@ def evaluate_in_group(rank, world_size, val_size, seed):
     """The trainer's scattered evaluation of a seeded model on a set whose labels make about 2/3 of answers right."""
     model, data = model_and_labelled_set(val_size, seed)
     memory = MemoryData(data, data, 100, seed, 16)
-    return trainer.evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None)
+    return evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -308,7 +310,7 @@ def test_end_to_end_two_processes(training_runs):
     assert (metrics["world_size"], metrics["optimizer_steps"], metrics["micro_batches"]) == (2, 8, 16)
     assert metrics["val_total"] == 100 and len(metrics["epochs"]) == 2
     assert metrics["val_acc"] == metrics["val_correct"] / 100 == metrics["epochs"][-1]["val_acc"]
-    assert metrics["step_time_ms_median"] > 0 and len(metrics["step_times_ms"]) == 8 - trainer.WARMUP_STEPS
+    assert metrics["step_time_ms_median"] > 0 and len(metrics["step_times_ms"]) == 8 - WARMUP_STEPS
     state = torch.load(out / "reference" / "last.pt", map_location="cpu", weights_only=True)
     assert not any(k.startswith("module.") for k in state["model"])
     assert (state["epoch"], state["optimizer_steps"]) == (2, 8)
@@ -640,7 +642,7 @@ def test_log_every_writes_the_means_of_its_steps(local_group, tmp_path, log_ever
 def test_log_and_profile_flags_are_checked_in_one_line(flags, phrase):
     with pytest.raises(trainer.UsageError, match=phrase.replace("-", r"\-").replace("(", r"\(")):
         trainer.parse_args(flags)
-    assert trainer.parse_args(["--profile", "p"]).profile_steps == (trainer.WARMUP_STEPS, trainer.WARMUP_STEPS + 3)
+    assert trainer.parse_args(["--profile", "p"]).profile_steps == (WARMUP_STEPS, WARMUP_STEPS + 3)
 
 
 def test_a_profile_window_past_the_run_is_refused(local_group, tmp_path):
