@@ -190,6 +190,19 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(resumed_runs):
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-12)
 
 
+def test_resume_at_an_epochs_end_on_every_rank(resumed_runs, tmp_path):
+    """A run stopped where an epoch ends (its checkpoint holds no sums of an epoch under way) resumes on both ranks
+    and ends where the uninterrupted run ends."""
+    group, base = resumed_runs["group"], resumed_runs["base"] + ["--checkpoint-dir", str(tmp_path)]
+    first = group.run(train_in_group, base + ["--max-steps", "4"])  # 4 steps per epoch
+    assert first[0]["metrics"]["optimizer_steps"] == 4
+    state = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)
+    assert (state["epoch"], state["micro_batch"]) == (1, 0)
+    second = group.run(train_in_group, base)
+    whole = resumed_runs["whole"]
+    assert all(torch.equal(whole[0]["state"][k], second[0]["state"][k]) for k in whole[0]["state"])
+
+
 def test_checkpoint_format(resumed_runs):
     state = torch.load(resumed_runs["dir"] / "last.pt", map_location="cpu", weights_only=True)
     for key in ("model", "optimizer", "scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps",
