@@ -87,9 +87,19 @@ def train(config: Config) -> dict[str, Any]:
                 meter.record_eval({**entry, **validate(parts)}, time.perf_counter() - start)
             # fault injection (see the module docstring)
             inject_fault(parts.ctx.rank, position.optimizer_steps)
-            # the epoch's end (or --max-steps'): validate, record, checkpoint a finished epoch
+            # the epoch's end (or --max-steps'): validate and record it, checkpoint it when finished, show it
             if epoch.over(position) or stop_requested(config, position):
-                final, epoch = end_epoch(parts, meter, position, history, epoch), None
+                finished, train_time = epoch.over(position), epoch.close(meter)
+                sums = epoch.sums.gather(parts.comm_device)
+                final = meter.epoch_entry(position, sums, validate(parts), epoch.samples, train_time, epoch.start)
+                if finished:
+                    history.append(final)
+                    position.epoch, position.micro_batch = position.epoch + 1, 0
+                    checkpoint.save(parts, position, history, [NO_SUMS] * parts.ctx.world_size)
+                else:
+                    final["complete"] = False
+                meter.show_epoch(final, position.optimizer_steps)
+                epoch = None
         meter.close()  # the profiler's window written, TensorBoard flushed
         # the final figures: the last epoch's, or one evaluation when nothing was trained
         if final is None:  # --eval-only, or a checkpoint with nothing left to train
@@ -128,10 +138,13 @@ class Epoch:
     def over(self, position: Position) -> bool:
         return position.micro_batch >= len(self.sizes)
 
-    def close(self) -> None:
-        """The batches left undecoded (a run stopped mid-epoch), the bar closed."""
+    def close(self, meter: Meter) -> float:
+        """The batches left undecoded (a run stopped mid-epoch), the bar closed, the step times collected; returns
+        the seconds the epoch's steps took."""
         self.batches.close()
         self.bar.close()
+        meter.timer.collect()
+        return time.perf_counter() - self.start
 
 
 def stop_requested(config: Config, position: Position) -> bool:
@@ -193,24 +206,6 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
     position.micro_batch = window[-1] + 1
     epoch.samples += window_samples * parts.ctx.world_size
     meter.step_taken(position, window_samples, waited, lr, epoch.bar)
-
-
-def end_epoch(parts: Parts, meter: Meter, position: Position, history: list[dict[str, Any]],
-              epoch: Epoch) -> dict[str, Any]:
-    """Validate, record and show an epoch (or the part of it --max-steps allowed); checkpoint a finished one."""
-    epoch.close()
-    meter.timer.collect()
-    train_time = time.perf_counter() - epoch.start
-    sums = epoch.sums.gather(parts.comm_device)
-    entry = meter.epoch_entry(position, sums, validate(parts), epoch.samples, train_time, epoch.start)
-    if epoch.over(position):
-        history.append(entry)
-        position.epoch, position.micro_batch = position.epoch + 1, 0
-        checkpoint.save(parts, position, history, [NO_SUMS] * parts.ctx.world_size)
-    else:
-        entry["complete"] = False
-    meter.show_epoch(entry, position.optimizer_steps)
-    return entry
 
 
 def inject_fault(rank: int, step: int) -> None:

@@ -6,8 +6,13 @@ and the optimizer's state.
 The syncs (--grad-sync, --zero) share one interface, zero.shard's contract: set_requires_gradient_sync before each
 backward, clip_grad_norm_, an optimizer built by sync.optimizer over the model's own parameters, the state dicts and
 close(). custom, diloco and localsgd are zero.shard's stages (gradsync.py at stage 0); ddp (with --zero 1,
-ZeroRedundancyOptimizer) and fsdp (FSDP2's fully_shard on the same units as stage 3) are references.py's. diloco and
-localsgd add diloco.py's outer loop across --replicas groups.
+ZeroRedundancyOptimizer) and fsdp (FSDP2's fully_shard on the same units as stage 3) are references.py's.
+
+Data parallelism over slow links (--grad-sync diloco|localsgd, diloco.py): --replicas R groups of W/R processes,
+each trained by the loop over its own process group (zero.shard's group=, --zero 0-2; SyncBatchNorm over the
+replica), meeting every --local-steps H optimizer steps: an outer all-reduce of the pseudo-gradients over the ranks
+at the same place in every replica (on diloco.py's ring, --outer-compress, --fragments, --outer-delay) and an outer
+step (--outer-optimizer, --outer-lr, --outer-momentum; localsgd: averaging). Validation evaluates the shared point.
 """
 from __future__ import annotations
 
@@ -59,16 +64,6 @@ class Parts:
     @property
     def amp_dtype(self) -> torch.dtype | None:
         return AMP_DTYPES[self.config.amp]
-
-    def close(self) -> None:
-        """Hooks off, --zero 3's units gathered, --allreduce ring|butterfly's thread stopped, the outer loop's
-        thread and the data's workers too."""
-        try:
-            self.sync.close()
-        finally:
-            if self.outer is not None:
-                self.outer.close()
-            self.data.close()
 
 
 def build(config: Config) -> Parts:

@@ -22,6 +22,9 @@ restarts need when a node is lost (--nnodes MIN:MAX). A resume that changes the 
 --batch-size that keeps it; one whose weights depend on the split (--norm local, dropout) says so and goes on. (The
 micro-batches are the same where the training set divides evenly over both numbers of processes; otherwise
 DistributedSampler pads each rank's shard by repeating samples, and how many depends on W.)
+
+Bit-for-bit claims (resume, restarts, two nodes, custom == DDP) are facts of the CPU kernels. On CUDA, convolutions
+pick nondeterministic algorithms unless asked: --deterministic (build.make_deterministic) asks.
 """
 from __future__ import annotations
 

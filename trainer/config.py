@@ -24,6 +24,13 @@ PROFILE_STEPS = (WARMUP_STEPS, WARMUP_STEPS + 3)  # --profile's default window: 
 OURS = ("custom", "diloco", "localsgd")  # the syncs built on zero.shard
 OUTER_SYNCS = ("diloco", "localsgd")  # replicas meeting through an outer step (diloco.py)
 COMPILE_SCOPES = ("forward", "blocks")  # what --compile compiles: the model's forward, or each block's
+DATASET_DEFAULTS = {  # the flags whose default depends on --dataset (text: the standard library's source, and
+    # --context the model's: models.GPT_SIZES)
+    "cifar100": {"data_dir": "data", "augment": "cifar", "image_size": 32},
+    "synthetic": {"data_dir": "data", "augment": "none", "image_size": 32},
+    "imagefolder": {"data_dir": "data", "augment": "imagenet", "image_size": 224},
+    "text": {"data_dir": None, "augment": "none", "image_size": None},
+}
 DILOCO_DEFAULTS = {"local_steps": 50, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
                    "outer_compress": "none", "fragments": 1, "outer_delay": 0}
 LOCALSGD = {"outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}  # averaging the weights: outer SGD
@@ -59,11 +66,13 @@ class Config:
     train_size: int = flag(10000, type=int, help="synthetic training set size")
     val_size: int = flag(2000, type=int, help="synthetic validation set size")
     image_size: int | None = flag(32, type=int, resolved=True,
-                                  help="imagefolder: side of the crops (default 224; in-memory sets: 32)")
+                                  help=f"imagefolder: side of the crops (default "
+                                       f"{DATASET_DEFAULTS['imagefolder']['image_size']}; in-memory sets: 32)")
     augment: str = flag("cifar", choices=("imagenet", "cifar", "none"), resolved=True,
                         help="training augmentation: imagenet = RandomResizedCrop + flip (validation: Resize + "
-                             "CenterCrop), cifar = RandomCrop with padding S/8 + flip; default imagenet for folders, "
-                             "cifar for cifar100, none for synthetic")
+                             "CenterCrop), cifar = RandomCrop with padding S/8 + flip; default " + ", ".join(
+                                 f"{chosen['augment']} for {dataset}" for dataset, chosen in DATASET_DEFAULTS.items()
+                                 if dataset != "text"))
     workers: int = flag(0, type=int, help="imagefolder: DataLoader processes that decode and augment")
     context: int | None = flag(None, type=int, resolved=True,
                                help="text: bytes per window, the GPT's context (default: the model's, 128 for gpt, 64 "
@@ -391,20 +400,19 @@ def data_flags(given: argparse.Namespace) -> dict[str, Any]:
         if context < 1 or not 0 < given.val_fraction < 1:
             raise UsageError(f"--context must be positive and --val-fraction in (0, 1), got {context} and "
                              f"{given.val_fraction}")
-        return {"data_dir": given.data_dir or default_text_dir(), "context": context, "augment": "none",
-                "image_size": None}
-    data_dir = given.data_dir or "data"
+        return {**DATASET_DEFAULTS["text"], "data_dir": given.data_dir or default_text_dir(), "context": context}
+    chosen = {key: default if getattr(given, key) in (None, "") else getattr(given, key)
+              for key, default in DATASET_DEFAULTS[given.dataset].items()}
     if given.dataset == "imagefolder":
-        image_size = 224 if given.image_size is None else given.image_size
         minimum = 10 if given.model == "net" else 1  # net: two 3x3 convolutions and a 2x2 pool before fc1
-        if image_size < minimum:
-            raise UsageError(f"--image-size must be at least {minimum} for --model {given.model}, got {image_size}")
-        return {"data_dir": data_dir, "augment": given.augment or "imagenet", "image_size": image_size}
+        if chosen["image_size"] < minimum:
+            raise UsageError(f"--image-size must be at least {minimum} for --model {given.model}, "
+                             f"got {chosen['image_size']}")
+        return chosen
     if given.augment == "imagenet":
         raise UsageError("--augment imagenet is for --dataset imagefolder; in-memory sets take cifar or none")
     if given.image_size not in (None, 32):
         raise UsageError(f"--image-size is for --dataset imagefolder ({given.dataset} images are 32 pixels)")
     if given.workers:
         raise UsageError(f"--workers is for --dataset imagefolder ({given.dataset} sits in memory)")
-    return {"data_dir": data_dir, "augment": given.augment or ("cifar" if given.dataset == "cifar100" else "none"),
-            "image_size": 32}
+    return chosen
