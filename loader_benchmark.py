@@ -31,10 +31,10 @@ import time
 import torch
 import torch.distributed as dist
 
-import ddp_cifar100 as trainer
 import utils
 from data import FolderData, folder_transforms, normalize
 from make_image_folder import write_image_folder
+from trainer.config import WARMUP_STEPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -218,7 +218,7 @@ def main() -> None:
         "load_average_after": os.getloadavg(), "wall_time_s": time.perf_counter() - started,
         "settings": {"size": args.size, "batch_size": args.batch_size, "train_sizes": [args.train_size,
                      10 * args.train_size], "loader_batches": args.loader_batches, "steps": args.steps,
-                     "warmup_steps": trainer.WARMUP_STEPS, "repeats": args.repeats, "model": "resnet18",
+                     "warmup_steps": WARMUP_STEPS, "repeats": args.repeats, "model": "resnet18",
                      "image_format": "jpg", "augment": "imagenet"},
         "rows": rows, "breakdown": dict(breakdown, agreement_all_reduce_ms_2_processes=agreement_ms),
         "memory": memory,

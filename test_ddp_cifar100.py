@@ -24,6 +24,8 @@ from training_benchmark import named_ranges
 from data import FolderSamples, MemoryData, make_synthetic
 from gradsync import GradientSync
 from models import build_model
+from trainer.config import WARMUP_STEPS
+from trainer.evaluation import evaluate
 from trainer_testing import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
                              try_train_in_group)
 
@@ -38,7 +40,7 @@ def evaluate_in_group(rank, world_size, val_size, seed):
     """The trainer's scattered evaluation of a seeded model on a set whose labels make about 2/3 of answers right."""
     model, data = model_and_labelled_set(val_size, seed)
     memory = MemoryData(data, data, 100, seed, 16)
-    return trainer.evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None)
+    return evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -188,6 +190,19 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(resumed_runs):
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-12)
 
 
+def test_resume_at_an_epochs_end_on_every_rank(resumed_runs, tmp_path):
+    """A run stopped where an epoch ends (its checkpoint holds no sums of an epoch under way) resumes on both ranks
+    and ends where the uninterrupted run ends."""
+    group, base = resumed_runs["group"], resumed_runs["base"] + ["--checkpoint-dir", str(tmp_path)]
+    first = group.run(train_in_group, base + ["--max-steps", "4"])  # 4 steps per epoch
+    assert first[0]["metrics"]["optimizer_steps"] == 4
+    state = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)
+    assert (state["epoch"], state["micro_batch"]) == (1, 0)
+    second = group.run(train_in_group, base)
+    whole = resumed_runs["whole"]
+    assert all(torch.equal(whole[0]["state"][k], second[0]["state"][k]) for k in whole[0]["state"])
+
+
 def test_checkpoint_format(resumed_runs):
     state = torch.load(resumed_runs["dir"] / "last.pt", map_location="cpu", weights_only=True)
     for key in ("model", "optimizer", "scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps",
@@ -308,7 +323,7 @@ def test_end_to_end_two_processes(training_runs):
     assert (metrics["world_size"], metrics["optimizer_steps"], metrics["micro_batches"]) == (2, 8, 16)
     assert metrics["val_total"] == 100 and len(metrics["epochs"]) == 2
     assert metrics["val_acc"] == metrics["val_correct"] / 100 == metrics["epochs"][-1]["val_acc"]
-    assert metrics["step_time_ms_median"] > 0 and len(metrics["step_times_ms"]) == 8 - trainer.WARMUP_STEPS
+    assert metrics["step_time_ms_median"] > 0 and len(metrics["step_times_ms"]) == 8 - WARMUP_STEPS
     state = torch.load(out / "reference" / "last.pt", map_location="cpu", weights_only=True)
     assert not any(k.startswith("module.") for k in state["model"])
     assert (state["epoch"], state["optimizer_steps"]) == (2, 8)
@@ -640,7 +655,7 @@ def test_log_every_writes_the_means_of_its_steps(local_group, tmp_path, log_ever
 def test_log_and_profile_flags_are_checked_in_one_line(flags, phrase):
     with pytest.raises(trainer.UsageError, match=phrase.replace("-", r"\-").replace("(", r"\(")):
         trainer.parse_args(flags)
-    assert trainer.parse_args(["--profile", "p"]).profile_steps == (trainer.WARMUP_STEPS, trainer.WARMUP_STEPS + 3)
+    assert trainer.parse_args(["--profile", "p"]).profile_steps == (WARMUP_STEPS, WARMUP_STEPS + 3)
 
 
 def test_a_profile_window_past_the_run_is_refused(local_group, tmp_path):

@@ -14,6 +14,7 @@ import ddp_cifar100 as trainer
 import references
 from collectives import Collectives
 from gradsync import GradientSync
+from trainer import build as trainer_build
 from models import build_model
 from trainer_testing import TINY, max_difference, train_in_group
 
@@ -24,7 +25,7 @@ def count_all_reduces(rank, world_size, argv):
     calls = []  # (micro-batch index, first layer's gradient ready yet, dtype)
     micro_batch = [-1]
     first_layer_done = [False]
-    real_all_reduce, real_build_model = dist.all_reduce, trainer.build_model
+    real_all_reduce, real_build_model = dist.all_reduce, trainer_build.build_model
 
     def counting_all_reduce(tensor, *args, **kwargs):
         calls.append((micro_batch[0], first_layer_done[0], tensor.dtype))
@@ -43,11 +44,11 @@ def count_all_reduces(rank, world_size, argv):
         next(model.parameters()).register_post_accumulate_grad_hook(lambda p: first_layer_done.__setitem__(0, True))
         return model
 
-    dist.all_reduce, trainer.build_model = counting_all_reduce, instrumented_build_model
+    dist.all_reduce, trainer_build.build_model = counting_all_reduce, instrumented_build_model
     try:
         metrics = trainer.train(trainer.parse_args(argv))
     finally:
-        dist.all_reduce, trainer.build_model = real_all_reduce, real_build_model
+        dist.all_reduce, trainer_build.build_model = real_all_reduce, real_build_model
     return {"calls": calls, "micro_batches": micro_batch[0] + 1, "optimizer_steps": metrics["optimizer_steps"]}
 
 

@@ -18,6 +18,7 @@ import torch
 
 import ddp_cifar100 as trainer
 import models
+from trainer.build import make_optimizer, make_scheduler
 from trainer_testing import max_difference
 
 TINY_GPT = dict(layers=2, width=32, heads=2, context=16)  # float64 runs: small enough for many syncs
@@ -115,7 +116,7 @@ def test_the_recipe_moves_the_weights_by_its_own_settings(recipe_runs):
 def test_the_cosine_schedule_warms_up_then_falls_to_min_lr():
     args = trainer.parse_args(["--lr", "1.0", "--scheduler", "cosine", "--warmup-steps", "3", "--min-lr", "0.1"])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = trainer.make_scheduler(args, optimizer, total_steps=9)
+    scheduler = make_scheduler(args, optimizer, total_steps=9)
     rates = []
     for _ in range(9):
         rates.append(optimizer.param_groups[0]["lr"])
@@ -189,7 +190,7 @@ def test_betas_and_decay_groups_reach_the_optimizer():
         def optimizer(kind, params, **settings):
             return kind(params, **settings)
 
-    optimizer = trainer.make_optimizer(args, model, Replicated())
+    optimizer = make_optimizer(args, model, Replicated())
     decayed, plain = optimizer.param_groups
     assert optimizer.defaults["betas"] == (0.8, 0.95) and (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0)
     assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in plain["params"])

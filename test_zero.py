@@ -26,7 +26,10 @@ import ddp_cifar100 as trainer
 import zero
 from gradsync import assign_buckets
 from data import MemoryData
-from models import blocks
+from models import blocks, build_model
+from trainer import build as trainer_build
+from trainer.build import make_optimizer, make_scaler
+from trainer.evaluation import evaluate
 from trainer_testing import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
                                try_train_in_group)
 
@@ -42,7 +45,7 @@ ITEM = 8  # bytes per element: the stage runs are made in float64 (AdamW's step 
 
 def bucket_count(dtype: torch.dtype) -> int:
     """The small ResNet's buckets at --bucket-mb 0.02, for parameters of ``dtype``."""
-    return len(assign_buckets([p.to(dtype) for p in trainer.build_model("resnet", 0.0, "local").parameters()],
+    return len(assign_buckets([p.to(dtype) for p in build_model("resnet", 0.0, "local").parameters()],
                               0.02))
 
 
@@ -154,9 +157,9 @@ def test_norm_weight_decay_puts_biases_and_normalization_weights_in_a_group_of_t
         def optimizer(kind, params, **settings):
             return kind(params, **settings)
 
-    model = trainer.build_model("resnet", 0.0, "local")
+    model = build_model("resnet", 0.0, "local")
     for flags, decays in (([], [5e-4]), (["--norm-weight-decay", "0"], [5e-4, 0.0])):
-        optimizer = trainer.make_optimizer(trainer.parse_args(TINY + flags), model, Plain())
+        optimizer = make_optimizer(trainer.parse_args(TINY + flags), model, Plain())
         assert [group["weight_decay"] for group in optimizer.param_groups] == decays
     matrices, vectors = ({id(p) for p in group["params"]} for group in optimizer.param_groups)
     norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
@@ -167,7 +170,7 @@ def test_norm_weight_decay_puts_biases_and_normalization_weights_in_a_group_of_t
 
 def units_padded(world_size: int) -> tuple[list[int], int]:
     """The small ResNet's units for stage 3 (the root, then its blocks): each one's padded flat length."""
-    model = trainer.build_model("resnet", 0.0, "custom")
+    model = build_model("resnet", 0.0, "custom")
     sync_units = [model] + blocks(model)
     owned = [sum(p.numel() for p in unit.parameters()) for unit in sync_units]
     owned[0] -= sum(owned[1:])  # the root owns what no block does
@@ -181,7 +184,7 @@ def test_state_bytes_follow_the_formula(stage_runs):
     its own padding (each parameter's rows to a multiple of W)."""
     world_size, ranks = stage_runs
     psi = ranks[0]["stage 0"]["metrics"]["trainable_parameters"]
-    tensors = len([p for p in trainer.build_model("resnet", 0.0, "local").parameters()])
+    tensors = len([p for p in build_model("resnet", 0.0, "local").parameters()])
     buckets = bucket_count(torch.float64)
     per_element = 2 if OPTIMIZERS[world_size][1] == "adamw" else 1  # exp_avg and exp_avg_sq, or momentum
     step_counts = tensors if per_element == 2 else 0  # AdamW's step: a scalar per parameter tensor
@@ -260,7 +263,7 @@ def count_collectives(rank, world_size, argv):
     calls = []
     micro_batch = [-1]
     real = {name: getattr(dist, name) for name in ("reduce_scatter_tensor", "all_gather_into_tensor")}
-    real_build_model, real_shard = trainer.build_model, zero.shard
+    real_build_model, real_shard = trainer_build.build_model, zero.shard
     syncs = []
 
     def counting(name):
@@ -280,13 +283,13 @@ def count_collectives(rank, world_size, argv):
 
     for name in real:
         setattr(dist, name, counting(name))
-    trainer.build_model, zero.shard = instrumented_build_model, kept_shard
+    trainer_build.build_model, zero.shard = instrumented_build_model, kept_shard
     try:
         metrics = trainer.train(trainer.parse_args(argv))
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-        trainer.build_model, zero.shard = real_build_model, real_shard
+        trainer_build.build_model, zero.shard = real_build_model, real_shard
     model = metrics.pop("model")
     return {"calls": calls, "micro_batches": micro_batch[0] + 1, "steps": metrics["optimizer_steps"],
             "buffers_made": getattr(syncs[0], "buffers_made", None),
@@ -324,7 +327,7 @@ def overflow_in_one_shard(rank, world_size, zero_stage):
     model = torch.nn.Linear(4, 3)
     sharded = zero.shard(model, zero_stage)
     optimizer = sharded.optimizer(torch.optim.SGD, model.parameters(), lr=0.1)
-    scaler = trainer.make_scaler(trainer.parse_args(TINY + ["--amp", "fp16", "--zero", str(zero_stage)]),
+    scaler = make_scaler(trainer.parse_args(TINY + ["--amp", "fp16", "--zero", str(zero_stage)]),
                                  torch.device("cpu"), init_scale=4.0)
     shards = optimizer.param_groups[0]["params"]  # this rank's: stage 3's model is not whole between steps
     before = [p.detach().clone() for p in shards]
@@ -447,7 +450,7 @@ def evaluate_sharded_in_group(rank, world_size, val_size, seed):
     zero.shard(model, 3, blocks(model))
     memory = MemoryData(data, data, 100, seed, 16)
     empty = (torch.zeros(0, 3, 32, 32), torch.zeros(0, dtype=torch.int64))  # what a rank with no batch left runs
-    return trainer.evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None, empty)
+    return evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None, empty)
 
 
 def test_evaluation_of_a_stage_3_model_keeps_every_rank_in_step(local_group):
@@ -518,7 +521,7 @@ def test_stopped_on_2_processes_resumed_on_4_ends_where_the_uninterrupted_run_en
 
 def test_checkpoint_holds_the_whole_model_and_a_replicated_optimizers_state(resumed_on_4):
     state = torch.load(f"{resumed_on_4['dir']}/last.pt", map_location="cpu", weights_only=True)
-    model = trainer.build_model("resnet", 0.0, "custom")
+    model = build_model("resnet", 0.0, "custom")
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     assert {k: v.shape for k, v in state["model"].items()} == shapes
     params = [p for p in model.parameters()]
@@ -572,7 +575,7 @@ def test_sgd_stopped_and_resumed_through_every_stage_ends_where_the_uninterrupte
           f"max |dw| = {worst:.1e}")
     assert worst < 1e-11  # stage 2's and 3's summation order (module docstring)
     state = torch.load(f"{run['dir']}/last.pt", map_location="cpu", weights_only=True)["optimizer"]
-    params = list(trainer.build_model("resnet", 0.0, "custom").parameters())
+    params = list(build_model("resnet", 0.0, "custom").parameters())
     assert sorted(state["state"]) == list(range(len(params)))
     assert all(entry.keys() == {"momentum_buffer"} and entry["momentum_buffer"].shape == p.shape
                for entry, p in zip((state["state"][i] for i in range(len(params))), params))
@@ -600,7 +603,7 @@ def test_a_checkpoint_without_sgds_momentum_is_refused_in_one_line(sgd_resumed, 
 
 def misfits():
     """zero.shard's arguments that do not fit a small ResNet, each with the phrase its one line must hold."""
-    model = trainer.build_model("resnet", 0.0, "local")
+    model = build_model("resnet", 0.0, "local")
     relu = next(m for m in model.modules() if isinstance(m, torch.nn.ReLU))
     return model, [
         (dict(stage=5), "stage is 0, 1, 2 or 3, not 5"),

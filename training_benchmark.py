@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 import utils
-from ddp_cifar100 import WARMUP_STEPS  # the plain loop leaves out as many steps as the trainer
+from trainer.config import WARMUP_STEPS  # the plain loop leaves out as many steps as the trainer
 from models import TORCHVISION_RESNETS, build_model
 from utils import machine_info, machine_tag, write_json
 

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ddp_cifar100 import WARMUP_STEPS
+from trainer.config import WARMUP_STEPS
 from data import path_rank, read_text_files, default_text_dir
 from models import GPT, GPT_SIZES, LANGUAGE_MODELS, MODELS
 from training_benchmark import HERE, merge_ranks, run_trainer

@@ -1,0 +1,257 @@
+"""Building the trainer's parts from a Config: the process group and the replicas' groups, the data, the model (the
+same weights on every rank), the gradient sync, torch.compile, the optimizer through the sync, the learning-rate
+schedule and the gradient scaler. ``build`` makes them all, once, as ``Parts``; the loop changes only the model's
+and the optimizer's state.
+
+The syncs (--grad-sync, --zero) share one interface, zero.shard's contract: set_requires_gradient_sync before each
+backward, clip_grad_norm_, an optimizer built by sync.optimizer over the model's own parameters, the state dicts and
+close(). custom, diloco and localsgd are zero.shard's stages (gradsync.py at stage 0); ddp (with --zero 1,
+ZeroRedundancyOptimizer) and fsdp (FSDP2's fully_shard on the same units as stage 3) are references.py's.
+
+Data parallelism over slow links (--grad-sync diloco|localsgd, diloco.py): --replicas R groups of W/R processes,
+each trained by the loop over its own process group (zero.shard's group=, --zero 0-2; SyncBatchNorm over the
+replica), meeting every --local-steps H optimizer steps: an outer all-reduce of the pseudo-gradients over the ranks
+at the same place in every replica (on diloco.py's ring, --outer-compress, --fragments, --outer-delay) and an outer
+step (--outer-optimizer, --outer-lr, --outer-momentum; localsgd: averaging). Validation evaluates the shared point.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import utils
+import zero
+from data import FolderData, MemoryData, TextData, load_data
+from diloco import DiLoCo
+from gradsync import DataParallel, broadcast_state
+from models import blocks, build_model
+from references import DDPSync, FSDPSync
+from trainer.config import OURS, OUTER_SYNCS, Config
+from utils import UsageError
+
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Parts:
+    """What ``build`` makes of a Config."""
+    config: Config
+    ctx: utils.DistContext
+    comm_device: torch.device  # where collectives' tensors live: the GPU with nccl, else the CPU
+    data: MemoryData | FolderData | TextData
+    model: nn.Module  # the bare model: checkpoints and evaluation
+    sync: DataParallel  # zero.shard's stages, DDP (with ZeroRedundancyOptimizer) or FSDP2
+    optimizer: torch.optim.Optimizer  # built by sync.optimizer over the model's parameters
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    steps_per_epoch: int
+    schedule_steps: int  # the learning-rate schedule's length
+    outer: DiLoCo | None  # --grad-sync diloco|localsgd: the replicas' outer loop
+    replica: int  # which replica this rank belongs to (diloco, localsgd) ...
+    replica_size: int  # ... and how many ranks each replica has
+    compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        return AMP_DTYPES[self.config.amp]
+
+
+def build(config: Config) -> Parts:
+    """Process group, data, model (same weights everywhere), gradient sync, optimizer, schedule and scaler."""
+    try:
+        ctx = utils.init_distributed(config.device, config.backend, config.timeout)
+    except ValueError as exc:  # e.g. --device cuda on a machine without a GPU: before any collective
+        raise UsageError(str(exc)) from None
+    comm_device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    if config.deterministic:
+        make_deterministic()
+    data = load_data(config, ctx, comm_device)
+    # the model, the same on every rank
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, config.dropout, config.norm, data.num_classes, config.image_size or 32,
+                        config.context)
+    model = model.to(ctx.device, memory_format=data.memory_format)
+    broadcast_state(model)
+    # the gradient sync (and the replicas' outer loop), torch.compile, the optimizer through the sync
+    within, across, replica, replica_size = replica_groups(config, ctx)
+    sync = make_sync(config, model, ctx.device, within)
+    outer = make_outer(config, model, across)
+    compile_counts = compile_forward(config, model)
+    optimizer = make_optimizer(config, model, sync)
+    # the schedule and the scaler
+    steps_per_epoch = math.ceil(len(data.batch_sizes()) / config.grad_accum)
+    schedule_steps = schedule_length(config, steps_per_epoch)
+    return Parts(config=config, ctx=ctx, comm_device=comm_device, data=data, model=model, sync=sync,
+                 optimizer=optimizer, scheduler=make_scheduler(config, optimizer, schedule_steps),
+                 scaler=make_scaler(config, ctx.device), steps_per_epoch=steps_per_epoch,
+                 schedule_steps=schedule_steps, outer=outer, replica=replica, replica_size=replica_size,
+                 compile_counts=compile_counts)
+
+
+def make_deterministic() -> None:
+    """--deterministic: deterministic kernels on CUDA (the CPU ones used here already are). torch's
+    use_deterministic_algorithms with warn_only: ops without a deterministic CUDA kernel (adaptive average pooling's
+    backward in the ResNets) warn instead of stopping, and break bit-for-bit resume where they warn."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS when it starts
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+def replica_groups(config: Config, ctx: utils.DistContext) -> tuple[Any, Any, int, int]:
+    """--grad-sync diloco|localsgd: the process group of this rank's replica (ranks R_i = i W/R .. (i+1) W/R - 1,
+    the inner data parallelism), the group across replicas (this rank and the ranks at its place in every other
+    replica: the outer all-reduce, always gloo: its ring works on host memory), the replica's index and its number of
+    ranks. Every rank makes every group, in one order (torch.distributed's rule). (None, None, 0, 1) for the other
+    syncs."""
+    if config.grad_sync not in OUTER_SYNCS:
+        return None, None, 0, 1
+    world, replicas = ctx.world_size, config.replicas or ctx.world_size
+    if world % replicas:
+        raise UsageError(f"--replicas {replicas} does not divide the {world} processes into equal replicas")
+    per = world // replicas
+    within = across = None
+    for i in range(replicas):
+        group = dist.new_group(list(range(i * per, (i + 1) * per)))
+        within = group if ctx.rank // per == i else within
+    for place in range(per):
+        group = dist.new_group([i * per + place for i in range(replicas)], backend="gloo")
+        across = group if ctx.rank % per == place else across
+    return within, across, ctx.rank // per, per
+
+
+def make_sync(config: Config, model: nn.Module, device: torch.device, within: Any) -> DataParallel:
+    """--grad-sync and --zero's sync around ``model``; ``within``: the replica's group (diloco, localsgd), over which
+    SyncBatchNorm normalizes too."""
+    if within is not None:
+        for module in model.modules():
+            if hasattr(module, "process_group"):
+                module.process_group = within
+    if config.grad_sync == "ddp":
+        return DDPSync(model, device, config.bucket_mb, zero_redundancy=config.zero == 1)
+    if config.grad_sync == "fsdp":
+        return FSDPSync(model, blocks(model), reshard_after_forward=config.zero == 3)
+    return zero.shard(model, config.zero, blocks(model) if config.zero == 3 else None, group=within,
+                      collectives=config.allreduce, bucket_mb=config.bucket_mb, overlap=config.sync_mode == "overlap",
+                      accumulate=config.zero3_accumulate, timeout_s=config.timeout)
+
+
+def make_outer(config: Config, model: nn.Module, across: Any) -> DiLoCo | None:
+    """diloco, localsgd: the outer loop over the group across replicas (None for the other syncs)."""
+    if across is None:
+        return None
+    try:
+        return DiLoCo(model, across, config.local_steps, config.outer_lr, config.outer_momentum,
+                      config.outer_optimizer == "nesterov", config.outer_compress, config.fragments,
+                      config.outer_delay, config.timeout)
+    except ValueError as exc:  # e.g. more fragments than the model has parameters
+        raise UsageError(f"--grad-sync {config.grad_sync}: {exc}") from None
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Dynamo's process-wide counters: graphs compiled (a frame each, forward; AOTAutograd's backward graphs are
+    not counted apart) and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def compile_forward(config: Config, model: nn.Module) -> dict[str, int] | None:
+    """--compile: torch.compile a forward method, at its first call. The module, its state_dict keys and the syncs'
+    hooks stay as they are and run eagerly (compiling the module's whole call would trace the syncs' forward
+    pre-hooks, which re-attach gradient views parameter by parameter: a recompile for each).
+
+    forward: the model's, one graph, whose backward is one autograd node: every gradient comes out at its end, so
+    the hand-written sync's hooks launch all buckets together after the computation (DDP keeps its overlap:
+    Dynamo's DDPOptimizer splits the graph at DDP's buckets). blocks: each block's (models.blocks: the units
+    stage 3 and FSDP2 gather), a graph and a backward node per block: the gradients of a block are out when its
+    backward ends, the buckets overlap the earlier blocks' backward again, and stage 3's gathers stay in the
+    blocks' module hooks, outside the graphs. Blocks of one class share a code object, so Dynamo keeps one
+    compiled entry per shape and mode (training, evaluation) under it: the recompile limit is raised to cover
+    two per block. Returns Dynamo's counters before any compiling (None without --compile)."""
+    if not config.compile:
+        return None
+    counts = dynamo_counts()
+    if config.compile == "forward":
+        model.forward = torch.compile(model.forward, backend=config.compile_backend)
+    elif config.compile == "blocks":
+        import torch._dynamo as dynamo
+
+        units = blocks(model)
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 2 * len(units))
+        for unit in units:
+            unit.forward = torch.compile(unit.forward, backend=config.compile_backend)
+    return counts
+
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "sgd_nesterov": torch.optim.SGD, "adamw": torch.optim.AdamW}  # --optimizer
+
+
+def make_optimizer(config: Config, model: nn.Module, sync: DataParallel) -> torch.optim.Optimizer:
+    """--optimizer over the model's trainable parameters, through the sync (which shards it, or not). With
+    --norm-weight-decay, two parameter groups: the matrices and tensors of higher rank (--weight-decay), and the
+    vectors, biases and normalization weights (--norm-weight-decay), as torchvision's reference scripts split
+    them (and nanoGPT, by the same test on p.dim())."""
+    sgd = {"lr": config.lr, "momentum": config.momentum, "weight_decay": config.weight_decay}
+    settings = {"sgd": sgd, "sgd_nesterov": {**sgd, "nesterov": True},
+                "adamw": {"lr": config.lr, "weight_decay": config.weight_decay,
+                          **({"betas": tuple(config.betas)} if config.betas else {})}}[config.optimizer]
+    kind = OPTIMIZERS[config.optimizer]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    params: list[Any] = trainable
+    if config.norm_weight_decay is not None:
+        params = [{"params": [p for p in trainable if p.dim() >= 2]},
+                  {"params": [p for p in trainable if p.dim() < 2], "weight_decay": config.norm_weight_decay}]
+        params = [group for group in params if group["params"]]
+    return sync.optimizer(kind, params, **settings)
+
+
+def schedule_length(config: Config, steps_per_epoch: int) -> int:
+    """The learning-rate schedule's steps: --epochs' (cosine: --decay-steps if given; OneCycleLR ends where
+    --max-steps ends the run)."""
+    steps = config.epochs * steps_per_epoch
+    if config.scheduler == "cosine":
+        return config.decay_steps or steps
+    return min(steps, config.max_steps) if config.max_steps else steps
+
+
+def make_scheduler(config: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    """--scheduler: None, OneCycleLR over ``total_steps``, or cosine: step s (from 0) takes --lr times (s + 1) /
+    (N + 1) during the N warm-up steps (nanoGPT's ramp), then eta + (1 - eta) (1 + cos(pi p)) / 2 with p = (s - N)
+    / (S - 1 - N) going from 0 to 1 and eta = --min-lr / --lr, so step S - 1 (S = ``total_steps``, --decay-steps)
+    and any after it take --min-lr."""
+    if config.scheduler == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=total_steps)
+    if config.scheduler != "cosine":
+        return None
+    warmup, floor = config.warmup_steps or 0, (config.min_lr or 0.0) / config.lr
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_scaler(config: Config, device: torch.device, **settings: Any) -> torch.amp.GradScaler:
+    """--amp fp16's gradient scaler (disabled otherwise). With sharded gradients each rank sees its shard alone,
+    so whether any is inf must be agreed on: ShardedGradScaler all-reduces it. Replicated gradients are the same
+    everywhere. (Imported only then: torch.distributed.fsdp takes about a second to import, in every process.)"""
+    sharded = (config.grad_sync in OURS and config.zero > 0) or config.grad_sync == "fsdp"
+    if sharded and config.amp == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, **settings)
+    return torch.amp.GradScaler(device.type, enabled=config.amp == "fp16", **settings)
