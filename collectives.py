@@ -1,15 +1,15 @@
 """The three collectives data parallelism is made of, in one place: average a flat tensor over a process group
 (all-reduce), average it into this rank's chunk (reduce-scatter), and give every rank every rank's chunk
-(all-gather). gradsync.py's stage 0 and zero.py's stages 1-3 call nothing else.
+(all-gather). gradsync.py's stage 0 and zero's stages 1-3 call nothing else.
 
     comm = Collectives(group=None, kind="torch")       # or "ring" / "butterfly" (allreduce.py's, on a thread)
     pending = comm.reduce_scatter(flat, "reduce_scatter bucket 3 (1.0 MB)")
     pending.wait()                                     # comm.chunk(flat) now holds the average of that chunk
 
-A flat given to reduce_scatter or all_gather has ``size`` equal chunks (zero.py pads it); chunk r is rank r's.
+A flat given to reduce_scatter or all_gather has ``size`` equal chunks (zero pads it); chunk r is rank r's.
 Each call is asynchronous and returns a Pending. Under torch.profiler (the trainer's --profile) it is a range
 named by the caller that opens at the launch and closes when the result has landed, whichever thread lands it;
-one launched under a profiler is waited for before that profiler stops (zero.py's [Note: a profiler's window]).
+one launched under a profiler is waited for before that profiler stops (zero's [Note: a profiler's window]).
 
 kind "torch" runs torch.distributed's collectives in place on ``group`` (the output is this rank's chunk of the
 input: NCCL's in-place convention, which gloo follows too). "ring" and "butterfly" run allreduce.py's algorithms,

@@ -1,5 +1,5 @@
 """Data parallelism over slow links: replicas that train alone for H steps and then meet (DiLoCo), with the meeting
-compressed on our ring and streamed in fragments. A library for your own loop, beside zero.py's.
+compressed on our ring and streamed in fragments. A library for your own loop, beside zero's.
 
     outer = diloco.DiLoCo(model, group=across, local_steps=50, outer_lr=0.7, outer_momentum=0.9,
                           compress="int4", fragments=4, delay=1)

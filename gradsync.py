@@ -1,4 +1,4 @@
-"""Gradient averaging for data-parallel training, by hand: accumulation-aware and bucketed. This is zero.py's
+"""Gradient averaging for data-parallel training, by hand: accumulation-aware and bucketed. This is zero's
 stage 0 (every rank keeps everything), and the machinery its sharded stages build on: parameters in buckets,
 hooks on autograd, the end of backward, the interface every sync offers (``DataParallel``).
 

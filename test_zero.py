@@ -1,4 +1,4 @@
-"""zero.py: ZeRO stages 1 to 3 inside the trainer, against the replicated run (stage 0), DDP, PyTorch's
+"""zero: ZeRO stages 1 to 3 inside the trainer, against the replicated run (stage 0), DDP, PyTorch's
 ZeroRedundancyOptimizer and FSDP2, in the session's reusable gloo workers (``local_group``). The contract in a loop
 of a user's own is test_zero_contract.py's.
 

@@ -22,7 +22,7 @@ most --bucket-mb; for every (model, W, K = --grad-accum), the rows (--rows picks
   --zero 3|2``: parameters resharded after forward, or kept gathered until backward ends).
 
 Columns, per row: ``state_bytes`` (the largest rank's weights, gradients and optimizer state between steps, from
-the trainer's metrics) beside the formula (zero.py's docstring: 4/4/8 Psi bytes replicated, 8 Psi / W of state from
+the trainer's metrics) beside the formula (zero's docstring: 4/4/8 Psi bytes replicated, 8 Psi / W of state from
 stage 1, 4 Psi / W of gradients from stage 2, 4 Psi / W of weights at stage 3 and in both FSDP2 rows, which shard
 the parameters between steps); the bytes each rank sends per optimizer step (counted at the ring's isend calls;
 for torch's collectives the trainer gives what a ring would send; DDP and FSDP2: not counted) beside the formula,
@@ -95,7 +95,7 @@ def stage_of(label: str) -> int:
 
 
 def expected_bytes(label: str, psi: int, world_size: int, grad_accum: int) -> dict[str, Any]:
-    """zero.py's formulas for fp32 AdamW: weights, gradients, state (two tensors) per rank, and bytes sent per
+    """zero's formulas for fp32 AdamW: weights, gradients, state (two tensors) per rank, and bytes sent per
     optimizer step (None where the run does not count them: DDP, ZeroRedundancyOptimizer, FSDP2)."""
     stage = stage_of(label)
     params_sharded = stage == 3 or label.startswith("fsdp")  # FSDP2 at 2 too: sharded between steps

@@ -97,7 +97,7 @@ class Config:
                                      "tests'), eager")
     dropout: float = flag(0.5, type=float, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
     grad_sync: str = flag("custom", choices=("custom", "ddp", "fsdp", *OUTER_SYNCS),
-                          help="custom: gradsync.py / zero.py, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's "
+                          help="custom: gradsync.py / zero/, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's "
                                "fully_shard on the model's blocks and the root (with --zero 2 or 3); diloco: "
                                "--replicas that train alone (custom inside each, --zero 0-2) and meet every "
                                "--local-steps through an outer optimizer (diloco.py); localsgd: the same, meeting by "
@@ -124,7 +124,7 @@ class Config:
                                         "before it is applied, the progress made meanwhile kept (default 0: at once; "
                                         "at most --local-steps / --fragments)")
     zero: int = flag(0, type=int, choices=(0, 1, 2, 3),
-                     help="ZeRO stage (zero.py): 0 replicated; 1 optimizer state sharded over the processes; 2 "
+                     help="ZeRO stage (zero/): 0 replicated; 1 optimizer state sharded over the processes; 2 "
                           "gradients too; 3 parameters too, gathered one unit (block) at a time with prefetch "
                           "(--bucket-mb plays no part). With --grad-sync ddp, 1 is PyTorch's ZeroRedundancyOptimizer; "
                           "with fsdp, 3 reshards after forward and 2 does not")

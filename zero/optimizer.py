@@ -1,0 +1,432 @@
+"""The optimizer side of ZeRO stages 1-3 (each stage in zero/__init__.py holds one ShardedOptimizer): this rank's
+runs of the flat buckets as the tensors of any element-wise torch.optim optimizer, their parameter groups, the
+whole model's clipping norm, and the optimizer's state in torch.optim's ordinary, unsharded form and back. Also
+which optimizers the runs can carry ([Note: which optimizers]): ELEMENTWISE, WHOLE_PARAMETER, and the probe that
+asks an optimizer what state it keeps (state_kinds, missing_optimizer_state), which the trainer's resume uses too.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from collectives import Collectives
+from gradsync import Bucket
+
+
+@dataclass
+class ShardRun:
+    """A run: a stretch of one bucket's elements, inside this rank's chunk, whose parameters are all in one parameter
+    group: one tensor of the optimizer (``param``, a view of the weights' shard, its .grad a view of the gradient's
+    shard). Flat element indices [start, end)."""
+    bucket: Bucket
+    start: int
+    end: int
+    group: int
+    param: nn.Parameter | None = None
+
+
+@dataclass
+class Layout:
+    """How one sharded optimizer maps onto the model: each model parameter's group and index in torch.optim's
+    ordinary numbering (group by group), the full groups, and this rank's runs in the inner optimizer's order."""
+    index: dict[int, tuple[int, int]]  # id(model parameter) -> (group, index)
+    groups: list[list[int]]  # the indices in each group
+    runs: list[ShardRun] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ElementWise:
+    """Marks, while the state dict is gathered, a key whose value is one number per element (gathered by bucket)."""
+    dtype: torch.dtype
+
+
+def _same(a: Any, b: Any) -> bool:
+    return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
+
+
+def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """torch.optim's two ways of giving parameters: an iterable of tensors, or of dicts (parameter groups)."""
+    params = list(params)
+    if not params:
+        raise ValueError("sharded.optimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    return [{**group, "params": list(group["params"]) if not torch.is_tensor(group["params"])
+             else [group["params"]]} for group in params]
+
+
+def total_norm(parts: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The ``norm_type``-norm of a vector cut into ``parts`` over the group's ranks: each rank's sum of |g|^p (its
+    max |g| for the inf-norm), one all-reduce of that one number, then the p-th root."""
+    norms = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in parts])
+    if math.isinf(norm_type):
+        total = norms.max()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return total
+    total = norms.pow(norm_type).sum()
+    dist.all_reduce(total, group=group)
+    return total.pow(1.0 / norm_type)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which optimizers the flat shards can carry ([Note: which optimizers])
+# ----------------------------------------------------------------------------------------------------------
+def _optimizers(*names: str) -> list[type[torch.optim.Optimizer]]:
+    return [getattr(torch.optim, name) for name in names if hasattr(torch.optim, name)]  # Muon: torch >= 2.9
+
+
+# Each element's update reads only that element's weight, gradient and state, and the parameter's scalars (a step
+# count): exact on any run of any parameter. Add a class of your own that is element-wise: ELEMENTWISE.add(cls).
+ELEMENTWISE: set[type[torch.optim.Optimizer]] = set(_optimizers(
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
+# What each of these needs that a run of a flat shard is not: refused at sharded.optimizer().
+_WHOLE_PARAMETER_NEEDS = {
+    "Adafactor": "factors each matrix's second moment into row and column statistics, which needs the matrix",
+    "Muon": "orthogonalizes each matrix's update (Newton-Schulz iterations on the whole 2-D parameter)",
+    "LBFGS": "takes dot products over the whole model's gradient and re-evaluates the loss in a closure",
+    "SparseAdam": "steps sparse gradients, and the shards' gradients are dense",
+}
+WHOLE_PARAMETER: dict[type[torch.optim.Optimizer], str] = {
+    getattr(torch.optim, name): need for name, need in _WHOLE_PARAMETER_NEEDS.items() if hasattr(torch.optim, name)}
+
+
+def check_optimizer_class(optimizer_class: type[torch.optim.Optimizer], stage: int) -> None:
+    """One line, at sharded.optimizer(), for an optimizer the runs of a flat shard would give another algorithm
+    ([Note: which optimizers])."""
+    name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+    if optimizer_class in WHOLE_PARAMETER:
+        raise ValueError(f"sharded.optimizer: zero.shard stage {stage} cuts every parameter into flat runs spread "
+                         f"over the ranks, and torch.optim.{name} {WHOLE_PARAMETER[optimizer_class]}: on runs it "
+                         f"would be another algorithm; use stage 0 (whole parameters on every rank) or torch's "
+                         f"ZeroRedundancyOptimizer (whole parameters placed on ranks; the trainer's --grad-sync ddp "
+                         f"--zero 1)")
+    if optimizer_class not in ELEMENTWISE:
+        raise ValueError(f"sharded.optimizer: zero.shard stage {stage} gives {name} flat runs of the parameters, "
+                         f"which is exact only if it updates each element from that element's weight, gradient and "
+                         f"state alone; if {name} does, declare it first: zero.ELEMENTWISE.add({name})")
+
+
+def state_kinds(optimizer_class: type[torch.optim.Optimizer], settings: dict[str, Any],
+                device: torch.device | str = "cpu") -> dict[str, bool]:
+    """The state ``optimizer_class`` keeps per parameter once it has stepped it with ``settings`` (a parameter
+    group's hyperparameters): each key, True for a tensor of the parameter's shape (one number per element),
+    False for a scalar (a step count). Found by stepping a probe of two elements once: no table to keep, and
+    right for every setting that adds state (amsgrad, momentum, centered)."""
+    probe = torch.zeros(2, device=device, requires_grad=True)
+    probe.grad = torch.ones_like(probe)
+    optimizer = optimizer_class([{**{k: v for k, v in settings.items() if k != "params"}, "params": [probe]}])
+    optimizer.step()
+    return {key: torch.is_tensor(value) and value.shape == probe.shape
+            for key, value in optimizer.state[probe].items()}
+
+
+def missing_optimizer_state(optimizer_class: type[torch.optim.Optimizer], state: dict[str, Any],
+                            every_parameter: bool, device: torch.device | str = "cpu") -> str | None:
+    """What ``state`` (torch.optim's ordinary state_dict) lacks that ``optimizer_class`` keeps, in words, or None:
+    a parameter whose entry lacks a key its group's settings make the optimizer keep, or, if ``every_parameter``
+    (the run has stepped every parameter), a parameter with no entry at all."""
+    saved = {int(index): entry for index, entry in state["state"].items()}
+    for group in state["param_groups"]:
+        kinds = state_kinds(optimizer_class, group, device)
+        for index in group["params"]:
+            if index not in saved and not every_parameter:
+                continue
+            lacking = [key for key in kinds if key not in saved.get(index, {})]
+            if lacking:
+                return (f"parameter {index} has no {lacking[0]!r}, which torch.optim.{optimizer_class.__name__} "
+                        f"keeps for every parameter it has stepped")
+    return None
+
+
+class ShardedOptimizer:
+    """The optimizer side of stages 1-3, a part each stage holds (``stage.shards``) and hands its buckets, its
+    weights' and gradients' shards, and what to do after a step. Rank r owns chunk r of every bucket's flat (the
+    r-th of W equal slices): ``weights[b]`` is this rank's chunk of bucket b's weights, ``grads[b]`` its averaged,
+    accumulated gradient. The stage calls ``reattach_gradients()`` before each forward; ``optimizer()`` and
+    ``clip_grad_norm_()`` are the stage's own, as zero.shard's contract has them.
+
+    [Note: parameter groups] ``optimizer(cls, params_or_groups)`` takes the model's own parameters, grouped as for
+    any torch.optim optimizer, and builds ``cls`` over this rank's pieces of them: each bucket's chunk is cut into
+    runs at every change of group (a run is one tensor of the inner optimizer, a view of ``weights[b]``, its .grad
+    a view of ``grads[b]``), so each group's hyperparameters apply to exactly its parameters' elements. Buckets
+    are not formed per group because a group's parameters are spread over the model (decay on matrices, none on
+    the biases and norms beside them): per-group buckets would fill and launch out of backward's order. This is
+    exact for any elementwise optimizer (SGD with momentum and weight decay, Adam, AdamW: each element's update
+    reads only that element's weight, gradient and state), and wrong for one that takes a norm over a whole
+    tensor (LAMB, LARS, Muon): those would see a run. Padding stays zero, and is in no run.
+
+    [Note: which optimizers] Known element-wise, so exact on runs (``ELEMENTWISE``): SGD (momentum, Nesterov),
+    Adam (amsgrad), AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop (centered, momentum), Rprop, ASGD; a
+    user's own element-wise class is added with ``zero.ELEMENTWISE.add(cls)``. Refused in one line at
+    ``sharded.optimizer`` (``WHOLE_PARAMETER``): Adafactor (row and column statistics of each matrix), Muon (an
+    orthogonalized update of each matrix), LBFGS (dot products over the whole gradient, and a closure), SparseAdam
+    (sparse gradients); so is any class not declared element-wise, since a run would silently give it another
+    algorithm. Why refuse rather than give them whole parameters: the stages' saving in memory and traffic comes
+    from cutting every bucket into W equal chunks, whatever the parameters' boundaries; whole parameters need
+    another placement (each parameter on one rank, as DeepSpeed's ZeRO-1 and torch's ZeroRedundancyOptimizer do,
+    with uneven ranks and a broadcast per parameter instead of one all-gather per bucket), or a gather of each
+    matrix for its update (stage 3's traffic at stage 1). torch's ZeroRedundancyOptimizer already is the first,
+    behind the same interface (references.py; the trainer's ``--grad-sync ddp --zero 1``), and stage 0 keeps
+    whole parameters on every rank: the refusal names both.
+
+    [Note: the whole model's state] ``optimizer.state_dict()`` is torch.optim's ordinary form, over the model's
+    parameters numbered group by group as an unsharded optimizer built with the same groups numbers them: a hook
+    gathers each bucket's state to the group's rank 0 one bucket and key at a time (others get {}), and
+    ``load_state_dict`` cuts this rank's runs out of such a dict. So any stage at any world size loads any other's.
+    Whatever the optimizer keeps (element-wise tensors only, like SGD's momentum; scalars only; both; nothing yet),
+    a parameter has an entry exactly when an unsharded optimizer would: when its runs have state.
+    """
+
+    def __init__(self, stage: int, buckets: list[Bucket], names: dict[int, str], comm: Collectives,
+                 weights: list[torch.Tensor], grads: list[torch.Tensor],
+                 after_step: Callable[[list[Bucket]], None]):
+        self.stage, self.buckets, self.names, self.comm = stage, buckets, names, comm
+        self.rank, self.world_size = comm.rank, comm.size
+        self.bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
+        self.weights, self.grads = weights, grads
+        self.after_step = after_step  # given the buckets a step updated ([Note: after the step])
+        self.layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, Layout] = weakref.WeakKeyDictionary()
+        self.hook = register_optimizer_step_pre_hook(self._refuse_outside_optimizer)  # the stage's close() removes it
+
+    def chunk_bounds(self, bucket: Bucket) -> tuple[int, int]:
+        width = bucket.length // self.world_size
+        return self.rank * width, (self.rank + 1) * width
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
+                  **settings: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's runs of ``params`` (the model's parameters, or groups of them:
+        [Note: parameter groups]); step() updates the model ([Note: after the step]). An optimizer that needs whole
+        parameters is refused here ([Note: which optimizers])."""
+        check_optimizer_class(optimizer_class, self.stage)
+        groups = as_groups(params)
+        layout = Layout({}, [])
+        for g, group in enumerate(groups):
+            layout.groups.append([])
+            for p in group["params"]:
+                if id(p) not in self.bucket_of:
+                    raise ValueError(f"sharded.optimizer: a {tuple(p.shape)} tensor in parameter group {g} is not a "
+                                     f"trainable parameter of the sharded model")
+                if id(p) in layout.index:
+                    raise ValueError(f"sharded.optimizer: parameter {self.names[id(p)]} is in more than one "
+                                     f"parameter group")
+                layout.index[id(p)] = (g, len(layout.index))
+                layout.groups[-1].append(len(layout.index) - 1)
+        runs = self._runs(layout)
+        layout.runs = [run for g in range(len(groups)) for run in runs if run.group == g]  # inner numbering
+        for run in layout.runs:
+            run.param = nn.Parameter(self._piece(self.weights, run))
+            run.param.grad = self._piece(self.grads, run)
+        inner = [{**{k: v for k, v in group.items() if k != "params"},
+                  "params": [run.param for run in layout.runs if run.group == g]} for g, group in enumerate(groups)]
+        optimizer = optimizer_class(inner, **settings)
+        self.layouts[optimizer] = layout
+        optimizer.register_step_post_hook(
+            lambda *_: self.after_step([self.buckets[b] for b in self._buckets_of(layout)]))
+        optimizer.register_state_dict_post_hook(self._full_optimizer_state)
+        optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
+        return optimizer
+
+    def _piece(self, chunks: list[torch.Tensor], run: ShardRun) -> torch.Tensor:
+        """The run's stretch of its bucket's chunk in ``chunks`` (``weights`` or ``grads``): a view."""
+        lo, _ = self.chunk_bounds(run.bucket)
+        return chunks[run.bucket.index][run.start - lo:run.end - lo]
+
+    def _runs(self, layout: Layout) -> list[ShardRun]:
+        """This rank's chunk of every bucket, cut at every change of parameter group (and around parameters in
+        no group, which no optimizer steps)."""
+        runs: list[ShardRun] = []
+        for bucket in self.buckets:
+            lo, hi = self.chunk_bounds(bucket)
+            for p, start in zip(bucket.params, bucket.offsets):
+                first, last = max(lo, start), min(hi, start + p.numel())
+                if first >= last or id(p) not in layout.index:
+                    continue
+                g = layout.index[id(p)][0]
+                if runs and runs[-1].bucket is bucket and runs[-1].group == g and runs[-1].end == first:
+                    runs[-1].end = last
+                else:
+                    runs.append(ShardRun(bucket, first, last, g))
+        return runs
+
+    def reattach_gradients(self) -> None:
+        """Each run's .grad its view of the gradient shard: put back, zeroed, where zero_grad() set it to None."""
+        for layout in self.layouts.values():
+            for run in layout.runs:
+                if run.param.grad is None:
+                    view = self._piece(self.grads, run)
+                    view.zero_()
+                    run.param.grad = view
+
+    def _refuse_outside_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before any optimizer's step: one built over the model's own parameters, not by ``optimizer()``, would
+        step gradients that are not the averaged ones (stage 1) or none at all (stages 2, 3)."""
+        if optimizer in self.layouts:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self.bucket_of:
+                    kind = type(optimizer).__name__
+                    raise RuntimeError(f"zero.shard(stage {self.stage}): this {kind} steps the model's own parameters,"
+                                       f" which stage {self.stage} keeps no averaged gradient for; build it with "
+                                       f"sharded.optimizer(torch.optim.{kind}, params, ...) instead")
+
+    def _buckets_of(self, layout: Layout) -> list[int]:
+        """The buckets holding any of ``layout``'s parameters (on any rank's chunk)."""
+        return sorted({self.bucket_of[pid].index for pid in layout.index})
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ for the whole model, whose gradient is spread over the ranks' chunks:
+        each rank's share of the norm, one all-reduce of one number, then every chunk scaled by the same
+        max_norm / (norm + 1e-6), clamped to 1 (torch's formula). After the last backward of a window; under fp16
+        after the scaler's unscale_(optimizer). Returns the total norm."""
+        norm_type = float(norm_type)
+        total = total_norm(self.grads, norm_type, self.comm.group)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+                               f"clipped (error_if_nonfinite=True)")
+        clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(self.grads, clip)
+        return total
+
+    # ------------------------------------------------------------------------------------------------------
+    # The optimizer's state in torch.optim's ordinary form, and back ([Note: the whole model's state])
+    # ------------------------------------------------------------------------------------------------------
+    def _comm_device(self) -> torch.device:
+        return self.weights[0].device if dist.get_backend(self.comm.group) == "nccl" else torch.device("cpu")
+
+    def _full_optimizer_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> dict[str, Any]:
+        """State-dict post-hook: the inner optimizer's state over runs, made torch.optim's ordinary state over the
+        model's parameters, on the group's rank 0 (the others get {}). A parameter has an entry when the runs
+        covering it have state (whatever that state holds: SGD's momentum alone, AdamW's step and moments, a
+        scalar alone); its scalars are the first such run's (every run of a parameter has the same), its
+        element-wise tensors are gathered one bucket and key at a time."""
+        layout = self.layouts[optimizer]
+        entries: dict[int, dict[str, Any]] = {}  # parameter index -> {key: scalar value, or its dtype if element-wise}
+        for number, run in enumerate(layout.runs):
+            values = inner["state"].get(number)
+            if not values:  # no state yet: created lazily, at the first step
+                continue
+            for p in self._params_in(run, layout):
+                entry = entries.setdefault(layout.index[id(p)][1], {})
+                for key, value in values.items():
+                    if torch.is_tensor(value) and value.dim() > 0:  # a run's element-wise state is 1-D
+                        entry[key] = ElementWise(value.dtype)
+                    elif key not in entry:  # each its own copy: AdamW adds to its step in place
+                        entry[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+        shared: list[Any] = [None] * self.world_size  # every rank's, so all know every entry and key
+        dist.all_gather_object(shared, entries, group=self.comm.group)
+        for theirs in shared:
+            for index, values in theirs.items():
+                entries.setdefault(index, {}).update({k: v for k, v in values.items() if k not in entries[index]})
+        state = {index: {key: value for key, value in values.items() if not isinstance(value, ElementWise)}
+                 for index, values in sorted(entries.items())}
+        device = self._comm_device()
+        for b in self._buckets_of(layout):
+            bucket = self.buckets[b]
+            lo, hi = self.chunk_bounds(bucket)
+            runs = [(number, run) for number, run in enumerate(layout.runs) if run.bucket is bucket]
+            indices = {id(p): layout.index[id(p)][1] for p in bucket.params if id(p) in layout.index}
+            keys = {key: kind.dtype for index in indices.values() for key, kind in entries.get(index, {}).items()
+                    if isinstance(kind, ElementWise)}
+            for key, dtype in sorted(keys.items()):  # the same buckets and keys, in the same order, on every rank
+                chunk = torch.zeros(hi - lo, dtype=dtype, device=device)
+                for number, run in runs:
+                    if key in inner["state"].get(number, {}):
+                        chunk[run.start - lo:run.end - lo] = inner["state"][number][key]
+                pieces = [torch.empty_like(chunk) for _ in range(self.world_size)] if self.rank == 0 else None
+                dist.gather(chunk, pieces, group=self.comm.group, group_dst=0)
+                if self.rank != 0:
+                    continue
+                flat = torch.cat(pieces).cpu()
+                for p in bucket.params:
+                    if key in entries.get(indices.get(id(p)), {}):
+                        state[indices[id(p)]][key] = bucket.view(flat, p).clone()  # its own storage
+        if self.rank != 0:
+            return {}
+        groups = [{**group, "params": list(layout.groups[g])} for g, group in enumerate(inner["param_groups"])]
+        return {"state": state, "param_groups": groups}
+
+    def _params_in(self, run: ShardRun, layout: Layout) -> list[nn.Parameter]:
+        return [p for p, start in zip(run.bucket.params, run.bucket.offsets)
+                if start < run.end and run.start < start + p.numel() and id(p) in layout.index]
+
+    def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> dict[str, Any]:
+        """Load pre-hook: this rank's runs cut out of a state dict in torch.optim's ordinary form (every rank
+        passes the same). Which keys are element-wise is asked of the optimizer itself (``state_kinds``, per
+        group), not guessed from shapes: a 0-dim parameter's moment and a step count look alike. A run steps its
+        parameters together and may cross any boundary within a group, so a group's parameters must agree: all
+        with an entry or none, the same keys and scalars; anything else, or an entry without a key the optimizer
+        keeps, is refused in one line (the same on every rank) rather than loaded as another state."""
+        layout = self.layouts[optimizer]
+        sizes = [len(group["params"]) for group in full["param_groups"]]
+        if sizes != [len(indices) for indices in layout.groups]:
+            raise ValueError(f"the optimizer state has parameter groups of {sizes} parameters; this optimizer's "
+                             f"are of {[len(indices) for indices in layout.groups]}")
+        problem = missing_optimizer_state(type(optimizer), full, every_parameter=False, device=self.weights[0].device)
+        if problem:
+            raise ValueError(f"the optimizer state cannot be loaded: {problem}")
+        saved = {int(index): values for index, values in full["state"].items()}
+        kinds = [state_kinds(type(optimizer), {**live, **group}, self.weights[0].device)
+                 for live, group in zip(optimizer.param_groups, full["param_groups"])]
+        shapes = {layout.index[id(p)][1]: p.shape for b in self.buckets for p in b.params if id(p) in layout.index}
+        group_of = {index: g for g, index in layout.index.values()}
+
+        def elementwise(index: int, key: str) -> bool:
+            known = kinds[group_of[index]].get(key)
+            if known is not None:
+                return known
+            value = saved[index][key]  # a key the probe did not show: by its shape
+            return torch.is_tensor(value) and value.dim() > 0 and value.shape == shapes[index]
+
+        for g, indices in enumerate(layout.groups):  # the same verdict on every rank, whichever runs it holds
+            with_state = [index for index in indices if index in saved]
+            if not with_state:
+                continue
+            first = saved[with_state[0]]
+            for index in indices:
+                other = saved.get(index)
+                differs = ("has no state" if other is None else "holds other keys" if other.keys() != first.keys()
+                           else "has other scalars (step counts)" if any(not _same(other[key], value)
+                                                                 for key, value in first.items()
+                                                                 if not elementwise(index, key)) else None)
+                if differs:
+                    raise ValueError(f"the optimizer state cannot be loaded: in parameter group {g}, parameter "
+                                     f"{index} {differs}, unlike parameter {with_state[0]}; a sharded optimizer "
+                                     f"steps a group's parameters together (in runs across their boundaries)")
+        state: dict[int, dict[str, Any]] = {}
+        for b in sorted({run.bucket.index for run in layout.runs}):
+            bucket = self.buckets[b]
+            runs = [(number, run) for number, run in enumerate(layout.runs) if run.bucket is bucket]
+            indices = {id(p): layout.index[id(p)][1] for p in bucket.params if id(p) in layout.index}
+            keys = {key: saved[index][key].dtype for index in indices.values() for key in saved.get(index, {})
+                    if elementwise(index, key)}
+            for key, dtype in sorted(keys.items()):
+                flat = torch.zeros(bucket.length, dtype=dtype)
+                for p in bucket.params:
+                    entry = saved.get(indices.get(id(p)), {})
+                    if key in entry:
+                        if tuple(entry[key].shape) != tuple(p.shape):
+                            raise ValueError(f"the optimizer state's {key!r} of parameter {indices[id(p)]} is "
+                                             f"{tuple(entry[key].shape)}, the parameter {tuple(p.shape)}")
+                        bucket.view(flat, p).copy_(entry[key])
+                for number, run in runs:
+                    if indices[id(self._params_in(run, layout)[0])] in saved:
+                        state.setdefault(number, {})[key] = flat[run.start:run.end].clone()
+            for number, run in runs:  # the scalars: the run's first parameter's (its group's agree)
+                index = indices[id(self._params_in(run, layout)[0])]
+                for key, value in saved.get(index, {}).items():
+                    if not elementwise(index, key):
+                        state.setdefault(number, {})[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+        inner_index = {id(run): number for number, run in enumerate(layout.runs)}
+        groups = [{**group, "params": [inner_index[id(run)] for run in layout.runs if run.group == g]}
+                  for g, group in enumerate(full["param_groups"])]
+        return {"state": state, "param_groups": groups}
