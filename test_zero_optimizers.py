@@ -5,8 +5,9 @@ A user's model (two parameter groups: decay on matrices, none and another learni
 parameter; buckets and stage-3 units small enough that the groups' runs are cut across ranks), trained with
 gradient accumulation and clipping on a global batch that 2 and 3 processes split alike. For each optimizer and
 configuration:
-- ``optimizer.state_dict()`` before any step and after STEPS steps equals the unsharded optimizer's (one process,
-  the global batch): the same parameter indices, keys, dtypes and groups, and values within 1e-12;
+- ``optimizer.state_dict()`` before any step and after steps equals the unsharded optimizer's (one process, the
+  global batch): the same parameter indices, keys, dtypes and groups, and values within 1e-12 (3 processes: after
+  STEPS from scratch; 2: after MORE steps from 3's state, against one process that saved and loaded its own);
 - that state, saved on 3 processes at one stage, is loaded on 2 at another stage, and MORE steps end within
   1e-10 of one process's STEPS + MORE steps.
 And the optimizers that need whole parameters (Adafactor, Muon, LBFGS, SparseAdam), or that zero cannot know to
@@ -105,9 +106,12 @@ def micro_batch(step: int, rank: int, world_size: int, k: int):
 
 
 def reference(name: str) -> dict:
-    """One process, the global batch, the unsharded optimizer: its state dicts and weights."""
+    """One process, the global batch, the unsharded optimizer: its state dicts and weights, uninterrupted; and the
+    state after MORE steps of an optimizer that loaded the STEPS-step state, as a resume does (torch.optim's own
+    load casts some scalars, NAdam's mu_product, to the parameters' dtype: the sharded resume must equal that)."""
+    unsharded = lambda cls, groups, **s: cls(groups, **s)  # noqa: E731
     model = make_model()
-    optimizer = build_optimizer(lambda cls, groups, **s: cls(groups, **s), name, model)
+    optimizer = build_optimizer(unsharded, name, model)
     x, y = data()
     out = {"state at 0": cloned(optimizer.state_dict())}
     for step in range(STEPS + MORE):
@@ -117,7 +121,17 @@ def reference(name: str) -> dict:
         optimizer.zero_grad()
         if step == STEPS - 1:
             out["state"] = cloned(optimizer.state_dict())
+            resumed_model = make_model()  # a fresh process's model, loaded from the checkpoint's weights
+            resumed_model.load_state_dict(model.state_dict())
     out["weights"] = cloned(model.state_dict())
+    resumed = build_optimizer(unsharded, name, resumed_model)
+    resumed.load_state_dict(cloned(out["state"]))  # torch keeps the step tensors it is given, and adds to them
+    for step in range(STEPS, STEPS + MORE):
+        F.cross_entropy(resumed_model(x[step]), y[step]).backward()
+        torch.nn.utils.clip_grad_norm_(resumed_model.parameters(), MAX_NORM)
+        resumed.step()
+        resumed.zero_grad()
+    out["resumed state"] = cloned(resumed.state_dict())
     return out
 
 
@@ -153,11 +167,9 @@ def sharded_run(name: str, stage: int, collectives: str, steps: range, load: dic
     return cloned(out)
 
 
-def train_configs(rank, world_size, configs, saved=None):
-    """Every config from scratch for STEPS steps; with ``saved`` (another world size's results), also each config
-    resumed from there."""
-    runs = {config: sharded_run(*config, range(STEPS)) for config in configs}
-    return runs if saved is None else {**runs, **resume_configs(rank, world_size, configs, saved)}
+def train_configs(rank, world_size, configs):
+    """Every config from scratch for STEPS steps."""
+    return {config: sharded_run(*config, range(STEPS)) for config in configs}
 
 
 def resume_configs(rank, world_size, configs, saved):
@@ -230,10 +242,10 @@ def references():
 
 @pytest.fixture(scope="module")
 def runs(local_group):
-    """{world size: every rank's runs}: 3 processes from scratch (uneven shards), then 2 from scratch and resumed
-    from 3's state at the next stage."""
+    """{world size: every rank's runs}: 3 processes from scratch (uneven shards), then 2 resumed from 3's state at
+    the next stage (their state dicts, before the load and after MORE steps, are the 2-process column)."""
     three = local_group(3).run(train_configs, CONFIGS, timeout_s=280)
-    two = local_group(2).run(train_configs, CONFIGS, three[0], timeout_s=280)
+    two = local_group(2).run(resume_configs, CONFIGS, three[0], timeout_s=280)
     return {2: two, 3: three}
 
 
@@ -291,14 +303,17 @@ def test_the_reference_has_the_state_under_test(references, name):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_state_dict_is_the_unsharded_optimizers(runs, references, world_size, name):
-    """Before any step and after STEPS: torch.optim's own state_dict, at every stage with both collectives."""
+    """Before any step, and after steps (3 processes: STEPS from scratch; 2: MORE after loading 3's state, against
+    one process that loaded its own): torch.optim's own state_dict, at every stage with both collectives."""
     ref = references[name]
     worst = 0.0
     for stage in STAGES:
         for collectives in COLLECTIVES:
-            ours = runs[world_size][0][name, stage, collectives]
+            key, expected = (((name, stage, collectives), ref["state"]) if world_size == 3 else
+                             (("resumed", name, stage, collectives), ref["resumed state"]))
+            ours = runs[world_size][0][key]
             assert state_difference(ours["state at 0"], ref["state at 0"]) == 0.0, (stage, collectives)
-            worst = max(worst, state_difference(ours["state"], ref["state"]))
+            worst = max(worst, state_difference(ours["state"], expected))
             assert worst < STATE_TOL, (stage, collectives, worst)
     print(f"\n{name}, {world_size} processes, stages 1-3 x torch, ring: state max |d| = {worst:.1e}")
 
