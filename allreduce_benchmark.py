@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -414,24 +415,12 @@ def _ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    stem = "allreduce" if args.collectives == ["allreduce"] else "collectives"
-    json_path = args.json or os.path.join("results", f"{stem}-{utils.machine_tag()}.json")
-    progress = None
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-        progress = tqdm(total=len(args.workers) * len(args.sizes) * len(args.collectives), file=sys.stderr,
-                        desc="collectives", leave=False)
-    say = progress.write if progress is not None else partial(print, flush=True)
-
-    header = f"{'workers':>7} {'elements':>9} {'algo':>9} {'median ms':>10} {'model ms':>9} {'iters':>5} " \
-             f"{'extra KiB':>9} {'max abs err':>11} {'identical':>9}"
-    rows, models, sweep, started, load_before = [], {}, [], time.perf_counter(), os.getloadavg()
-    if stem == "collectives":
-        print("algo: rs- reduce-scatter, ag- all-gather (torch: reduce_scatter_tensor, all_gather_into_tensor), "
-              "no prefix all-reduce; identical: None for the reduce-scatter (each rank keeps its own chunk)")
-    print(header, flush=True)
+def measure(args: argparse.Namespace, say: Any, progress: Any) -> tuple[list[dict], dict[int, dict], list[dict]]:
+    """Each worker count in a group of its own: the ping-pong's alpha-beta fit, then every collective x size x
+    algorithm (a row each, printed as it comes), then the ring's segment sweep."""
+    rows: list[dict] = []
+    models: dict[int, dict] = {}
+    sweep: list[dict] = []
     for workers in args.workers:
         with utils.LocalGroup(workers, timeout_s=args.timeout, start_timeout_s=args.timeout) as group:
             if workers > 1:
@@ -464,10 +453,11 @@ def main(argv=None) -> dict:
                     sweep.append(row)
                     say(f"{workers:>7} {row['elements']:>9} ring with segment {row['segment_elements']:>8}: "
                         f"{row['median_ms']:.1f} ms")
-    if progress is not None:
-        progress.close()
+    return rows, models, sweep
 
-    ratios = _ratios(rows)
+
+def print_ratios(rows: list[dict], ratios: list[dict]) -> None:
+    """The ring against torch's and the butterfly (all-reduce), the halves against torch's, and where the CPU went."""
     fmt = lambda v: f"{v:.2f}" if v is not None else "-"
     if any("ring_over_butterfly" in r for r in ratios):
         print("\nring / torch and ring / butterfly (median times; < 1 means the ring is faster)")
@@ -489,6 +479,63 @@ def main(argv=None) -> dict:
             print(f"{r['workers']:>7} {r['elements']:>9} {label:>9}  caller CPU {r['caller_cpu_us']:>8.0f}  "
                   f"waiting for a CPU {r['caller_runqueue_us']:>8.0f}  "
                   f"gloo threads CPU {r['other_threads_cpu_us']:>8.0f}")
+
+
+# How each figure of the JSON is measured (its "method")
+METHOD = {
+        "time": "median over the timed calls of one rank's wall time per call (each call starts after a "
+                "barrier), the largest such median across ranks; iterations adaptive: 3 probe calls, then "
+                "budget_s / probe median, clamped to [min_iters, max_iters], spread over `rounds` rounds in "
+                "alternating algorithm order",
+        "p10_ms/p90_ms": "10th and 90th percentile of one rank's call times, the largest across ranks",
+        "predicted_ms": "alpha-beta model (predicted_ms in allreduce_benchmark.py) with alpha and beta fitted per "
+                        "worker count to a ping-pong between ranks 0 and 1 (least one-way time per length)",
+        "extra_peak_bytes": "bytes of new tensor storage returned by torch functions and Tensor methods "
+                            "during one call (a TorchFunctionMode), max over ranks; a sum of allocations, "
+                            "so an upper bound on the peak; gloo's internal scratch in "
+                            "torch.distributed.all_reduce is invisible to it, so the torch figure is a "
+                            "lower bound",
+        "caller_cpu_us/caller_runqueue_us/other_threads_cpu_us": "per timed call (barrier and each round's "
+            "warm-up call included), from Linux schedstat: CPU time of the thread that calls the all-reduce, the "
+            "time it was ready to run but waiting for a CPU, and the CPU time of the process's other threads "
+            "(gloo's I/O and work threads); largest across ranks; 0 where /proc has no schedstat",
+        "max_abs_error": "max over ranks and elements of |result - float64 mean of all ranks' float32 inputs|",
+        "torch": "torch.distributed.all_reduce(SUM) on gloo, then a division by the world size; for the halves "
+                 "(rows with a 'collective'), torch.distributed.reduce_scatter_tensor into a new chunk and "
+                 "torch.distributed.all_gather_into_tensor in place",
+        "halves": "reduce_scatter: max_abs_error against the float64 sum of the ranks' chunk `rank`, "
+                  "identical_across_ranks None (each rank keeps its own chunk), timed on a vector of zeros (the "
+                  "ring sums in place: random inputs would grow to infinities over the timed calls); "
+                  "all_gather: identical_across_ranks true when every rank's result equals every rank's own "
+                  "chunk bit for bit; elements rounded up to a multiple of the workers",
+    
+}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    stem = "allreduce" if args.collectives == ["allreduce"] else "collectives"
+    json_path = args.json or os.path.join("results", f"{stem}-{utils.machine_tag()}.json")
+    progress = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        progress = tqdm(total=len(args.workers) * len(args.sizes) * len(args.collectives), file=sys.stderr,
+                        desc="collectives", leave=False)
+    say = progress.write if progress is not None else partial(print, flush=True)
+
+    header = f"{'workers':>7} {'elements':>9} {'algo':>9} {'median ms':>10} {'model ms':>9} {'iters':>5} " \
+             f"{'extra KiB':>9} {'max abs err':>11} {'identical':>9}"
+    started, load_before = time.perf_counter(), os.getloadavg()
+    if stem == "collectives":
+        print("algo: rs- reduce-scatter, ag- all-gather (torch: reduce_scatter_tensor, all_gather_into_tensor), "
+              "no prefix all-reduce; identical: None for the reduce-scatter (each rank keeps its own chunk)")
+    print(header, flush=True)
+    rows, models, sweep = measure(args, say, progress)
+    if progress is not None:
+        progress.close()
+
+    ratios = _ratios(rows)
+    print_ratios(rows, ratios)
     payload = {
         "benchmark": stem,
         "command": " ".join(["python", "allreduce_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
@@ -499,33 +546,7 @@ def main(argv=None) -> dict:
                      "min_iters": args.min_iters, "max_iters": args.max_iters, "rounds": args.rounds,
                      "segment_elements": args.segment, "receive_slots": RECEIVE_SLOTS, "cpus": args.cpus,
                      "seed": args.seed},
-        "method": {
-            "time": "median over the timed calls of one rank's wall time per call (each call starts after a "
-                    "barrier), the largest such median across ranks; iterations adaptive: 3 probe calls, then "
-                    "budget_s / probe median, clamped to [min_iters, max_iters], spread over `rounds` rounds in "
-                    "alternating algorithm order",
-            "p10_ms/p90_ms": "10th and 90th percentile of one rank's call times, the largest across ranks",
-            "predicted_ms": "alpha-beta model (predicted_ms in allreduce_benchmark.py) with alpha and beta fitted per "
-                            "worker count to a ping-pong between ranks 0 and 1 (least one-way time per length)",
-            "extra_peak_bytes": "bytes of new tensor storage returned by torch functions and Tensor methods "
-                                "during one call (a TorchFunctionMode), max over ranks; a sum of allocations, "
-                                "so an upper bound on the peak; gloo's internal scratch in "
-                                "torch.distributed.all_reduce is invisible to it, so the torch figure is a "
-                                "lower bound",
-            "caller_cpu_us/caller_runqueue_us/other_threads_cpu_us": "per timed call (barrier and each round's "
-                "warm-up call included), from Linux schedstat: CPU time of the thread that calls the all-reduce, the "
-                "time it was ready to run but waiting for a CPU, and the CPU time of the process's other threads "
-                "(gloo's I/O and work threads); largest across ranks; 0 where /proc has no schedstat",
-            "max_abs_error": "max over ranks and elements of |result - float64 mean of all ranks' float32 inputs|",
-            "torch": "torch.distributed.all_reduce(SUM) on gloo, then a division by the world size; for the halves "
-                     "(rows with a 'collective'), torch.distributed.reduce_scatter_tensor into a new chunk and "
-                     "torch.distributed.all_gather_into_tensor in place",
-            "halves": "reduce_scatter: max_abs_error against the float64 sum of the ranks' chunk `rank`, "
-                      "identical_across_ranks None (each rank keeps its own chunk), timed on a vector of zeros (the "
-                      "ring sums in place: random inputs would grow to infinities over the timed calls); "
-                      "all_gather: identical_across_ranks true when every rank's result equals every rank's own "
-                      "chunk bit for bit; elements rounded up to a multiple of the workers",
-        },
+        "method": METHOD,
         "wall_time_s": time.perf_counter() - started,
         # The machine may be shared: the 1/5/15-minute load averages say how busy it was around the run.
         "load_average_before": list(load_before),
