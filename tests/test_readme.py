@@ -9,7 +9,7 @@ from torch.distributed.run import get_args_parser
 
 import ddp_cifar100 as trainer
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")  # tests/ -> root
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
 OTHER_PROGRAM = re.compile(r"python3? (?!ddp_cifar100\.py)\S+\.py|tensorboard")
 
