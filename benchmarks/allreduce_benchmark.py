@@ -491,7 +491,8 @@ def main(argv=None) -> dict:
                   f"gloo threads CPU {r['other_threads_cpu_us']:>8.0f}")
     payload = {
         "benchmark": stem,
-        "command": " ".join(["python", "-m", "benchmarks.allreduce_benchmark"] + (sys.argv[1:] if argv is None else list(argv))),
+        "command": " ".join(["python", "-m", "benchmarks.allreduce_benchmark"]
+                            + (sys.argv[1:] if argv is None else list(argv))),
         "machine": utils.machine_info(),
         "settings": {"collectives": args.collectives, "workers": args.workers, "sizes": args.sizes,
                      "algos": args.algos, "dtype": "float32",

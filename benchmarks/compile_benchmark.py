@@ -603,7 +603,8 @@ def main(argv: list[str] | None = None) -> None:
     except BenchmarkError as exc:
         raise SystemExit(f"{PROG}: error: {exc}") from None
     started = time.perf_counter()
-    command = shlex.join(["python", "-m", "benchmarks.compile_benchmark"] + (argv if argv is not None else sys.argv[1:]))
+    command = shlex.join(["python", "-m", "benchmarks.compile_benchmark"]
+                         + (argv if argv is not None else sys.argv[1:]))
     path = args.json or os.path.join(HERE, "results", f"compile-{utils.machine_tag('cpu')}.json")
     # A fresh inductor cache for the run (the LocalGroup's workers inherit it): compile times are from scratch.
     cache = tempfile.mkdtemp(prefix="compilebench-inductor-")

@@ -214,7 +214,8 @@ def main() -> None:
                 print(f"{name:>6} {pipeline:>24} {process:>9} {m['rss']:>8.1f} {m['pss']:>8.1f} {m['private']:>11.1f}")
     payload = {
         "benchmark": "loader", "machine": utils.machine_info("cpu"),
-        "command": " ".join(["python", "-m", "benchmarks.loader_benchmark", *sys.argv[1:]]), "load_average_before": load_before,
+        "command": " ".join(["python", "-m", "benchmarks.loader_benchmark", *sys.argv[1:]]),
+        "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "wall_time_s": time.perf_counter() - started,
         "settings": {"size": args.size, "batch_size": args.batch_size, "train_sizes": [args.train_size,
                      10 * args.train_size], "loader_batches": args.loader_batches, "steps": args.steps,

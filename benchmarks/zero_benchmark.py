@@ -294,7 +294,8 @@ def main_trace(args: argparse.Namespace, argv) -> dict:
     payload = {
         "traceEvents": events, "displayTimeUnit": "ms",
         "benchmark": "trace-zero3", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
-        "command": " ".join(["python", "-m", "benchmarks.zero_benchmark"] + (sys.argv[1:] if argv is None else list(argv))),
+        "command": " ".join(["python", "-m", "benchmarks.zero_benchmark"]
+                            + (sys.argv[1:] if argv is None else list(argv))),
         "trainer_command": metrics["command"].replace(HERE + os.sep, ""),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "config": config, "nproc": config["nproc"], "profiled_steps": list(TRACE_STEPS),
@@ -468,7 +469,8 @@ def main_table(args: argparse.Namespace, argv) -> dict:
     memory = gpt2_memory()
     print_gpt2_memory(memory)
     payload = {"benchmark": "zero", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
-               "command": " ".join(["python", "-m", "benchmarks.zero_benchmark"] + (sys.argv[1:] if argv is None else list(argv))),
+               "command": " ".join(["python", "-m", "benchmarks.zero_benchmark"]
+                                   + (sys.argv[1:] if argv is None else list(argv))),
                "settings": {k: v for k, v in vars(args).items() if k != "json"},
                "wall_time_s": time.time() - started, "load_average_before": list(load_before),
                "load_average_after": list(os.getloadavg()),
