@@ -9,7 +9,8 @@ one rank (its owner), and the other ranks only copy it. The halves work on a fla
 every rank's own chunk (ZeRO's sharded optimizer is built on the pair: reduce-scatter the gradients, update one
 shard, all-gather the parameters). ``AllreduceThread`` runs any of them on a thread of its own over a group of
 its own, for overlapping communication with computation (the trainer's --allreduce ring|butterfly).
-The benchmark against torch.distributed is ``allreduce_benchmark.py``; its figures are in the README and the report.
+The benchmark against torch.distributed is ``benchmarks/allreduce_benchmark.py``; its figures are in docs/ and the
+report.
 
 Ring (reduce-scatter, then all-gather), pipelined
     The flat vector is cut into p chunks, chunk i holding floor(n/p) or ceil(n/p) elements (the first n mod p
@@ -52,8 +53,8 @@ Ring (reduce-scatter, then all-gather), pipelined
     memory budget needs a fixed S; with alpha and beta fitted on the development machine and gamma ~ beta (an
     in-place add moves about as many bytes per element as a receive), S* is about 1e6 at gradient lengths
     (2.5e7). Measured, 2^20 was the fastest segment or within 2% of it at every worker count, and cost nothing
-    at 1e6 elements, where a chunk fits one segment (the segment sweep in the README's Results). Short segments
-    lose for a reason outside the model: every message costs CPU time on both ends (below). So
+    at 1e6 elements, where a chunk fits one segment (the segment sweep in docs/benchmarks-and-results.md). Short
+    segments lose for a reason outside the model: every message costs CPU time on both ends (below). So
     S = 2^20 = 1,048,576: a fixed budget of 8 MiB (float32), which does not grow with n.
 
 Butterfly (recursive halving, then recursive doubling; Rabenseifner's algorithm)
@@ -87,10 +88,10 @@ into views of the input (no .contiguous() copies). A non-contiguous input to the
 contiguous copy and copied back (n more elements); the halves take only 1-D contiguous vectors, since their
 result is a view of the input.
 
-Where the time goes beyond the model (measured by the benchmark's per-thread CPU accounting; figures in the
-README): every message is a hand-off between our Python thread and gloo's I/O thread (a post, a sleep in
-wait(), a wake-up), which costs CPU time on both sides, while gloo's own collectives run whole in C++ inside
-its threads. A gloo point-to-point receive cannot be polled (its Work.is_completed() is False until wait() is
+Where the time goes beyond the model (measured by the benchmark's per-thread CPU accounting; figures in
+docs/benchmarks-and-results.md): every message is a hand-off between our Python thread and gloo's I/O thread (a
+post, a sleep in wait(), a wake-up), which costs CPU time on both sides, while gloo's own collectives run whole in
+C++ inside its threads. A gloo point-to-point receive cannot be polled (its Work.is_completed() is False until wait() is
 called), so every receive sleeps and wakes. On a machine with fewer cores than those threads, ready threads
 queue for a CPU, and a thread that finds none runs at the scheduler's next look: the two-mode call times of
 small vectors. Hence the design's bias towards fewer and earlier hand-offs: long segments, and receives posted

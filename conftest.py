@@ -32,7 +32,7 @@ def local_group():
 def image_folder(tmp_path_factory):
     """40 training images (20 per rank: 5 micro-batches of 4, 3 steps an epoch with grad-accum 2) and 23 for
     validation (divisible by neither 2 nor 3), 8 classes, plus a text file that must be skipped."""
-    import make_image_folder
+    from benchmarks import make_image_folder
 
     root = tmp_path_factory.mktemp("folder")
     make_image_folder.write_image_folder(str(root), classes=8, train_size=40, val_size=23, size=20, seed=3)

@@ -268,7 +268,7 @@ def plain_loop(args: argparse.Namespace) -> dict:
 def write_imagenet_folder(args: argparse.Namespace, root: str) -> None:
     """A synthetic folder with enough training images for every process's steps (warm-up included), stored at
     256/224 of the crop size as JPEGs, as ImageNet's recipe resizes before cropping."""
-    from make_image_folder import write_image_folder
+    from benchmarks.make_image_folder import write_image_folder
 
     train_size = args.nproc * args.batch_size * (args.steps + WARMUP_STEPS)
     size = round(args.image_size * 256 / 224)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-import compile_benchmark
+from benchmarks import compile_benchmark
 
 
 def positive(value):
@@ -20,7 +20,7 @@ def test_bn_part_writes_rows_graph_facts_and_verdicts(tmp_path, capsys):
     assert "goals:" in printed and "nn.SyncBatchNorm cannot run on CPU tensors" in printed
 
     payload = json.loads(path.read_text())
-    assert payload["command"] == "python compile_benchmark.py " + " ".join(argv)
+    assert payload["command"] == "python -m benchmarks.compile_benchmark " + " ".join(argv)
     assert payload["machine"]["cpu_count"] >= 1 and payload["machine"]["torch"]
     assert payload["trainer"] is None and payload["overlap"] is None
     bn = payload["bn"]

@@ -2,8 +2,8 @@
 without int4 and streaming) on a byte-level GPT, each run over loopback shaped by Linux traffic control inside a
 network namespace of its own, and over plain loopback.
 
-    python slowlink_benchmark.py                                  # every run below, about 25 minutes on 2 cores
-    python slowlink_benchmark.py --runs ddp diloco-h50 --steps 300 --link shaped
+    python -m benchmarks.slowlink_benchmark                       # every run below, about 25 minutes on 2 cores
+    python -m benchmarks.slowlink_benchmark --runs ddp diloco-h50 --steps 300 --link shaped
 
 The link: ``unshare -rn`` gives each run a network namespace with only its own loopback (no root needed: a user
 namespace maps us to root inside it), ``ip link set lo up``, and ``tc qdisc add dev lo root tbf rate 100mbit burst
@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 import utils
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 RATE = "100mbit"
 # name -> the trainer's flags that make it (the recipe below is common to all)
 RUNS = {
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"{name} ({rate or 'loopback'}): {runs[-1]['val_bits_per_byte']:.4f} bits/byte, "
                        f"{runs[-1]['sent_bytes'] / 1e6:.1f} MB sent, {runs[-1]['train_time_s']:.0f} s")
     out = args.out or os.path.join(HERE, "results", f"slowlink-{utils.machine_tag()}.json")
-    command = "python " + shlex.join(["slowlink_benchmark.py", *(argv or sys.argv[1:])])
+    command = "python -m " + shlex.join(["benchmarks.slowlink_benchmark", *(argv or sys.argv[1:])])
     commands = [command]
     if args.merge and os.path.exists(out):
         with open(out) as f:

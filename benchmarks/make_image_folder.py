@@ -1,6 +1,7 @@
 """Write the trainer's synthetic set as an image folder, for tests and demos of ``--dataset imagefolder``.
 
-    python make_image_folder.py DIR [--classes 10] [--train-size 2000] [--val-size 500] [--size 32] [--format png]
+    python -m benchmarks.make_image_folder DIR [--classes 10] [--train-size 2000] [--val-size 500] [--size 32]
+                                               [--format png]
 
 gives DIR/train/class000/000017.png ... and DIR/val/..., torchvision's ImageFolder layout. The images are
 data.make_synthetic's (the same seed gives the same files), with labels drawn from --classes classes,

@@ -1,6 +1,6 @@
 """torch.compile against eager on this machine: our SyncBatchNorm alone, and the trainer's optimizer step.
 
-    python compile_benchmark.py [--parts bn,trainer,overlap] [--backend inductor] [--iters 400] [--repeats 2]
+    python -m benchmarks.compile_benchmark [--parts bn,trainer,overlap] [--backend inductor] [--iters 400] [--repeats 2]
                                 [--json results/compile-<machine>.json]
 
 ``--parts bn``: syncbn.SyncBatchNorm's forward + backward at the assignment's (batch, hid_dim) grid (bn_benchmark.py's
@@ -71,7 +71,7 @@ import syncbn
 import utils
 from bn_benchmark import BATCH_SIZES, HID_DIMS, make_step
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 PROG = "compile_benchmark.py"
 PARTS = ("bn", "trainer", "overlap")
 MODELS = ("net", "resnet", "vit")  # the trainer's models for 32-pixel images
@@ -603,7 +603,8 @@ def main(argv: list[str] | None = None) -> None:
     except BenchmarkError as exc:
         raise SystemExit(f"{PROG}: error: {exc}") from None
     started = time.perf_counter()
-    command = shlex.join(["python", PROG] + (argv if argv is not None else sys.argv[1:]))
+    command = shlex.join(["python", "-m", "benchmarks.compile_benchmark"]
+                         + (argv if argv is not None else sys.argv[1:]))
     path = args.json or os.path.join(HERE, "results", f"compile-{utils.machine_tag('cpu')}.json")
     # A fresh inductor cache for the run (the LocalGroup's workers inherit it): compile times are from scratch.
     cache = tempfile.mkdtemp(prefix="compilebench-inductor-")

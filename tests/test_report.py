@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 
 
 def executed_report():
@@ -85,7 +85,7 @@ def test_without_the_notebook_packages_the_report_tests_skip(tmp_path):
     reason (they used to stop the whole run at collection)."""
     (tmp_path / "sitecustomize.py").write_text(BLOCK_NOTEBOOK_PACKAGES)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "test_report.py", "-k",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", os.path.abspath(__file__), "-k",
                            "not without_the_notebook_packages"], cwd=HERE, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

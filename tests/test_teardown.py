@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 
 # A world of one (no torchrun environment); the optimizer imports torch._dynamo, which imports torch.distributed.nn.
 TEARDOWN = """

@@ -4,7 +4,7 @@ the suite; test_zero.py checks the trainer's state_bytes, bytes sent and gathere
 and the prefetch order in a profiled step.)"""
 import pytest
 
-import zero_benchmark
+from benchmarks import zero_benchmark
 
 
 def test_expected_bytes_are_zero_py_s_formulas():

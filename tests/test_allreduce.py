@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import allreduce
-import allreduce_benchmark
+from benchmarks import allreduce_benchmark
 
 WORLD_SIZES = [1, 2, 3, 5, 8]
 LENGTHS = [1, 3, 1000, 1001, 4097]
@@ -240,7 +240,7 @@ def test_benchmark_smoke(tmp_path, capsys):
     assert [r["segment_elements"] for r in written["segment_sweep"]] == [8, 50]
     assert {"cpu_model", "torch"} <= set(written["machine"]) and written["ratios"][0]["ring_over_torch"] > 0
     assert {r.get("collective") for r in written["ratios"]} == {None, "reduce_scatter", "all_gather"}
-    assert written["command"].startswith("python allreduce_benchmark.py ")
+    assert written["command"].startswith("python -m benchmarks.allreduce_benchmark ")
     printed = capsys.readouterr().out
     assert "ring" in printed and "rs-ring" in printed and "ag-torch" in printed
 

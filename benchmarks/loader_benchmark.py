@@ -1,6 +1,6 @@
 """The streaming image-folder pipeline: loader throughput against training throughput, and memory.
 
-    python loader_benchmark.py [--workers 0,1,2] [--size 64] [--train-size 2000] [--json FILE]
+    python -m benchmarks.loader_benchmark [--workers 0,1,2] [--size 64] [--train-size 2000] [--json FILE]
 
 Writes two folders of the synthetic set as JPEG files (make_image_folder.py; --size pixels), one with
 --train-size training images and one ten times larger, and measures, for each --workers value:
@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 import utils
 from data import FolderData, folder_transforms, normalize
-from make_image_folder import write_image_folder
+from benchmarks.make_image_folder import write_image_folder
 from trainer.config import WARMUP_STEPS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
 
 def memory_mb(pid: int) -> dict[str, float]:
@@ -214,7 +214,8 @@ def main() -> None:
                 print(f"{name:>6} {pipeline:>24} {process:>9} {m['rss']:>8.1f} {m['pss']:>8.1f} {m['private']:>11.1f}")
     payload = {
         "benchmark": "loader", "machine": utils.machine_info("cpu"),
-        "command": "python " + " ".join(sys.argv), "load_average_before": load_before,
+        "command": " ".join(["python", "-m", "benchmarks.loader_benchmark", *sys.argv[1:]]),
+        "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "wall_time_s": time.perf_counter() - started,
         "settings": {"size": args.size, "batch_size": args.batch_size, "train_sizes": [args.train_size,
                      10 * args.train_size], "loader_batches": args.loader_batches, "steps": args.steps,

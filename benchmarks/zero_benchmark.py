@@ -1,9 +1,9 @@
 """ZeRO stages against the replicated run, DDP, PyTorch's ZeroRedundancyOptimizer and FSDP2: what each rank holds,
 what it sends, how long a step takes, and where the weights end.
 
-    python zero_benchmark.py [--quick] [--models vit,resnet] [--nprocs 2,4] [--grad-accums 1,2] [--rows ...]
-    python zero_benchmark.py --device cuda --models vit_b_16,resnet50 --nprocs 2 --grad-accums 1 --amp bf16
-    python zero_benchmark.py --trace      # one profiled stage 3 run -> results/trace-zero3-<machine>.json
+    python -m benchmarks.zero_benchmark [--quick] [--models vit,resnet] [--nprocs 2,4] [--grad-accums 1,2] [--rows ...]
+    python -m benchmarks.zero_benchmark --device cuda --models vit_b_16,resnet50 --nprocs 2 --grad-accums 1 --amp bf16
+    python -m benchmarks.zero_benchmark --trace   # one profiled stage 3 run -> results/trace-zero3-<machine>.json
 
 Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run (training_benchmark.
 run_trainer) on the synthetic set with AdamW, SyncBatchNorm (``--norm custom``; the ViT has none) and buckets of at
@@ -294,7 +294,8 @@ def main_trace(args: argparse.Namespace, argv) -> dict:
     payload = {
         "traceEvents": events, "displayTimeUnit": "ms",
         "benchmark": "trace-zero3", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
-        "command": " ".join(["python", "zero_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "command": " ".join(["python", "-m", "benchmarks.zero_benchmark"]
+                            + (sys.argv[1:] if argv is None else list(argv))),
         "trainer_command": metrics["command"].replace(HERE + os.sep, ""),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "config": config, "nproc": config["nproc"], "profiled_steps": list(TRACE_STEPS),
@@ -468,7 +469,8 @@ def main_table(args: argparse.Namespace, argv) -> dict:
     memory = gpt2_memory()
     print_gpt2_memory(memory)
     payload = {"benchmark": "zero", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
-               "command": " ".join(["python", "zero_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
+               "command": " ".join(["python", "-m", "benchmarks.zero_benchmark"]
+                                   + (sys.argv[1:] if argv is None else list(argv))),
                "settings": {k: v for k, v in vars(args).items() if k != "json"},
                "wall_time_s": time.time() - started, "load_average_before": list(load_before),
                "load_average_after": list(os.getloadavg()),

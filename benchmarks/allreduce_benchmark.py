@@ -1,7 +1,7 @@
 """Benchmark of allreduce.py's algorithms against torch.distributed's collectives (gloo, CPU).
 
-    python allreduce_benchmark.py                       # all-reduce: ring, butterfly, torch; 2, 4, 8 workers
-    python allreduce_benchmark.py --collectives reduce_scatter,all_gather --workers 2,4 --sizes 1e6,1e7
+    python -m benchmarks.allreduce_benchmark            # all-reduce: ring, butterfly, torch; 2, 4, 8 workers
+    python -m benchmarks.allreduce_benchmark --collectives reduce_scatter,all_gather --workers 2,4 --sizes 1e6,1e7
 
 ``--collectives`` picks what is timed (default allreduce):
 - allreduce: ring_allreduce and butterfly_allreduce against torch.distributed.all_reduce (SUM then a division,
@@ -538,7 +538,8 @@ def main(argv=None) -> dict:
     print_ratios(rows, ratios)
     payload = {
         "benchmark": stem,
-        "command": " ".join(["python", "allreduce_benchmark.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "command": " ".join(["python", "-m", "benchmarks.allreduce_benchmark"]
+                            + (sys.argv[1:] if argv is None else list(argv))),
         "machine": utils.machine_info(),
         "settings": {"collectives": args.collectives, "workers": args.workers, "sizes": args.sizes,
                      "algos": args.algos, "dtype": "float32",

@@ -4,8 +4,9 @@ after parsing, the one-line errors and their exit codes, the profiler ranges the
 the collectives (the same on every rank; the run's closing ones pinned one by one).
 
 The fixture testdata/trainer-checkpoint/last.pt was written by the trainer of commit e2ccd49 (one file of 1,460
-lines) with FIXTURE_FLAGS on the session's image folder (conftest.py); ``python test_trainer_pins.py DIR`` writes
-the same run's checkpoint to DIR/last.pt (with the trainer of the day: only for a deliberate change of format)."""
+lines) with FIXTURE_FLAGS on the session's image folder (conftest.py); ``python -m tests.test_trainer_pins DIR``
+(from the repository's root) writes the same run's checkpoint to DIR/last.pt (with the trainer of the day: only for
+a deliberate change of format)."""
 import io
 import json
 import os
@@ -362,7 +363,7 @@ def test_profiler_ranges_the_benchmarks_read(two_rank_runs, name):
 if __name__ == "__main__":  # write the fixture's run to DIR/last.pt (see the module docstring)
     import tempfile
 
-    import make_image_folder
+    from benchmarks import make_image_folder
 
     with tempfile.TemporaryDirectory() as folder:  # conftest.py's image folder
         make_image_folder.write_image_folder(folder, classes=8, train_size=40, val_size=23, size=20, seed=3)

@@ -29,7 +29,7 @@ from trainer.evaluation import evaluate
 from trainer_testing import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
                              try_train_in_group)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 SCRIPT = os.path.join(HERE, "ddp_cifar100.py")
 
 
