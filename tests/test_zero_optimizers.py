@@ -207,10 +207,11 @@ def refusals(rank, world_size):
     sharded.close()
 
     # Loads that cannot be honoured: one parameter's momentum missing (the others have it), an AdamW entry
-    # without its second moment, and two parameters stepped together with different step counts
+    # without its second moment, two parameters stepped together with different step counts, and a momentum
+    # buffer of another shape than its parameter
     x, y = micro_batch(0, rank, world_size, 0)
     for case, (cls, settings) in {"momentum": OPTIMIZERS["SGD momentum"], "moment": OPTIMIZERS["AdamW"],
-                                  "steps": OPTIMIZERS["AdamW"]}.items():
+                                  "steps": OPTIMIZERS["AdamW"], "shape": OPTIMIZERS["SGD momentum"]}.items():
         model = make_model()
         sharded = zero.shard(model, 2, bucket_mb=BUCKET_MB)
         optimizer = sharded.optimizer(cls, model.parameters(), **settings)
@@ -224,6 +225,8 @@ def refusals(rank, world_size):
             del state["state"][2]
         elif case == "moment":
             del state["state"][4]["exp_avg_sq"]
+        elif case == "shape":
+            state["state"][1]["momentum_buffer"] = state["state"][1]["momentum_buffer"][:1]
         else:
             state["state"][1]["step"] = state["state"][1]["step"] + 1
         out[f"load without {case}"] = attempt(lambda: optimizer.load_state_dict(state))
@@ -358,7 +361,8 @@ def test_an_optimizer_zero_cannot_know_is_refused_until_declared(refused):
 
 @pytest.mark.parametrize("case, phrase", [("momentum", "parameter 2 has no state, unlike parameter 0"),
                                           ("moment", "parameter 4 has no 'exp_avg_sq'"),
-                                          ("steps", "parameter 1 has other scalars (step counts), unlike parameter 0")])
+                                          ("steps", "parameter 1 has other scalars (step counts), unlike parameter 0"),
+                                          ("shape", "'momentum_buffer' of parameter 1 is (1, 6), the parameter (10, 6)")])
 def test_a_state_that_cannot_be_loaded_is_refused_in_one_line(refused, case, phrase):
     for rank in (0, 1):
         kind, message = refused[rank][f"load without {case}"]

@@ -48,6 +48,11 @@ class ElementWise:
     dtype: torch.dtype
 
 
+def _own_copy(value: Any) -> Any:
+    """A state value of its own: a plain optimizer adds to its step count in place, so none may be shared."""
+    return value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+
+
 def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
 
@@ -79,14 +84,10 @@ def total_norm(parts: list[torch.Tensor], norm_type: float, group: dist.ProcessG
 # ----------------------------------------------------------------------------------------------------------
 # Which optimizers the flat shards can carry ([Note: which optimizers])
 # ----------------------------------------------------------------------------------------------------------
-def _optimizers(*names: str) -> list[type[torch.optim.Optimizer]]:
-    return [getattr(torch.optim, name) for name in names if hasattr(torch.optim, name)]  # Muon: torch >= 2.9
-
-
 # Each element's update reads only that element's weight, gradient and state, and the parameter's scalars (a step
 # count): exact on any run of any parameter. Add a class of your own that is element-wise: ELEMENTWISE.add(cls).
-ELEMENTWISE: set[type[torch.optim.Optimizer]] = set(_optimizers(
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
+ELEMENTWISE: set[type[torch.optim.Optimizer]] = {getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")}
 # What each of these needs that a run of a flat shard is not: refused at sharded.optimizer().
 _WHOLE_PARAMETER_NEEDS = {
     "Adafactor": "factors each matrix's second moment into row and column statistics, which needs the matrix",
@@ -94,7 +95,7 @@ _WHOLE_PARAMETER_NEEDS = {
     "LBFGS": "takes dot products over the whole model's gradient and re-evaluates the loss in a closure",
     "SparseAdam": "steps sparse gradients, and the shards' gradients are dense",
 }
-WHOLE_PARAMETER: dict[type[torch.optim.Optimizer], str] = {
+WHOLE_PARAMETER: dict[type[torch.optim.Optimizer], str] = {  # Muon: torch >= 2.9
     getattr(torch.optim, name): need for name, need in _WHOLE_PARAMETER_NEEDS.items() if hasattr(torch.optim, name)}
 
 
@@ -129,17 +130,19 @@ def state_kinds(optimizer_class: type[torch.optim.Optimizer], settings: dict[str
 
 
 def missing_optimizer_state(optimizer_class: type[torch.optim.Optimizer], state: dict[str, Any],
-                            every_parameter: bool, device: torch.device | str = "cpu") -> str | None:
+                            every_parameter: bool, kinds: list[dict[str, bool]] | None = None) -> str | None:
     """What ``state`` (torch.optim's ordinary state_dict) lacks that ``optimizer_class`` keeps, in words, or None:
     a parameter whose entry lacks a key its group's settings make the optimizer keep, or, if ``every_parameter``
-    (the run has stepped every parameter), a parameter with no entry at all."""
+    (the run has stepped every parameter), a parameter with no entry at all. ``kinds``: each group's
+    ``state_kinds``, where the caller has them (else probed here, on the CPU)."""
     saved = {int(index): entry for index, entry in state["state"].items()}
-    for group in state["param_groups"]:
-        kinds = state_kinds(optimizer_class, group, device)
+    if kinds is None:
+        kinds = [state_kinds(optimizer_class, group) for group in state["param_groups"]]
+    for group, group_kinds in zip(state["param_groups"], kinds):
         for index in group["params"]:
             if index not in saved and not every_parameter:
                 continue
-            lacking = [key for key in kinds if key not in saved.get(index, {})]
+            lacking = [key for key in group_kinds if key not in saved.get(index, {})]
             if lacking:
                 return (f"parameter {index} has no {lacking[0]!r}, which torch.optim.{optimizer_class.__name__} "
                         f"keeps for every parameter it has stepped")
@@ -320,8 +323,8 @@ class ShardedOptimizer:
                 for key, value in values.items():
                     if torch.is_tensor(value) and value.dim() > 0:  # a run's element-wise state is 1-D
                         entry[key] = ElementWise(value.dtype)
-                    elif key not in entry:  # each its own copy: AdamW adds to its step in place
-                        entry[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+                    elif key not in entry:
+                        entry[key] = _own_copy(value)
         shared: list[Any] = [None] * self.world_size  # every rank's, so all know every entry and key
         dist.all_gather_object(shared, entries, group=self.comm.group)
         for theirs in shared:
@@ -371,12 +374,12 @@ class ShardedOptimizer:
         if sizes != [len(indices) for indices in layout.groups]:
             raise ValueError(f"the optimizer state has parameter groups of {sizes} parameters; this optimizer's "
                              f"are of {[len(indices) for indices in layout.groups]}")
-        problem = missing_optimizer_state(type(optimizer), full, every_parameter=False, device=self.weights[0].device)
+        kinds = [state_kinds(type(optimizer), {**live, **group}, self.weights[0].device)
+                 for live, group in zip(optimizer.param_groups, full["param_groups"])]
+        problem = missing_optimizer_state(type(optimizer), full, every_parameter=False, kinds=kinds)
         if problem:
             raise ValueError(f"the optimizer state cannot be loaded: {problem}")
         saved = {int(index): values for index, values in full["state"].items()}
-        kinds = [state_kinds(type(optimizer), {**live, **group}, self.weights[0].device)
-                 for live, group in zip(optimizer.param_groups, full["param_groups"])]
         shapes = {layout.index[id(p)][1]: p.shape for b in self.buckets for p in b.params if id(p) in layout.index}
         group_of = {index: g for g, index in layout.index.values()}
 
@@ -402,6 +405,10 @@ class ShardedOptimizer:
                     raise ValueError(f"the optimizer state cannot be loaded: in parameter group {g}, parameter "
                                      f"{index} {differs}, unlike parameter {with_state[0]}; a sharded optimizer "
                                      f"steps a group's parameters together (in runs across their boundaries)")
+                for key, value in other.items():
+                    if elementwise(index, key) and tuple(value.shape) != tuple(shapes[index]):
+                        raise ValueError(f"the optimizer state's {key!r} of parameter {index} is "
+                                         f"{tuple(value.shape)}, the parameter {tuple(shapes[index])}")
         state: dict[int, dict[str, Any]] = {}
         for b in sorted({run.bucket.index for run in layout.runs}):
             bucket = self.buckets[b]
@@ -414,9 +421,6 @@ class ShardedOptimizer:
                 for p in bucket.params:
                     entry = saved.get(indices.get(id(p)), {})
                     if key in entry:
-                        if tuple(entry[key].shape) != tuple(p.shape):
-                            raise ValueError(f"the optimizer state's {key!r} of parameter {indices[id(p)]} is "
-                                             f"{tuple(entry[key].shape)}, the parameter {tuple(p.shape)}")
                         bucket.view(flat, p).copy_(entry[key])
                 for number, run in runs:
                     if indices[id(self._params_in(run, layout)[0])] in saved:
@@ -425,7 +429,7 @@ class ShardedOptimizer:
                 index = indices[id(self._params_in(run, layout)[0])]
                 for key, value in saved.get(index, {}).items():
                     if not elementwise(index, key):
-                        state.setdefault(number, {})[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+                        state.setdefault(number, {})[key] = _own_copy(value)
         inner_index = {id(run): number for number, run in enumerate(layout.runs)}
         groups = [{**group, "params": [inner_index[id(run)] for run in layout.runs if run.group == g]}
                   for g, group in enumerate(full["param_groups"])]
