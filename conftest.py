@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from utils import LocalGroup  # noqa: E402
+from utils import LocalGroup, stop_worker_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +26,14 @@ def local_group():
         group.request_stop()
     for group in groups.values():
         group.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_server():
+    """After the session's last group has closed (this fixture is set up first, so torn down last), the server the
+    groups' workers are forked from stops too."""
+    yield
+    stop_worker_server()
 
 
 @pytest.fixture(scope="session")

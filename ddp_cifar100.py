@@ -226,8 +226,10 @@ def is_distributed_failure(exc: BaseException) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: 0 when done, 2 for a usage error (one line from rank 0), 1 for a distributed failure."""
-    rank = int(os.environ.get("RANK", 0))
+    """The command line: 0 when done, 2 for a usage error (one line from rank 0), 1 for a distributed failure.
+    Called where a process group already exists (a LocalGroup worker), it trains on that group and leaves it."""
+    joined = dist.is_initialized()  # a group of the caller's: ours to use, not to destroy
+    rank = dist.get_rank() if joined else int(os.environ.get("RANK", 0))
     launched_by_torchrun = utils.launched_by_torchrun()
     try:
         config = parse_args(argv)
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{first_line[:300]}", file=sys.stderr, flush=True)
         return 1
     finally:
-        utils.cleanup_distributed()
+        if not joined:
+            utils.cleanup_distributed()
 
 
 if __name__ == "__main__":

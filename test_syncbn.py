@@ -96,22 +96,15 @@ _INTERPRETED: dict[str, LocalGroup] = {}
 def groups(request, local_group):
     """world_size -> a live group running syncbn on CPU tensors: through its PyTorch-operations path ("ops"), or
     through its fused Triton kernels, interpreted (TRITON_INTERPRET=1, read when syncbn is imported, so these 4
-    workers are started with it set; the group is kept for the session and rebuilt if a case broke it)."""
+    workers have it set before their first task imports syncbn; the group is kept for the session and rebuilt if a
+    case broke it)."""
     if request.param == "ops":
         return local_group
     if syncbn.triton is None:
         pytest.skip("Triton is not installed")
     group = _INTERPRETED.get("group")
     if group is None or group.closed:
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            group = _INTERPRETED["group"] = LocalGroup(4)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
+        group = _INTERPRETED["group"] = LocalGroup(4, env={"TRITON_INTERPRET": "1"})
 
     def get(world_size):
         assert world_size == 4, "the interpreted group has 4 workers"

@@ -153,7 +153,11 @@ def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
 # A reusable local N-process group for tests and benchmarks
 # ----------------------------------------------------------------------------------------------------------
 def _group_worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s: float,
-                  tasks: Any, results: Any) -> None:
+                  tasks: Any, results: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)  # before the first task imports anything that reads it (forked: the server's environment)
+    # A forked worker inherits the fork server as its start method; the task's own processes (a DataLoader's
+    # workers) start as in a fresh interpreter, by the platform's default
+    mp.set_start_method(None, force=True)
     # With a couple of cores and several workers, one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     faulthandler.enable(all_threads=True)  # a crash prints every thread's Python stack to stderr before it dies
@@ -182,12 +186,47 @@ def _group_worker(rank: int, world_size: int, store_path: str, backend: str, tim
     os._exit(0)
 
 
+def _worker_context() -> Any:
+    """How LocalGroup starts its workers: forked from multiprocessing's fork server, which imports this module (and
+    so torch) once, instead of a fresh interpreter per worker importing torch again (about 2.5 s of CPU each on a
+    2-core machine; a test session starts some thirty workers). The server has started no thread and no process
+    group when it forks, which is what makes forking safe. A forked worker has the server's environment, the one of
+    the first group made: a group's own variables are given as LocalGroup(env=...)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # read when the server starts, the first time a group is made
+    return context
+
+
+def stop_worker_server() -> None:
+    """Stop the fork server once every group is closed, waiting for it: no process outlives the caller, and the
+    workers' CPU time (the server reaps them) joins the caller's children's (resource.RUSAGE_CHILDREN). Uses
+    multiprocessing's own stop, the one its tests call: the only private name in this module."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
+
+
+def _stop_workers(procs: list[Any], tasks: list[Any] | None) -> None:
+    """Ask each worker to leave through its task queue (``tasks``; None: already asked, []: do not ask), give them
+    10 s, then kill what is left."""
+    for q in tasks or []:
+        q.put(None)
+    if tasks != []:
+        for p in procs:
+            p.join(timeout=10)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
 class WorkerError(RuntimeError):
     """A worker of a LocalGroup raised; the message carries its traceback."""
 
 
 class LocalGroup:
-    """``world_size`` spawned processes joined in one process group over a FileStore, reused across calls.
+    """``world_size`` processes (forked from a server that has imported torch: _worker_context) joined in one
+    process group over a FileStore, reused across calls; ``env``: variables set in each worker before its first task.
 
     ``group.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` in every worker and returns the results as
     a list in rank order. ``fn`` must be importable by the workers (a module-level function). Any worker's
@@ -197,22 +236,25 @@ class LocalGroup:
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 120.0,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None):
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._dir = tempfile.mkdtemp(prefix="localgroup-")
-        ctx = mp.get_context("spawn")
+        ctx = _worker_context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
-            ctx.Process(target=_group_worker, daemon=True,
+            ctx.Process(target=_group_worker, daemon=False,  # a worker may start processes: a DataLoader's
                         args=(r, world_size, os.path.join(self._dir, "store"), backend, timeout_s,
-                              self._tasks[r], self._results))
+                              self._tasks[r], self._results, dict(env or {})))
             for r in range(world_size)
         ]
         for p in self._procs:
             p.start()
         self.closed = self._stop_requested = False
+        # Not daemons: stopped at the latest when this object is collected or the interpreter exits (before
+        # multiprocessing waits for its children), even if nobody closed the group
+        self._finalizer = mp.util.Finalize(self, _stop_workers, args=(self._procs, self._tasks), exitpriority=10)
         self._collect("start-up", start_timeout_s)
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
@@ -275,13 +317,8 @@ class LocalGroup:
         if not kill:
             self.request_stop()
         self.closed = True
-        if not kill:
-            for p in self._procs:
-                p.join(timeout=10)
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        self._finalizer.cancel()
+        _stop_workers(self._procs, [] if kill else None)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalGroup":

@@ -26,8 +26,8 @@ from gradsync import GradientSync
 from models import build_model
 from trainer.config import WARMUP_STEPS
 from trainer.evaluation import evaluate
-from trainer_testing import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
-                             try_train_in_group)
+from trainer_testing import (TINY, main_in_group, max_difference, model_and_labelled_set, normalized_batch,
+                             train_in_group, try_train_in_group)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 SCRIPT = os.path.join(HERE, "ddp_cifar100.py")
@@ -256,11 +256,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_together(commands, timeout=240):
-    """Start every (argv, env) of ``commands`` at once and wait for all: these runs are mostly interpreter
-    start-up and waiting, so overlapping them keeps the file within its time budget."""
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                    cwd=HERE) for name, (cmd, env) in commands.items()}
+def wait_for(procs, timeout):
+    """Each process's CompletedProcess, all within ``timeout`` seconds (the stragglers killed)."""
     deadline = time.monotonic() + timeout
     results = {}
     try:
@@ -285,12 +282,10 @@ def assert_same_weights(checkpoint_dir, reference_dir, what):
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
 
 
-@pytest.fixture(scope="module")
-def training_runs(tmp_path_factory):
+def training_commands(out):
     """The uninterrupted reference (torchrun, one node, 2 processes) and the runs that must end with its weights:
     a worker SIGKILLed after step 7 (the last checkpoint is step 6, inside epoch 2) under --max-restarts 1, and
     two torchrun agents as two nodes, with the static (--master_addr) and the c10d rendezvous."""
-    out = tmp_path_factory.mktemp("runs")
     one_node = ["--standalone", "--nproc_per_node", "2"]
     tensorboard = ["--log-dir", str(out / "tb")] if importlib.util.find_spec("tensorboard") else []
     commands = {"reference": (TORCHRUN + one_node + [SCRIPT] + REFERENCE + [
@@ -306,9 +301,29 @@ def training_runs(tmp_path_factory):
         for name, launch in (("static", static), ("c10d", c10d)):
             commands[f"{name}/{node}"] = (TORCHRUN + launch + [SCRIPT] + REFERENCE + [
                 "--checkpoint-dir", str(out / name)], ENV)
-    runs = run_together(commands)
-    assert runs["reference"].returncode == 0, runs["reference"].stderr[-3000:]
-    return {"runs": runs, "dir": out}
+    return commands
+
+
+@pytest.fixture(scope="module")
+def launches(local_group, image_folder, tmp_path_factory):
+    """Every run of this module that is a process of its own (training_commands, fault_commands), started at once,
+    and while they run (they are mostly interpreter start-up and waiting) the runs of main() on the session's two
+    ranks (in_group_runs). {"runs": {name: CompletedProcess}, "dir": their folder, "bad_file": the truncated image}."""
+    out = tmp_path_factory.mktemp("runs")
+    commands = {**training_commands(out), **fault_commands()}
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    cwd=HERE) for name, (cmd, env) in commands.items()}
+    try:
+        runs, bad_file = in_group_runs(local_group, image_folder, out)
+    finally:
+        runs_of_processes = wait_for(procs, timeout=240)  # on an error too: no process outlives the fixture
+    return {"runs": {**runs_of_processes, **runs}, "dir": out, "bad_file": bad_file}
+
+
+@pytest.fixture(scope="module")
+def training_runs(launches):
+    assert launches["runs"]["reference"].returncode == 0, launches["runs"]["reference"].stderr[-3000:]
+    return launches
 
 
 def test_end_to_end_two_processes(training_runs):
@@ -354,7 +369,7 @@ def test_two_nodes_match_one_node(training_runs, rendezvous):
 # ----------------------------------------------------------------------------------------------------------
 # Bad input and faults: one clear line, a non-zero exit, no hang
 # ----------------------------------------------------------------------------------------------------------
-BAD_FLAGS = {  # through torchrun: one line from rank 0, at parsing and at set-up (each launch costs seconds here)
+BAD_FLAGS = {  # one line from rank 0, at parsing and at set-up
     "grad-accum 0": (["--grad-accum", "0"], "--grad-accum must be positive"),
     "norm torch on cpu": (["--norm", "torch", "--device", "cpu"],
                           "--norm torch (nn.SyncBatchNorm) needs CUDA: use --device cuda"),
@@ -367,21 +382,50 @@ def worker_env(rank, port):
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-@pytest.fixture(scope="module")
-def failing_runs(tmp_path_factory):
-    """Runs that must fail cleanly: bad flags and CIFAR-100 missing offline (torchrun, 2 processes); rank 0 of a
-    world of 2 whose rank 1 never starts (--timeout 5); two workers started without torchrun (so no agent
-    stops the survivor) of which rank 1 SIGKILLs itself after step 2."""
-    one_node = TORCHRUN + ["--standalone", "--nproc_per_node", "2", SCRIPT]
-    commands = {name: (one_node + ["--dataset", "synthetic", *flags], ENV) for name, (flags, _) in BAD_FLAGS.items()}
-    commands["offline"] = (one_node + ["--dataset", "cifar100", "--timeout", "60", "--data-dir",
-                                       str(tmp_path_factory.mktemp("nowhere") / "cifar")], ENV)
-    commands["never joins"] = ([sys.executable, SCRIPT, *REFERENCE, "--timeout", "5"], worker_env(0, free_port()))
+def main_on_two_ranks(local_group, argv):
+    """main(argv) on both ranks of the session's 2-process group, as a torchrun launch would run it: one
+    CompletedProcess with rank 0's exit code and output, after checking that rank 1 exits with the same code and
+    prints no error of its own (the one line is rank 0's)."""
+    rank0, rank1 = local_group(2).run(main_in_group, argv)
+    assert rank1["code"] == rank0["code"], (rank0, rank1)
+    assert "error" not in rank1["stderr"] and OUR_TRACEBACK not in rank1["stderr"], rank1["stderr"][-3000:]
+    return subprocess.CompletedProcess(argv, rank0["code"], rank0["stdout"], rank0["stderr"])
+
+
+def fault_commands():
+    """Rank 0 of a world of 2 whose rank 1 never starts (--timeout 5), and two workers started without torchrun (so
+    no agent stops the survivor) of which rank 1 SIGKILLs itself after step 2."""
     port = free_port()
+    commands = {"never joins": ([sys.executable, SCRIPT, *REFERENCE, "--timeout", "5"], worker_env(0, free_port()))}
     for rank in (0, 1):
         commands[f"dies/{rank}"] = ([sys.executable, SCRIPT, *REFERENCE, "--timeout", "30"],
                                     dict(worker_env(rank, port), DDP_CIFAR100_FAULT="1:2"))
-    return run_together(commands, timeout=180)
+    return commands
+
+
+def in_group_runs(local_group, image_folder, out):
+    """main() on the session's 2 ranks, where what is checked is the trainer's answer, not the launch: bad flags
+    and CIFAR-100 missing offline; an image folder with --workers 0 and with --workers 2 (same weights expected; a
+    rank's DataLoader workers are its child processes), and with a truncated training image that a loader worker
+    finds in the middle of epoch 1. Returns the runs and the truncated file."""
+    runs = {name: main_on_two_ranks(local_group, ["--dataset", "synthetic", *flags])
+            for name, (flags, _) in BAD_FLAGS.items()}
+    runs["offline"] = main_on_two_ranks(local_group, ["--dataset", "cifar100", "--timeout", "60", "--data-dir",
+                                                      str(out / "nowhere" / "cifar")])
+    broken = folder_variant(image_folder, out, lambda root: None)
+    bad_file = truncate_first_image(broken / "train" / "class006")
+    base = FOLDER + ["--epochs", "2"]
+    for n in (0, 2):
+        runs[f"workers {n}"] = main_on_two_ranks(local_group, base + [
+            "--data-dir", str(image_folder), "--workers", str(n), "--checkpoint-dir", str(out / f"workers{n}")])
+    runs["truncated"] = main_on_two_ranks(local_group, base + ["--data-dir", str(broken), "--workers", "1",
+                                                               "--deterministic"])
+    return runs, bad_file
+
+
+@pytest.fixture(scope="module")
+def failing_runs(launches):
+    return launches["runs"]
 
 
 def assert_one_clear_line(proc, *phrases):
@@ -546,30 +590,21 @@ def test_allreduce_choice_is_for_the_hand_written_sync():
 
 
 @pytest.fixture(scope="module")
-def folder_torchrun_runs(image_folder, tmp_path_factory):
-    """torchrun, 2 processes: the folder with --workers 0 and with --workers 2 (same weights expected), and a
-    truncated training image found by a loader worker in the middle of epoch 1."""
-    out = tmp_path_factory.mktemp("folder-runs")
-    broken = folder_variant(image_folder, out, lambda root: None)
-    bad_file = truncate_first_image(broken / "train" / "class006")
-    one_node = TORCHRUN + ["--standalone", "--nproc_per_node", "2", SCRIPT] + FOLDER + ["--epochs", "2"]
-    commands = {f"workers {n}": (one_node + ["--data-dir", str(image_folder), "--workers", str(n),
-                                             "--checkpoint-dir", str(out / f"workers{n}")], ENV) for n in (0, 2)}
-    commands["truncated"] = (one_node + ["--data-dir", str(broken), "--workers", "1", "--deterministic"], ENV)
-    return {"runs": run_together(commands, timeout=180), "dir": out, "bad_file": bad_file}
+def folder_loader_runs(launches):
+    return launches
 
 
-def test_image_folder_results_do_not_depend_on_workers(folder_torchrun_runs):
-    runs, out = folder_torchrun_runs["runs"], folder_torchrun_runs["dir"]
+def test_image_folder_results_do_not_depend_on_workers(folder_loader_runs):
+    runs, out = folder_loader_runs["runs"], folder_loader_runs["dir"]
     for name in ("workers 0", "workers 2"):
         assert runs[name].returncode == 0, runs[name].stderr[-3000:]
     assert "top-5" in runs["workers 2"].stdout
     assert_same_weights(out / "workers2", out / "workers0", "--workers 2")
 
 
-def test_a_truncated_image_stops_every_rank_with_one_line_naming_it(folder_torchrun_runs):
-    proc = folder_torchrun_runs["runs"]["truncated"]
-    assert_one_clear_line(proc, "cannot decode", str(folder_torchrun_runs["bad_file"]))  # from rank 0
+def test_a_truncated_image_stops_every_rank_with_one_line_naming_it(folder_loader_runs):
+    proc = folder_loader_runs["runs"]["truncated"]
+    assert_one_clear_line(proc, "cannot decode", str(folder_loader_runs["bad_file"]))  # from rank 0
 
 
 # ----------------------------------------------------------------------------------------------------------

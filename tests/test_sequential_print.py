@@ -1,11 +1,21 @@
-"""sequential_print.py under torchrun: the exact bytes, the same on every run."""
+"""sequential_print.py under torchrun: the exact bytes, the same on every run.
+
+Every launch is started at once by one fixture (they are mostly interpreter start-up and waiting on each other),
+and each test reads the runs it checks."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
+SCRIPT = os.path.join(HERE, "sequential_print.py")
+
+# a world of 1 is test_default_is_ten_iterations_in_a_world_of_one's; repeatability is shown at 2 processes;
+# 8 processes on 2 cores already queue every rank behind others (16 took 30 s of the suite's 5 minutes, and 5
+# besides these two added 13 s and nothing the two do not show)
+TORCHRUN_CASES = [(2, 10, 2), (8, 2, 1)]  # world size, iterations, runs
 
 
 def expected_output(world_size: int, num_iter: int) -> str:
@@ -13,14 +23,33 @@ def expected_output(world_size: int, num_iter: int) -> str:
     return "---\n".join(iterations)
 
 
-def run_torchrun(world_size: int, num_iter: int) -> str:
+def torchrun_command(world_size: int, num_iter: int) -> list[str]:
     # --standalone: torchrun's rendezvous binds a port the OS hands out, so concurrent runs never collide.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-           os.path.join(HERE, "sequential_print.py"), "--num-iter", str(num_iter), "--timeout", "60"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", SCRIPT,
+            "--num-iter", str(num_iter), "--timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every launch's CompletedProcess, by name: the torchrun cases' runs, the default run and a bad flag."""
+    commands = {f"torchrun {w} {n} #{i}": torchrun_command(w, n) for w, n, count in TORCHRUN_CASES
+                for i in range(count)}
+    commands["default"] = [sys.executable, SCRIPT]
+    commands["negative"] = [sys.executable, SCRIPT, "--num-iter", "-1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=HERE)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    cwd=HERE) for name, cmd in commands.items()}
+    deadline, results = time.monotonic() + 180, {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
 
 
 def test_expected_output_shape():
@@ -28,26 +57,22 @@ def test_expected_output_shape():
     assert expected_output(1, 1) == "Process 0\n"
 
 
-# a world of 1 is test_default_is_ten_iterations_in_a_world_of_one's; repeatability is shown at 2 processes;
-# 8 processes on 2 cores already queue every rank behind others (16 took 30 s of the suite's 5 minutes, and 5
-# besides these two added 13 s and nothing the two do not show)
-@pytest.mark.parametrize("world_size,num_iter,runs", [(2, 10, 2), (8, 2, 1)])
-def test_rank_ordered_output_is_exact_and_repeatable(world_size, num_iter, runs):
-    outputs = [run_torchrun(world_size, num_iter) for _ in range(runs)]
-    for out in outputs:
-        assert out == expected_output(world_size, num_iter)
+@pytest.mark.parametrize("world_size,num_iter,count", TORCHRUN_CASES)
+def test_rank_ordered_output_is_exact_and_repeatable(runs, world_size, num_iter, count):
+    for i in range(count):
+        proc = runs[f"torchrun {world_size} {num_iter} #{i}"]
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout == expected_output(world_size, num_iter)
 
 
-def test_default_is_ten_iterations_in_a_world_of_one():
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sequential_print.py")], capture_output=True,
-                          text=True, timeout=120, cwd=HERE)
+def test_default_is_ten_iterations_in_a_world_of_one(runs):
+    proc = runs["default"]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected_output(1, 10)
 
 
-def test_negative_iterations_is_a_one_line_error():
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sequential_print.py"), "--num-iter", "-1"],
-                          capture_output=True, text=True, timeout=120, cwd=HERE)
+def test_negative_iterations_is_a_one_line_error(runs):
+    proc = runs["negative"]
     assert proc.returncode == 2
     assert "--num-iter must be >= 0" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -1,6 +1,10 @@
 """What the trainer's tests share (test_ddp_cifar100, test_gradsync, test_zero): the tiny run's flags, the worker
 functions a LocalGroup runs (module level, so the spawned workers import them), and a seeded model with a
 labelled set. Not a test file: pytest collects nothing here."""
+import io
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+
 import torch
 
 import ddp_cifar100 as trainer
@@ -36,6 +40,19 @@ def try_train_in_group(rank, world_size, argv):
         return train_in_group(rank, world_size, argv)
     except trainer.UsageError as exc:
         return f"UsageError: {exc}"
+
+
+def main_in_group(rank, world_size, argv):
+    """ddp_cifar100.main(argv) in a worker, as a torchrun worker runs it but on the worker's group: its exit code,
+    and what it printed (stdout, stderr), an escaped exception's traceback included."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = trainer.main(argv)
+        except Exception:  # a bug: its traceback, as the interpreter would print it
+            traceback.print_exc()
+            code = 1
+    return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
 def normalized_batch(image_set, indices, epoch_key=None):
