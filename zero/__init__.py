@@ -2,7 +2,8 @@
 your own training loop.
 
     import zero
-    sharded = zero.shard(model, stage, units=None, group=None, collectives="torch")   # stage 0..3; "ring" too
+    sharded = zero.shard(model, stage, units=None, group=None, collectives="torch",   # stage 0..3; "ring" too
+                         replicate_group=None, param_dtype=None, reduce_dtype=None)    # stages 1-3: hybrid, bf16
     optimizer = sharded.optimizer(torch.optim.AdamW, params_or_groups, lr=3e-4)        # over the MODEL's params
     for i, batch in enumerate(window):
         sharded.set_requires_gradient_sync(i == len(window) - 1)
@@ -12,6 +13,7 @@ your own training loop.
     sharded.model_state_dict(); sharded.load_model_state_dict(state)   # full, on the group's rank 0
     optimizer.state_dict(); optimizer.load_state_dict(state)           # torch.optim's ordinary, unsharded form
     sharded.close()                                      # every hook removed, the model left whole
+    sharded.sent_bytes(); sharded.sent_bytes_by_group()  # bytes sent: {"shard_group": ..., "replicas": ...}
 
 Parameter groups are given as to any torch.optim optimizer (a configure_optimizers with decay on matrices only
 works unchanged) and keep their hyperparameters at every stage. ``group`` is any process group: a sub-group trains
@@ -21,20 +23,34 @@ element-wise torch.optim optimizer is exact at every stage, its state dict torch
 whole parameters (Adafactor, Muon, LBFGS, SparseAdam) are refused at ``sharded.optimizer`` ([Note: which
 optimizers]).
 
-What a rank holds, for Psi parameters in fp32 trained with AdamW (two state tensors per parameter), in bytes:
+``param_dtype`` (stages 1-3; zero/precision.py): the weights are kept (stages 1-2) or gathered (stage 3) and
+computed in it, while the optimizer steps master shards in the model's own dtype with state in that dtype, and
+every state dict and the model close() hands back are in it; ``reduce_dtype`` (default ``param_dtype``) is what
+gradients are summed over the ranks in. fp16 is refused (it needs loss scaling). ``replicate_group`` (stages 1-3;
+zero/hybrid.py): hybrid sharding, the state sharded over ``group`` and replicated over the ranks holding the same
+shard, the groups a grid of the world (R replicas x S shards): a gradient is reduce-scattered in ``group``, and
+its shard averaged over ``replicate_group`` once per step.
 
-    stage   weights   gradients       optimizer state   total
-    0       4 Psi     4 Psi           8 Psi             16 Psi          (gradsync.GradientSync, DDP)
-    1       4 Psi     4 Psi           8 Psi / W         8 Psi + 8 Psi / W
-    2       4 Psi     4 Psi / W (+)   8 Psi / W         4 Psi + 12 Psi / W
-    3       4 Psi / W 4 Psi / W (+)   8 Psi / W         16 Psi / W      (+ during a step: the root and two units)
-    (+ the gradient buffers in flight during backward)
+What a rank holds, for Psi parameters trained with AdamW (two state tensors per parameter), in bytes, with fp32
+masters and state and weights in fp32 (p = 4) or bf16 (p = 2, param_dtype=torch.bfloat16; the masters, and at
+stage 1 the fp32 gradient shards, are then 4 Psi / W more each, tensors of their own):
+
+    stage   weights             gradients       optimizer state   total (fp32)         total (bf16 weights)
+    0       4 Psi               4 Psi           8 Psi             16 Psi               (gradsync.GradientSync, DDP)
+    1       p Psi (+ 4 Psi / W) p Psi (+ 4 Psi / W) 8 Psi / W     8 Psi + 8 Psi / W    4 Psi + 16 Psi / W
+    2       p Psi (+ 4 Psi / W) 4 Psi / W (+)   8 Psi / W         4 Psi + 12 Psi / W   2 Psi + 16 Psi / W
+    3       4 Psi / W           4 Psi / W (+)   8 Psi / W         16 Psi / W           16 Psi / W
+    (+ the gradient buffers in flight during backward, in reduce_dtype; stage 3, during a step: the root and two
+    units, in param_dtype)
 
 Sent per rank and optimizer step of K micro-batches, in elements: stage 0 and 1, 2 (W-1)/W Psi (one all-reduce,
 or a reduce-scatter and an all-gather); stage 2, (K+1)(W-1)/W Psi; stage 3, about 3K (W-1)/W Psi (every unit
-gathered for its forward and its backward, and reduce-scattered, on every micro-batch).
+gathered for its forward and its backward, and reduce-scattered, on every micro-batch). The gathers move
+param_dtype's bytes (bf16: half of fp32's), the reductions reduce_dtype's. Hybrid, with W = S inside a replica:
+the same inside the shard group, plus 2 (R-1)/R Psi / S across replicas (one all-reduce of each rank's shard).
 
-Where each part is: zero/optimizer.py's ShardedOptimizer (the optimizer side of stages 1-3, a part each stage
+Where each part is: zero/precision.py (the dtypes, the masters), zero/hybrid.py (the grid, the replicas);
+zero/optimizer.py's ShardedOptimizer (the optimizer side of stages 1-3, a part each stage
 holds: the shards, parameter groups, clipping, the unsharded state dicts, which optimizers it carries); here
 ZeroStage1, ZeroStage2, ZeroStage3 (each says what it adds to the one before, and in its own body what runs after
 a backward and after a step), shard() at the end; gradsync.py (stage 0, buckets, hooks, the end of backward),
