@@ -15,8 +15,8 @@ kind "torch" runs torch.distributed's collectives in place on ``group`` (the out
 input: NCCL's in-place convention, which gloo follows too). "ring" and "butterfly" run allreduce.py's algorithms,
 point-to-point messages only, on an AllreduceThread: a thread and a process group of its own over the same ranks,
 so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on ``group``.
-``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted (on this
-object's thread only, so two Collectives in one process count apart); for
+``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted, on this
+object's thread only (so two Collectives in one process, a shard group's and a replicate group's, count apart); for
 torch's collectives what an ideal ring sends, (W-1)/W of the buffer per reduce-scatter or all-gather and twice
 that per all-reduce (gloo's reduce_scatter_tensor actually all-reduces: it sends twice that).
 """
