@@ -41,9 +41,9 @@ FP64_TOL = 1e-9
 # element-wise float32 arithmetic: our runs and FSDP2's per-parameter shards cut the flat elements at other
 # places, so an element may go through a vectorized loop (with fused multiply-adds) in one and a scalar loop in
 # the other, one float32 rounding (2^-24 relative) apart in a moment, so the update lr * m / sqrt(v) moves by at
-# most ~2 lr 2^-24 per step: STEPS steps, 3 lr 2^-23 ~ 3.6e-9. Such a difference changes a bf16 rounding of a
+# most ~2 lr 2^-24 per step: over STEPS = 2 steps, 2 lr 2^-23 ~ 2.4e-9. Such a difference changes a bf16 rounding of a
 # weight only if it lands within 4e-9 of a rounding boundary (bf16's unit at |w| ~ 0.02 is 1.2e-4: a chance of
-# ~3e-5 per element and step, never seen in these runs). BF16_TOL = 1e-8 keeps a factor of ~3 over the bound; a
+# ~3e-5 per element and step, never seen in these runs). BF16_TOL = 1e-8 keeps a factor of ~4 over the bound; a
 # real error is orders above it: reducing in bf16 (2^-9 relative in every gradient) moves the second step's
 # update by ~lr 2^-9 = 2e-5, masters kept in bf16 round every weight to 2^-9 of itself (~4e-5 at |w| 0.02).
 BF16_TOL = 1e-8
