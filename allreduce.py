@@ -120,6 +120,7 @@ SEGMENT_ELEMENTS = 1 << 20  # the pipeline's unit, 4 MiB of float32: chosen by m
 RECEIVE_SLOTS = 2  # receive buffers of one segment each: segment k + 1 lands while segment k is added
 
 _sent_bytes = 0  # payload bytes posted with isend by this process's algorithms (sent_bytes())
+_sent_by_thread: dict[int, int] = {}  # the same, per posting thread (an AllreduceThread reads its own)
 _sent_lock = threading.Lock()  # the algorithms may run on several threads (AllreduceThread) at once
 
 
@@ -141,6 +142,8 @@ def _post_send(outgoing: torch.Tensor, dst: int, tag: int, group):
     request = dist.isend(outgoing, group=group, group_dst=dst, tag=tag)
     with _sent_lock:  # += on a global is not atomic across threads
         _sent_bytes += outgoing.numel() * outgoing.element_size()
+        thread = threading.get_ident()
+        _sent_by_thread[thread] = _sent_by_thread.get(thread, 0) + outgoing.numel() * outgoing.element_size()
     return request
 
 
@@ -458,6 +461,14 @@ class AllreduceThread:
         self._host_only = dist.get_backend(self.group) == "gloo"
         self._stream: Any = None  # the thread's CUDA stream, made with the first CUDA tensor
         self._pinned: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        # its worker thread's isend bytes so far: two threads in one process (a shard group's and a replicate
+        # group's, under hybrid sharding) each count their own
+        self._thread = self._executor.submit(threading.get_ident).result()
+        self._sent_at_start = _sent_by_thread.get(self._thread, 0)
+
+    def sent_bytes(self) -> int:
+        """Payload bytes this thread's jobs have posted with isend since it was made."""
+        return _sent_by_thread.get(self._thread, 0) - self._sent_at_start
 
     def submit(self, tensor: torch.Tensor, operation: Operation | None = None) -> Future:
         """Queue ``operation(tensor, rank, size, group, segment_elements)`` (default: this thread's all-reduce),

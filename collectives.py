@@ -15,7 +15,8 @@ kind "torch" runs torch.distributed's collectives in place on ``group`` (the out
 input: NCCL's in-place convention, which gloo follows too). "ring" and "butterfly" run allreduce.py's algorithms,
 point-to-point messages only, on an AllreduceThread: a thread and a process group of its own over the same ranks,
 so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on ``group``.
-``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted; for
+``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted, on this
+object's thread only (so two Collectives in one process, a shard group's and a replicate group's, count apart); for
 torch's collectives what an ideal ring sends, (W-1)/W of the buffer per reduce-scatter or all-gather and twice
 that per all-reduce (gloo's reduce_scatter_tensor actually all-reduces: it sends twice that).
 """
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import utils
-from allreduce import AllreduceThread, ring_all_gather, ring_reduce_scatter, sent_bytes
+from allreduce import AllreduceThread, ring_all_gather, ring_reduce_scatter
 
 KINDS = ("torch", "ring", "butterfly")
 
@@ -57,7 +58,7 @@ class Collectives:
         self.group, self.kind = group, kind
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.thread = None if kind == "torch" else AllreduceThread(kind, timeout_s, group=group)
-        self.ring_sent_at_start, self.nominal_sent = sent_bytes(), 0
+        self.nominal_sent = 0
 
     def chunk(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a flat tensor of ``size`` equal chunks (a view)."""
@@ -120,7 +121,7 @@ class Collectives:
     def sent_bytes(self) -> int:
         """Bytes this rank has sent in these collectives since they were made."""
         if self.thread is not None:
-            return sent_bytes() - self.ring_sent_at_start
+            return self.thread.sent_bytes()  # its own thread's: another Collectives' ring is not counted
         return self.nominal_sent
 
     def close(self) -> None:

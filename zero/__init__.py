@@ -2,7 +2,8 @@
 your own training loop.
 
     import zero
-    sharded = zero.shard(model, stage, units=None, group=None, collectives="torch")   # stage 0..3; "ring" too
+    sharded = zero.shard(model, stage, units=None, group=None, collectives="torch",   # stage 0..3; "ring" too
+                         replicate_group=None, param_dtype=None, reduce_dtype=None)    # stages 1-3: hybrid, bf16
     optimizer = sharded.optimizer(torch.optim.AdamW, params_or_groups, lr=3e-4)        # over the MODEL's params
     for i, batch in enumerate(window):
         sharded.set_requires_gradient_sync(i == len(window) - 1)
@@ -12,6 +13,7 @@ your own training loop.
     sharded.model_state_dict(); sharded.load_model_state_dict(state)   # full, on the group's rank 0
     optimizer.state_dict(); optimizer.load_state_dict(state)           # torch.optim's ordinary, unsharded form
     sharded.close()                                      # every hook removed, the model left whole
+    sharded.sent_bytes(); sharded.sent_bytes_by_group()  # bytes sent: {"shard_group": ..., "replicas": ...}
 
 Parameter groups are given as to any torch.optim optimizer (a configure_optimizers with decay on matrices only
 works unchanged) and keep their hyperparameters at every stage. ``group`` is any process group: a sub-group trains
@@ -21,20 +23,34 @@ element-wise torch.optim optimizer is exact at every stage, its state dict torch
 whole parameters (Adafactor, Muon, LBFGS, SparseAdam) are refused at ``sharded.optimizer`` ([Note: which
 optimizers]).
 
-What a rank holds, for Psi parameters in fp32 trained with AdamW (two state tensors per parameter), in bytes:
+``param_dtype`` (stages 1-3; zero/precision.py): the weights are kept (stages 1-2) or gathered (stage 3) and
+computed in it, while the optimizer steps master shards in the model's own dtype with state in that dtype, and
+every state dict and the model close() hands back are in it; ``reduce_dtype`` (default ``param_dtype``) is what
+gradients are summed over the ranks in. fp16 is refused (it needs loss scaling). ``replicate_group`` (stages 1-3;
+zero/hybrid.py): hybrid sharding, the state sharded over ``group`` and replicated over the ranks holding the same
+shard, the groups a grid of the world (R replicas x S shards): a gradient is reduce-scattered in ``group``, and
+its shard averaged over ``replicate_group`` once per step.
 
-    stage   weights   gradients       optimizer state   total
-    0       4 Psi     4 Psi           8 Psi             16 Psi          (gradsync.GradientSync, DDP)
-    1       4 Psi     4 Psi           8 Psi / W         8 Psi + 8 Psi / W
-    2       4 Psi     4 Psi / W (+)   8 Psi / W         4 Psi + 12 Psi / W
-    3       4 Psi / W 4 Psi / W (+)   8 Psi / W         16 Psi / W      (+ during a step: the root and two units)
-    (+ the gradient buffers in flight during backward)
+What a rank holds, for Psi parameters trained with AdamW (two state tensors per parameter), in bytes, with fp32
+masters and state and weights in fp32 (p = 4) or bf16 (p = 2, param_dtype=torch.bfloat16; the masters, and at
+stage 1 the fp32 gradient shards, are then 4 Psi / W more each, tensors of their own):
+
+    stage   weights             gradients       optimizer state   total (fp32)         total (bf16 weights)
+    0       4 Psi               4 Psi           8 Psi             16 Psi               (gradsync.GradientSync, DDP)
+    1       p Psi (+ 4 Psi / W) p Psi (+ 4 Psi / W) 8 Psi / W     8 Psi + 8 Psi / W    4 Psi + 16 Psi / W
+    2       p Psi (+ 4 Psi / W) 4 Psi / W (+)   8 Psi / W         4 Psi + 12 Psi / W   2 Psi + 16 Psi / W
+    3       4 Psi / W           4 Psi / W (+)   8 Psi / W         16 Psi / W           16 Psi / W
+    (+ the gradient buffers in flight during backward, in reduce_dtype; stage 3, during a step: the root and two
+    units, in param_dtype)
 
 Sent per rank and optimizer step of K micro-batches, in elements: stage 0 and 1, 2 (W-1)/W Psi (one all-reduce,
 or a reduce-scatter and an all-gather); stage 2, (K+1)(W-1)/W Psi; stage 3, about 3K (W-1)/W Psi (every unit
-gathered for its forward and its backward, and reduce-scattered, on every micro-batch).
+gathered for its forward and its backward, and reduce-scattered, on every micro-batch). The gathers move
+param_dtype's bytes (bf16: half of fp32's), the reductions reduce_dtype's. Hybrid, with W = S inside a replica:
+the same inside the shard group, plus 2 (R-1)/R Psi / S across replicas (one all-reduce of each rank's shard).
 
-Where each part is: zero/optimizer.py's ShardedOptimizer (the optimizer side of stages 1-3, a part each stage
+Where each part is: zero/precision.py (the dtypes, the masters), zero/hybrid.py (the grid, the replicas);
+zero/optimizer.py's ShardedOptimizer (the optimizer side of stages 1-3, a part each stage
 holds: the shards, parameter groups, clipping, the unsharded state dicts, which optimizers it carries); here
 ZeroStage1, ZeroStage2, ZeroStage3 (each says what it adds to the one before, and in its own body what runs after
 a backward and after a step), shard() at the end; gradsync.py (stage 0, buckets, hooks, the end of backward),
@@ -54,8 +70,11 @@ import torch.nn as nn
 import utils
 from collectives import Collectives
 from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadcast_state
+from zero.hybrid import Replicas, check_grid
 from zero.optimizer import (ELEMENTWISE, WHOLE_PARAMETER, ShardedOptimizer, ShardRun, check_optimizer_class,
                             missing_optimizer_state, state_kinds)
+from zero.precision import (Precision, cast_forward_inputs, gather_full, load_masters, master_state_dict, resolve,
+                            shard_weights)
 
 __all__ = ["shard", "default_units", "stage_3_units", "state_bytes", "ZeroStage1", "ZeroStage2", "ZeroStage3",
            "ShardedOptimizer", "ShardRun", "ELEMENTWISE", "WHOLE_PARAMETER", "check_optimizer_class", "state_kinds",
@@ -65,27 +84,78 @@ __all__ = ["shard", "default_units", "stage_3_units", "state_bytes", "ZeroStage1
 # ----------------------------------------------------------------------------------------------------------
 # The stages
 # ----------------------------------------------------------------------------------------------------------
-def flatten_weights(bucket: Bucket) -> torch.Tensor:
-    """The bucket's parameters moved into one padded flat tensor, each parameter becoming a view into it laid out
-    as its gradient is (Bucket.view), so the flat weight and the flat gradient match element by element."""
-    flat = bucket.zeros()
-    with torch.no_grad():
-        for p in bucket.params:
-            view = bucket.view(flat, p)
-            view.copy_(p)
-            p.data = view
-    return flat
-
-
 def all_gather_weights(stage: ZeroStage1 | ZeroStage2, buckets: list[Bucket]) -> None:
     """[Note: after the step] Stages 1 and 2: every rank's updated chunks into every rank's weights (all-gather in
-    place, every bucket launched before any is waited for), so the model is whole for the next forward."""
+    place, every bucket launched before any is waited for), so the model is whole for the next forward. Under a
+    lower param_dtype each rank first casts its master shard into its chunk of the flat: the gather moves the
+    low-precision bytes."""
     for bucket in buckets:
-        bucket.handle = stage.comm.all_gather(stage.param_flats[bucket.index], bucket.name("all_gather"))
+        flat = stage.param_flats[bucket.index]
+        if stage.precision.separate_masters:
+            stage.comm.chunk(flat).copy_(stage.weights[bucket.index])
+        bucket.handle = stage.comm.all_gather(flat, bucket.name("all_gather"))
     stage._wait(buckets, "all_gather wait")
 
 
-class ZeroStage1(GradientSync):
+class ShardedStage:
+    """What stages 1-3 share beyond their buckets: the precision (zero/precision.py), the replicas (zero/hybrid.py),
+    and the state dicts and close() in the masters' dtype. A stage sets ``precision``, ``replicas``,
+    ``weights`` (the master shards) before calling ``_start_sharded``."""
+
+    precision: Precision
+    replicas: Replicas | None
+    weights: list[torch.Tensor]
+
+    def _start_sharded(self) -> None:
+        if self.precision.separate_masters:  # FSDP2's cast_forward_inputs at the root
+            self.hooks.append(self.model.register_forward_pre_hook(cast_forward_inputs(self.precision.param)))
+
+    def _average_over_replicas(self, grads: list[torch.Tensor]) -> None:
+        """Hybrid sharding: the window's gradient shards averaged across the replicas (zero/hybrid.py)."""
+        if self.replicas is not None:
+            self.replicas.average(grads, [b.name("allreduce across replicas") for b in self.buckets])
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The whole state_dict on the group's rank 0 (CPU), {} on the others; under a lower param_dtype gathered
+        from the masters, so it is in the model's own dtype."""
+        if self.precision.separate_masters:
+            return master_state_dict(self.model, self.buckets, self.comm, self.weights, self.rank)
+        return super().model_state_dict()
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        """Stages 1-2: into the model (its weights, cast to param_dtype) and, where they are their own, the
+        masters."""
+        super().load_model_state_dict(state)
+        if self.precision.separate_masters:
+            load_masters(self.buckets, self.comm, self.weights, self.names, state)
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank has sent: in its shard group, and across replicas (sent_bytes_by_group)."""
+        return sum(self.sent_bytes_by_group().values())
+
+    def sent_bytes_by_group(self) -> dict[str, int]:
+        """{"shard_group": bytes sent inside the shard group, "replicas": bytes sent across replicas}."""
+        return {"shard_group": self.comm.sent_bytes(),
+                "replicas": self.replicas.sent_bytes() if self.replicas is not None else 0}
+
+    def _hand_back_masters(self) -> None:
+        """Under a lower param_dtype, before close(): every parameter made a view of its bucket's whole master
+        flat (gathered), so the model handed back is in its own dtype; the low-precision .grad views dropped."""
+        if self.precision.separate_masters:
+            for bucket, shard in zip(self.buckets, self.weights):
+                full = gather_full(self.comm, bucket, shard)
+                for p in bucket.params:
+                    p.grad = None
+                    p.data = bucket.view(full, p)
+
+    def close(self) -> None:
+        self._hand_back_masters()
+        super().close()
+        if self.replicas is not None:
+            self.replicas.close()
+
+
+class ZeroStage1(ShardedStage, GradientSync):
     """Stage 1, the optimizer's state sharded. What it adds to stage 0 (gradsync.GradientSync): the buckets are
     padded to W equal chunks and hold the weights too (the parameters become views of flat weight buckets); on the
     window's last backward each complete bucket is reduce-scattered instead of all-reduced, so chunk r of it holds
@@ -100,18 +170,33 @@ class ZeroStage1(GradientSync):
     stage = 1
     collective = "reduce_scatter"
 
-    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, comm: Collectives):
+    def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, comm: Collectives,
+                 precision: Precision, replicas: Replicas | None = None):
         super().__init__(model, bucket_mb, overlap, comm, chunks=comm.size)
-        self.param_flats = [flatten_weights(bucket) for bucket in self.buckets]
-        self.weights = [comm.chunk(flat) for flat in self.param_flats]
-        self.grads = [comm.chunk(flat) for flat in self.flats]  # views: the reduce-scatter lands in place
+        self.precision, self.replicas = precision, replicas
+        if precision.separate_masters:
+            for p in self.params:
+                p.grad = None  # the .grad views follow their parameters into param_dtype (below)
+        self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, own_shards=False)
+        if precision.separate_masters:
+            self.flats = [bucket.zeros() for bucket in self.buckets]  # in param_dtype: the parameters' now
+            self._attach_gradients()
+            self.grads = [torch.zeros(b.length // comm.size, dtype=precision.master, device=b.params[0].device)
+                          for b in self.buckets]
+        else:
+            self.grads = [comm.chunk(flat) for flat in self.flats]  # views: the reduce-scatter lands in place
+        self.reducing: list[torch.Tensor | None] = [None] * len(self.buckets)  # what each bucket reduces, and in
+        self._start_sharded()
         self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
                                        self._after_step)
         self.hooks.append(self.shards.hook)
         self.optimizer, self.clip_grad_norm_ = self.shards.optimizer, self.shards.clip_grad_norm_  # the part's
 
     def _average(self, bucket: Bucket, flat: torch.Tensor) -> Any:
-        return self.comm.reduce_scatter(flat, bucket.name(self.collective))
+        """Reduce-scatter the bucket: the flat itself, or a copy of it in reduce_dtype."""
+        reducing = flat if flat.dtype == self.precision.reduce else flat.to(self.precision.reduce)
+        self.reducing[bucket.index] = reducing
+        return self.comm.reduce_scatter(reducing, bucket.name(self.collective))
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self._attach_gradients()
@@ -121,20 +206,30 @@ class ZeroStage1(GradientSync):
         all_gather_weights(self, buckets)
 
     def _backward_done(self) -> None:
-        """Stage 0's (every bucket averaged, here reduce-scattered), then the rest of each flat zeroed."""
+        """Stage 0's (every bucket averaged, here reduce-scattered); with replicas each chunk averaged across them;
+        each chunk into the gradient shard where that is not the flat's own chunk (reduce_dtype, masters); then
+        the rest of each flat zeroed (all of it, where the shard is a tensor of its own)."""
         synced = self.requires_sync
         super()._backward_done()
         if synced:
-            for bucket, flat in zip(self.buckets, self.flats):
+            chunks = [self.comm.chunk(reducing) for reducing in self.reducing]
+            self._average_over_replicas(chunks)
+            for bucket, flat, chunk, grad in zip(self.buckets, self.flats, chunks, self.grads):
+                if chunk.data_ptr() != grad.data_ptr():
+                    grad.copy_(chunk)
+                if self.precision.separate_masters:
+                    flat.zero_()
+                    continue
                 lo, hi = self.shards.chunk_bounds(bucket)
                 flat[:lo].zero_()
                 flat[hi:].zero_()
+            self.reducing = [None] * len(self.buckets)
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return list(self.grads)
 
 
-class ZeroStage2(BucketedSync):
+class ZeroStage2(ShardedStage, BucketedSync):
     """Stage 2, the gradients sharded too. What it adds to stage 1: no full gradient outlives its bucket. On EVERY
     micro-batch each parameter's gradient is copied into its bucket's buffer the moment autograd produces it, and
     the parameter's .grad freed; a complete bucket is reduce-scattered, its chunk added to this rank's gradient
@@ -147,12 +242,16 @@ class ZeroStage2(BucketedSync):
     stage = 2
     collective = "reduce_scatter"
 
-    def __init__(self, model: nn.Module, bucketed: list[list[nn.Parameter]], comm: Collectives):
+    own_shards = False  # the weights' shards are views of the flats (stage 3: tensors of their own)
+
+    def __init__(self, model: nn.Module, bucketed: list[list[nn.Parameter]], comm: Collectives,
+                 precision: Precision, replicas: Replicas | None = None):
         super().__init__(model, bucketed, comm, chunks=comm.size)
-        self.param_flats = [flatten_weights(bucket) for bucket in self.buckets]
-        self.weights = [self._weights_shard(flat) for flat in self.param_flats]
-        self.grads = [torch.zeros(b.length // comm.size, dtype=b.params[0].dtype, device=b.params[0].device)
+        self.precision, self.replicas = precision, replicas
+        self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, self.own_shards)
+        self.grads = [torch.zeros(b.length // comm.size, dtype=precision.master, device=b.params[0].device)
                       for b in self.buckets]
+        self._start_sharded()
         self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
                                        self._after_step)
         self.hooks.append(self.shards.hook)
@@ -165,10 +264,6 @@ class ZeroStage2(BucketedSync):
         self.in_flight: list[tuple[Bucket, torch.Tensor]] = []  # reduce-scatters launched, oldest first
         self.launched = 0  # buckets launched in this backward, in index order
         self.buffers_made = 0  # the most full buffers alive at once, over the run (the pool's high-water mark)
-
-    def _weights_shard(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of a weight flat: a view (the optimizer's step writes the model's weights)."""
-        return self.comm.chunk(flat)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self.shards.reattach_gradients()
@@ -197,7 +292,7 @@ class ZeroStage2(BucketedSync):
             self._land_oldest()
         if not self.pool:
             self.buffers_made = max(self.buffers_made, len(self.filling) + len(self.in_flight) + 1)
-            self.pool.append(torch.empty(self.buffer_length, dtype=self.weights[0].dtype,
+            self.pool.append(torch.empty(self.buffer_length, dtype=self.precision.reduce,
                                          device=self.weights[0].device))
         return self.pool.pop()
 
@@ -218,12 +313,15 @@ class ZeroStage2(BucketedSync):
 
     def _backward_done(self) -> None:
         """Every bucket launched; on the window's last backward, wait for the reduce-scatters, add them in, and
-        drop the full buffers (the other backwards leave theirs landing while the next forward runs)."""
+        drop the full buffers (the other backwards leave theirs landing while the next forward runs). With
+        replicas, the window's gradient shards are then averaged across them: one all-reduce per bucket per
+        step, after the micro-batches are summed."""
         self.launched = 0
         if self.requires_sync:
             while self.in_flight:
                 self._land_oldest()
             self.pool = []
+            self._average_over_replicas(self.grads)
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return self.grads + self.pool + list(self.filling.values()) + [buffer for _, buffer in self.in_flight]
@@ -282,11 +380,13 @@ class ZeroStage3(ZeroStage2):
     bucket_class = Unit
     max_gathered = 2  # units whose full parameters may be in place at once, besides the root
 
+    own_shards = True  # a tensor of its own: the full flat is freed between uses
+
     def __init__(self, model: nn.Module, units: list[nn.Module], owner: dict[int, nn.Module], comm: Collectives,
-                 accumulate: str):
+                 accumulate: str, precision: Precision, replicas: Replicas | None = None):
         self.unsharded = accumulate == "unsharded"
         owned = [[p for p in unit.parameters() if p.requires_grad and owner[id(p)] is unit] for unit in units]
-        super().__init__(model, owned, comm)
+        super().__init__(model, owned, comm, precision, replicas)
         self.units: list[Unit] = self.buckets  # type: ignore[assignment]
         for unit, module in zip(self.units, units):
             unit.module, unit.flat = module, self.param_flats[unit.index]
@@ -307,16 +407,13 @@ class ZeroStage3(ZeroStage2):
                            unit.module.register_forward_hook(partial(self._unit_forward_ends, unit))]
         self.hooks.append(model.register_forward_hook(self._pass_ends))
 
-    def _weights_shard(self, flat: torch.Tensor) -> torch.Tensor:
-        """A tensor of its own: the full flat is freed between uses."""
-        return self.comm.chunk(flat).clone()
-
     # ------------------------------------------------------------------------------------------------------
     # A unit's life: SHARDED -> GATHERING -> GATHERED -> SHARDED
     # ------------------------------------------------------------------------------------------------------
     def _gather(self, unit: Unit) -> None:
-        """Give the unit's flat its storage back, put this rank's shard in place and launch the all-gather of the
-        others' (asynchronously, like the reduce-scatters)."""
+        """Give the unit's flat its storage back, put this rank's shard in place (cast to param_dtype: the gather
+        moves the low-precision bytes) and launch the all-gather of the others' (asynchronously, like the
+        reduce-scatters)."""
         assert unit.state is UnitState.SHARDED, unit.state
         self._allocate(unit)
         self.comm.chunk(unit.flat).copy_(self.weights[unit.index])
@@ -446,8 +543,9 @@ class ZeroStage3(ZeroStage2):
         if not self.unsharded:
             return super()._copy_out(unit, param)
         buffer = self.filling.get(unit.index)
-        if buffer is None:
-            buffer = self.filling[unit.index] = unit.zeros()
+        if buffer is None:  # in reduce_dtype, as FSDP2 accumulates its unsharded gradients
+            buffer = self.filling[unit.index] = torch.zeros(unit.length, dtype=self.precision.reduce,
+                                                            device=self.weights[0].device)
         unit.view(buffer, param).add_(param.grad)
         param.grad = None
 
@@ -462,7 +560,10 @@ class ZeroStage3(ZeroStage2):
     # The whole model: state dicts, and the model handed back
     # ------------------------------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, Any]:
-        """The whole state_dict on rank 0's CPU, gathered one unit at a time ({} on the other ranks)."""
+        """The whole state_dict on rank 0's CPU, gathered one unit at a time ({} on the other ranks); under a lower
+        param_dtype from the masters (ShardedStage's)."""
+        if self.precision.separate_masters:
+            return super().model_state_dict()
         gathered: dict[str, torch.Tensor] = {}
         names: dict[int, list[str]] = {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
@@ -478,25 +579,24 @@ class ZeroStage3(ZeroStage2):
         return {key: gathered.get(key, value.detach().cpu()) for key, value in self.model.state_dict().items()}
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a whole state_dict (every rank passes the same): unit by unit into a full flat, whose chunk
-        becomes this rank's shard; buffers as they are."""
+        """Load a whole state_dict (every rank passes the same): unit by unit into a full flat of the masters'
+        dtype, whose chunk becomes this rank's shard (no collective); buffers as they are."""
         expected = self.model.state_dict().keys()
         if set(state) != set(expected):
             raise RuntimeError(f"Error(s) in loading state_dict: missing keys {sorted(set(expected) - set(state))}, "
                                f"unexpected keys {sorted(set(state) - set(expected))}")
+        self.wanted = None
+        for unit in self._held():  # a prefetch launched at the step's edge would bring back the old weights
+            self._materialize(unit)
+            self._free(unit)
+        load_masters(self.units, self.comm, self.weights, self.names, state)
         with torch.no_grad():
-            for unit in self.units:
-                self._materialize(unit)
-                unit.flat.zero_()  # the padding
-                for p in unit.params:
-                    p.copy_(state[self.names[id(p)]])
-                self.weights[unit.index].copy_(self.comm.chunk(unit.flat))
-                self._free(unit)
             for name, buffer in self.model.named_buffers():
                 buffer.copy_(state[name])
 
     def close(self) -> None:
-        """Gather every unit for good, then remove the hooks: the model is whole and ordinary again."""
+        """Gather every unit for good (under a lower param_dtype: the masters, ShardedStage's), then remove the hooks:
+        the model is whole and ordinary again, in its own dtype."""
         for unit in self.units:
             self._materialize(unit)
         super().close()
@@ -509,11 +609,19 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
-          group: dist.ProcessGroup | None = None, collectives: str = "torch", *, bucket_mb: float = 25.0,
-          overlap: bool = True, accumulate: str = "sharded", timeout_s: float | None = None) -> Any:
+          group: dist.ProcessGroup | None = None, collectives: str = "torch",
+          replicate_group: dist.ProcessGroup | None = None, param_dtype: torch.dtype | None = None,
+          reduce_dtype: torch.dtype | None = None, *, bucket_mb: float = 25.0, overlap: bool = True,
+          accumulate: str = "sharded", timeout_s: float | None = None) -> Any:
     """Data parallelism at ZeRO ``stage`` over ``group`` (default: the world) for ``model``, in place: the group's
     rank 0's weights and buffers are broadcast first (as DistributedDataParallel does), then the model's
     parameters become views of flat buckets (stages 1-3), and hooks do the rest (module docstring).
+
+    ``replicate_group`` (stages 1-3): hybrid sharding, the state sharded over ``group`` and replicated over the
+    ranks holding the same shard (zero/hybrid.py); the two must tile the world as a grid. ``param_dtype`` (stages
+    1-3): the dtype the weights are kept, gathered and computed in, over masters and optimizer state in the
+    model's own dtype; ``reduce_dtype`` (default: ``param_dtype``): the dtype gradients are reduced in
+    (zero/precision.py).
 
     ``units`` (stage 3): the modules gathered one at a time (default: default_units); the root owns the
     parameters no unit does. ``collectives``: "torch" (torch.distributed's), "ring" (allreduce.py's, on a thread
@@ -537,17 +645,27 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("zero.shard: the model has no trainable parameter")
+    if stage == 0 and replicate_group is not None:
+        raise ValueError("zero.shard: replicate_group is for stages 1-3 (state sharded over group, replicated "
+                         "across it); at stage 0 every rank holds everything: pass the whole world as group")
+    precision = resolve(model, stage, param_dtype, reduce_dtype)
     if stage == 3:
         units, owner = stage_3_units(model, default_units(model) if units is None else list(units))
+    if replicate_group is not None:
+        check_grid(group, replicate_group)  # before any broadcast: on every rank, the same verdict
     broadcast_state(model, group=group)
     comm = Collectives(group, collectives, timeout_s)
     if stage == 0:
         return GradientSync(model, bucket_mb, overlap, comm)
+    replicas = None
+    if replicate_group is not None:
+        replicas = Replicas(replicate_group, collectives, timeout_s, precision.reduce)
+        replicas.broadcast(model)  # then every rank of the grid holds replica 0's rank 0's weights
     if stage == 1:
-        return ZeroStage1(model, bucket_mb, overlap, comm)
+        return ZeroStage1(model, bucket_mb, overlap, comm, precision, replicas)
     if stage == 2:
-        return ZeroStage2(model, assign_buckets(trainable, bucket_mb), comm)
-    return ZeroStage3(model, units, owner, comm, accumulate)
+        return ZeroStage2(model, assign_buckets(trainable, bucket_mb), comm, precision, replicas)
+    return ZeroStage3(model, units, owner, comm, accumulate, precision, replicas)
 
 
 def stage_3_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], dict[int, nn.Module]]:
