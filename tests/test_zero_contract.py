@@ -263,6 +263,20 @@ def train_replicas(rank, world_size, configs):
     finally:
         for group in groups:
             dist.destroy_process_group(group)
+        align_group_counters()
+
+
+def align_group_counters():
+    """torch names a new process group by a per-process counter, which every rank that creates a group advances.
+    A replica on the ring made one group more on its 2 ranks (its thread's, local to them: it trains as if alone),
+    so the counters now differ across the world, and the next group every rank creates (a later test's, on these
+    session workers) would wait forever for peers looking for another name. Every rank takes the largest. The
+    counter is torch's private ``_world.group_count``: a loop that makes groups on some ranks only, and then one on
+    all of them, needs the same."""
+    from torch.distributed import distributed_c10d
+    counters = [None] * dist.get_world_size()
+    dist.all_gather_object(counters, distributed_c10d._world.group_count)
+    distributed_c10d._world.group_count = max(counters)
 
 
 def attempt(fn):

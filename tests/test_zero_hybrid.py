@@ -65,22 +65,9 @@ def hybrid(stage, collectives, group, replicate_group):
     return out
 
 
-def align_group_counters():
-    """torch 2.15 names a new process group by a per-process counter (the hashed names of local-synchronization
-    groups are salted with it too), and advances it on every rank that creates a group. A test before this one on
-    the same session workers that made a group on some ranks only (test_zero_contract's replicas: one replica on
-    the ring, whose thread makes a group over its 2 ranks) leaves the counters apart, and the next group every
-    rank creates waits forever for peers that look for another name. Every rank takes the largest counter."""
-    from torch.distributed import distributed_c10d
-    counters = [None] * dist.get_world_size()
-    dist.all_gather_object(counters, distributed_c10d._world.group_count)
-    distributed_c10d._world.group_count = max(counters)
-
-
 def hybrid_runs(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     assert world_size == REPLICAS * SHARDS
-    align_group_counters()
     shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]  # 2 x 2, but shard indices 0 and 1 together

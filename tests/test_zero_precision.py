@@ -181,9 +181,10 @@ def precision_runs(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def runs(request, local_group):
-    return request.param, local_group(request.param).run(precision_runs, timeout_s=240)
+@pytest.fixture(scope="module")
+def runs(local_group):
+    """{world size: every rank's results}: the float64 masters at 2 and 3 processes, the rest at 2."""
+    return {world_size: local_group(world_size).run(precision_runs, timeout_s=240) for world_size in (2, 3)}
 
 
 def worst(ours_weights, theirs_weights):
@@ -191,9 +192,10 @@ def worst(ours_weights, theirs_weights):
                for name, value in theirs_weights.items())
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", [name for name, _ in FP64_CASES])
-def test_float32_over_float64_masters_matches_fsdp2_mixed_precision(runs, name):
-    world_size, ranks = runs
+def test_float32_over_float64_masters_matches_fsdp2_mixed_precision(runs, name, world_size):
+    ranks = runs[world_size]
     run = ranks[0][name]
     error = worst(run["ours"]["weights"], run["fsdp2"]["weights"])
     norm_error = max(abs(a - b) / b for a, b in zip(run["ours"]["norms"], run["fsdp2"]["norms"]))
@@ -209,9 +211,7 @@ def test_float32_over_float64_masters_matches_fsdp2_mixed_precision(runs, name):
 
 @pytest.mark.parametrize("name", [name for name, _ in BF16_CASES])
 def test_bf16_over_float32_masters_matches_fsdp2_mixed_precision(runs, name):
-    world_size, ranks = runs
-    if world_size != 2:
-        pytest.skip("bf16 is compared at 2 processes (BF16_TOL's argument)")
+    world_size, ranks = 2, runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
     run = ranks[0][name]
     error = worst(run["ours"]["weights"], run["fsdp2"]["weights"])
     print(f"\n{world_size} processes, {name}, float32 reduction: max |dw| against FSDP2 {error:.1e}")
@@ -223,9 +223,7 @@ def test_bf16_over_float32_masters_matches_fsdp2_mixed_precision(runs, name):
 
 @pytest.mark.parametrize("name", [name for name, _ in BF16_CASES])
 def test_bf16_weights_inside_forward_float32_everywhere_else_and_half_the_gather_bytes(runs, name):
-    world_size, ranks = runs
-    if world_size != 2:
-        pytest.skip("bf16 runs at 2 processes")
+    world_size, ranks = 2, runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
     for r in ranks:
         run = r[name]["ours"]
         assert run["forward dtypes"] == {torch.bfloat16}
@@ -240,17 +238,13 @@ def test_bf16_weights_inside_forward_float32_everywhere_else_and_half_the_gather
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_fresh_shard_loaded_from_the_masters_steps_as_the_run_that_went_on(runs, stage):
-    world_size, ranks = runs
-    if world_size != 2:
-        pytest.skip("at 2 processes")
+    world_size, ranks = 2, runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
     assert all(r[f"resume stage {stage}"] for r in ranks)
 
 
 @pytest.mark.parametrize("key", ["float16", "reduce float16", "stage 0"])
 def test_refusals_in_one_line(runs, key):
-    world_size, ranks = runs
-    if world_size != 2:
-        pytest.skip("at 2 processes")
+    world_size, ranks = 2, runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
     for r in ranks:
         kind, message = r[key]
         print(f"\n{key}: {kind}: {message}")
