@@ -326,6 +326,7 @@ def training_runs(launches):
     return launches
 
 
+@pytest.mark.slow
 def test_end_to_end_two_processes(training_runs):
     out, stdout = training_runs["dir"], training_runs["runs"]["reference"].stdout
     for epoch in (1, 2):  # rank 0 alone prints
@@ -344,11 +345,13 @@ def test_end_to_end_two_processes(training_runs):
     assert (state["epoch"], state["optimizer_steps"]) == (2, 8)
 
 
+@pytest.mark.slow
 def test_end_to_end_writes_tensorboard_scalars(training_runs):
     pytest.importorskip("tensorboard", reason="--log-dir needs tensorboard")
     assert list((training_runs["dir"] / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_resumes_exactly(training_runs):
     proc = training_runs["runs"]["restart"]
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -357,6 +360,7 @@ def test_a_killed_worker_is_restarted_and_resumes_exactly(training_runs):
                         "killed after step 7 and restarted")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_two_nodes_match_one_node(training_runs, rendezvous):
     agents = [training_runs["runs"][f"{rendezvous}/{node}"] for node in (0, 1)]
@@ -437,21 +441,25 @@ def assert_one_clear_line(proc, *phrases):
     assert OUR_TRACEBACK not in output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_FLAGS)
 def test_bad_flags_give_one_line_from_rank_0(failing_runs, case):
     assert_one_clear_line(failing_runs[case], BAD_FLAGS[case][1])
 
 
+@pytest.mark.slow
 def test_missing_cifar100_offline_is_one_clear_line(failing_runs):
     assert_one_clear_line(failing_runs["offline"], "--data-dir", "--dataset synthetic")
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_joins_ends_within_timeout(failing_runs):
     proc = failing_runs["never joins"]
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "rank 0: distributed failure" in proc.stderr and OUR_TRACEBACK not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_peer_that_dies_ends_the_others(failing_runs):
     survivor, killed = failing_runs["dies/0"], failing_runs["dies/1"]
     assert killed.returncode == -signal.SIGKILL
@@ -594,6 +602,7 @@ def folder_loader_runs(launches):
     return launches
 
 
+@pytest.mark.slow
 def test_image_folder_results_do_not_depend_on_workers(folder_loader_runs):
     runs, out = folder_loader_runs["runs"], folder_loader_runs["dir"]
     for name in ("workers 0", "workers 2"):
@@ -602,6 +611,7 @@ def test_image_folder_results_do_not_depend_on_workers(folder_loader_runs):
     assert_same_weights(out / "workers2", out / "workers0", "--workers 2")
 
 
+@pytest.mark.slow
 def test_a_truncated_image_stops_every_rank_with_one_line_naming_it(folder_loader_runs):
     proc = folder_loader_runs["runs"]["truncated"]
     assert_one_clear_line(proc, "cannot decode", str(folder_loader_runs["bad_file"]))  # from rank 0

@@ -46,12 +46,14 @@ def report():
     return executed_report()
 
 
+@pytest.mark.slow
 def test_report_executes_without_errors(report):
     errors = [o for c in report.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors, errors
 
 
+@pytest.mark.slow
 def test_every_results_file_is_listed_and_read(report):
     text = "\n".join(cell_text(c) for c in report.cells if c.cell_type == "code")
     for path in glob.glob(os.path.join(HERE, "results", "*.json")):
@@ -80,6 +82,7 @@ sys.meta_path.insert(0, BlockNotebookPackages())
 """
 
 
+@pytest.mark.slow
 def test_without_the_notebook_packages_the_report_tests_skip(tmp_path):
     """pytest on a machine without nbformat/nbclient: collection goes on, and the report's tests skip with the
     reason (they used to stop the whole run at collection)."""

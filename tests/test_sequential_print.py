@@ -57,6 +57,7 @@ def test_expected_output_shape():
     assert expected_output(1, 1) == "Process 0\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,num_iter,count", TORCHRUN_CASES)
 def test_rank_ordered_output_is_exact_and_repeatable(runs, world_size, num_iter, count):
     for i in range(count):
@@ -65,12 +66,14 @@ def test_rank_ordered_output_is_exact_and_repeatable(runs, world_size, num_iter,
         assert proc.stdout == expected_output(world_size, num_iter)
 
 
+@pytest.mark.slow
 def test_default_is_ten_iterations_in_a_world_of_one(runs):
     proc = runs["default"]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected_output(1, 10)
 
 
+@pytest.mark.slow
 def test_negative_iterations_is_a_one_line_error(runs):
     proc = runs["negative"]
     assert proc.returncode == 2
