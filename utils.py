@@ -251,7 +251,7 @@ class LocalGroup:
         ]
         for p in self._procs:
             p.start()
-        self.closed = self._stop_requested = False
+        self.closed = self._stop_requested = self._busy = False
         # Not daemons: stopped at the latest when this object is collected or the interpreter exits (before
         # multiprocessing waits for its children), even if nobody closed the group
         self._finalizer = mp.util.Finalize(self, _stop_workers, args=(self._procs, self._tasks), exitpriority=10)
@@ -298,11 +298,27 @@ class LocalGroup:
         return out
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        return self.submit(fn, *args, timeout_s=timeout_s, **kwargs)()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
+               **kwargs: Any) -> Callable[[], list[Any]]:
+        """Start ``fn`` in every worker and return at once: calling what is returned waits for the results, as
+        run() does (its timeout counted from that call). Meanwhile the caller may compute (a reference) or start
+        another group's work; this group takes no other call until then."""
         if self.closed:
             raise RuntimeError("this LocalGroup is closed")
+        if self._busy:
+            raise RuntimeError("this LocalGroup is still running a call: wait for its results first")
         for q in self._tasks:
             q.put((fn, args, kwargs))
-        return self._collect(getattr(fn, "__name__", str(fn)), timeout_s or self.timeout_s)
+        self._busy = True
+
+        def results() -> list[Any]:
+            try:
+                return self._collect(getattr(fn, "__name__", str(fn)), timeout_s or self.timeout_s)
+            finally:
+                self._busy = False
+        return results
 
     def request_stop(self) -> None:
         """Ask every worker to leave, without waiting: several groups then stop at once (close() waits)."""

@@ -30,8 +30,8 @@ from models import blocks, build_model
 from trainer import build as trainer_build
 from trainer.build import make_optimizer, make_scaler
 from trainer.evaluation import evaluate
-from trainer_testing import (TINY, max_difference, model_and_labelled_set, normalized_batch, train_in_group,
-                               try_train_in_group)
+from trainer_testing import (TINY, collect_all, max_difference, model_and_labelled_set, normalized_batch,
+                             train_in_group, try_train_in_group)
 
 # 1 epoch: 64 samples per rank at 2 processes (43 at 3: uneven shards of the data too) in micro-batches of 8,
 # grad-accum 3, so the last window is short; buckets of at most 20 kB, so the small ResNet's 83,892 parameters
@@ -57,10 +57,8 @@ def train_variants(rank, world_size, argv, variants, dtype="float64"):
     return runs
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def stage_runs(request, local_group):
+def stage_variants(world_size):
     """Stage 0 and stages 1 and 2 with both collectives; at 2 processes also DDP and ZeroRedundancyOptimizer."""
-    world_size = request.param
     variants = [("stage 0", ["--zero", "0"])]
     for allreduce in ("torch", "ring"):
         variants += [(f"stage {stage} {allreduce}", ["--zero", str(stage), "--allreduce", allreduce])
@@ -74,8 +72,19 @@ def stage_runs(request, local_group):
         # channels-last weights: the flat weight and the flat gradient must still match element by element
         variants += [("stage 0 channels-last", ["--zero", "0", "--channels-last"]),
                      ("stage 2 torch channels-last", ["--zero", "2", "--channels-last"])]
-    ranks = local_group(world_size).run(train_variants, BASE + OPTIMIZERS[world_size], variants)
-    return world_size, ranks
+    return variants
+
+
+@pytest.fixture(scope="module")
+def all_stage_runs(local_group):
+    """{world size: every rank's runs}, the 2- and 3-process groups working at once (5 processes on the cores)."""
+    pending = {n: local_group(n).submit(train_variants, BASE + OPTIMIZERS[n], stage_variants(n)) for n in (2, 3)}
+    return collect_all(pending)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def stage_runs(request, all_stage_runs):
+    return request.param, all_stage_runs[request.param]
 
 
 def test_the_rings_thread_is_closed_when_training_ends(stage_runs):

@@ -373,8 +373,9 @@ REPLICA_CONFIGS = [("stage 3 torch", 3, ("torch", "torch")), ("stage 2 ring|torc
 @pytest.fixture(scope="module", params=[2, 3])
 def runs(request, local_group):
     world_size = request.param
-    ranks = local_group(world_size).run(train_configs, CONFIGS, SEED, timeout_s=240)
-    return world_size, ranks, reference_of(world_size, SEED)
+    results = local_group(world_size).submit(train_configs, CONFIGS, SEED, timeout_s=240)
+    reference = reference_of(world_size, SEED)  # here, while the group trains
+    return world_size, results(), reference
 
 
 @pytest.fixture(scope="module")

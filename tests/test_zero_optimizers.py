@@ -22,6 +22,8 @@ to the parameters' float64, so NAdam resumed differs from its uninterrupted run 
 (checked on one process). A lost state is first order: SGD's momentum missing after STEPS steps moves the
 next step by lr * momentum * |buffer| ~ 1e-3, and a state loaded into the wrong elements or group by its size.
 """
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -239,15 +241,23 @@ def refusals(rank, world_size):
 # The runs: three calls of the groups in all
 # ----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def references():
-    return {name: reference(name) for name in OPTIMIZERS}
+def three_started(local_group):
+    """3 processes from scratch (uneven shards), started: calling it waits for the results (once)."""
+    results = functools.cache(local_group(3).submit(train_configs, CONFIGS, timeout_s=280))
+    yield results
+    results()  # if no test of the module did, so that the group takes calls again
 
 
 @pytest.fixture(scope="module")
-def runs(local_group):
+def references(three_started):
+    return {name: reference(name) for name in OPTIMIZERS}  # here, while the 3 processes train
+
+
+@pytest.fixture(scope="module")
+def runs(local_group, three_started, references):
     """{world size: every rank's runs}: 3 processes from scratch (uneven shards), then 2 resumed from 3's state at
     the next stage (their state dicts, before the load and after MORE steps, are the 2-process column)."""
-    three = local_group(3).run(train_configs, CONFIGS, timeout_s=280)
+    three = three_started()
     two = local_group(2).run(resume_configs, CONFIGS, three[0], timeout_s=280)
     return {2: two, 3: three}
 

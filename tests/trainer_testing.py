@@ -55,6 +55,21 @@ def main_in_group(rank, world_size, argv):
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
+def collect_all(pending):
+    """{key: results} of LocalGroup.submit calls in flight, every one waited for even if one fails (so that no
+    group is left busy), then the first failure raised."""
+    outcomes = {}
+    for key, results in pending.items():
+        try:
+            outcomes[key] = results()
+        except Exception as error:  # noqa: BLE001 - raised below, once the others have landed
+            outcomes[key] = error
+    failures = [value for value in outcomes.values() if isinstance(value, Exception)]
+    if failures:
+        raise failures[0]
+    return outcomes
+
+
 def normalized_batch(image_set, indices, epoch_key=None):
     """An in-memory batch as the trainer feeds it to the model: normalized with CIFAR-100's mean and std."""
     images, labels = image_set.batch(indices, epoch_key)
