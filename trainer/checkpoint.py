@@ -75,7 +75,8 @@ def trajectory(parts: Parts) -> dict[str, Any]:
                "scheduler", "amp", "seed", "augment", "image_size")}
     # named only when given, so that a checkpoint from before these flags existed still resumes without them
     record.update({key: getattr(config, key) for key in ("norm_weight_decay", "clip_grad_norm", "betas",
-                                                         "warmup_steps", "min_lr") if getattr(config, key) is not None})
+                                                         "warmup_steps", "min_lr", "param_dtype", "reduce_dtype")
+                   if getattr(config, key) is not None})
     if config.dataset == "text":  # the GPT's shape too, so that --generate can rebuild it from the checkpoint
         record.update(context=config.context, val_fraction=config.val_fraction,
                       gpt=dict(GPT_SIZES[config.model], context=config.context))
