@@ -22,6 +22,13 @@ WORLD = 4
 BASE = TINY + ["--epochs", "1", "--max-steps", "2", "--dropout", "0", "--grad-accum", "2", "--batch-size", "4",
                "--clip-grad-norm", "0.5", "--seed", "5"]
 HYBRID = ["--replicas", "2"]
+# DiLoCo with H = 1, plain SGD inside and outer SGD with lr 1 is data parallelism's step (test_diloco_training's
+# argument): here over 2 replicas of 2 processes at stage 3, the outer step on the master shards
+# (--norm local: diloco's SyncBatchNorm normalizes over the replica, data parallelism's over the world)
+PLAIN = [*BASE[:BASE.index("--clip-grad-norm")], "--momentum", "0", "--weight-decay", "0", "--seed", "5", "--norm",
+         "local"]
+DILOCO_DP = ["--grad-sync", "diloco", "--zero", "3", *HYBRID, "--local-steps", "1", "--outer-optimizer", "sgd",
+             "--outer-lr", "1", "--outer-momentum", "0"]
 # bf16 weights, gathers and compute over float32 masters and state, 3 steps: the weights move by lr x gradient
 # ~ 1e-3 a step, computed from weights rounded to 8 bits (2^-9 relative): a few 1e-4 apart from the float32
 # run at most, and more than float32's own rounding (1e-6): the bf16 run did compute in bf16
@@ -37,7 +44,7 @@ def runs_in_group(rank, world_size, variants, checkpoint_root):
         torch.set_default_dtype(getattr(torch, dtype))
         directory = f"{checkpoint_root}/{name.replace(' ', '-')}"
         try:
-            metrics = trainer.train(trainer.parse_args(BASE + extra + ["--checkpoint-dir", directory]))
+            metrics = trainer.train(trainer.parse_args(extra + ["--checkpoint-dir", directory]))
         finally:
             torch.set_default_dtype(previous)
         model = metrics.pop("model")
@@ -55,12 +62,14 @@ def runs_in_group(rank, world_size, variants, checkpoint_root):
 
 @pytest.fixture(scope="module")
 def runs(local_group, tmp_path_factory):
-    variants = [("stage 0", ["--zero", "0"], "float64")]
-    variants += [(f"hybrid {stage}", ["--zero", str(stage), *HYBRID], "float64") for stage in (1, 2, 3)]
-    variants += [("hsdp", ["--grad-sync", "fsdp", "--zero", "3", *HYBRID], "float64"),
-                 ("hybrid 3 float32", ["--zero", "3", *HYBRID], "float32"),
-                 ("hybrid 3 bf16", ["--zero", "3", *HYBRID, "--param-dtype", "bf16", "--reduce-dtype", "fp32"],
-                  "float32")]
+    variants = [("stage 0", BASE + ["--zero", "0"], "float64")]
+    variants += [(f"hybrid {stage}", BASE + ["--zero", str(stage), *HYBRID], "float64") for stage in (1, 2, 3)]
+    variants += [("hsdp", BASE + ["--grad-sync", "fsdp", "--zero", "3", *HYBRID], "float64"),
+                 ("hybrid 3 float32", BASE + ["--zero", "3", *HYBRID], "float32"),
+                 ("hybrid 3 bf16", BASE + ["--zero", "3", *HYBRID, "--param-dtype", "bf16", "--reduce-dtype", "fp32"],
+                  "float32"),
+                 ("plain stage 0", PLAIN + ["--zero", "0"], "float64"),
+                 ("diloco over zero 3", PLAIN + DILOCO_DP, "float64")]
     return local_group(WORLD).run(runs_in_group, variants, str(tmp_path_factory.mktemp("hybrid")))
 
 
@@ -79,6 +88,15 @@ def test_hybrid_sharding_takes_data_parallelisms_steps(runs, name):
     else:  # SGD's momentum: 8 bytes a parameter, over 2 shards
         parameters = sum(v.numel() for k, v in reference["state"].items() if "running" not in k and "num" not in k)
         assert runs[0][name]["optimizer_bytes"] >= 8 * parameters / 2
+
+
+def test_diloco_over_zero_3_with_one_local_step_is_data_parallelism(runs):
+    """--grad-sync diloco --replicas 2 --zero 3, H = 1, plain SGD inside, outer SGD lr 1: within 1e-10 of stage 0
+    on every rank (the mean of the replicas' steps taken on the shards). An outer step on anything but the shards
+    the optimizer steps would leave each replica on its own half of the batch: a first-order difference."""
+    for rank in runs:
+        assert max_difference(rank["diloco over zero 3"]["state"], rank["plain stage 0"]["state"]) < 1e-10
+    assert runs[0]["diloco over zero 3"]["saved_dtypes"] == {torch.float64}
 
 
 def test_bf16_parameters_train_over_float32_masters(runs):

@@ -211,9 +211,6 @@ ERRORS = [
     (["--local-steps", "5"], "--local-steps is for --grad-sync diloco or localsgd"),
     (["--grad-sync", "localsgd", "--outer-lr", "0.5"],
      "--outer-lr is diloco's: localsgd averages the weights (outer SGD, lr 1, no momentum)"),
-    (["--grad-sync", "diloco", "--zero", "3"],
-     "--grad-sync diloco takes --zero 0, 1 or 2 inside the replicas (stage 3 keeps no whole weights between steps "
-     "for the outer step to read)"),
     (["--grad-sync", "diloco", "--replicas", "0"], "--replicas must be positive, got 0"),
     (["--grad-sync", "diloco", "--local-steps", "4", "--fragments", "5"],
      "--fragments 5 must be between 1 and --local-steps 4"),

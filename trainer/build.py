@@ -85,7 +85,7 @@ def build(config: Config) -> Parts:
     # the gradient sync (and the replicas' outer loop), torch.compile, the optimizer through the sync
     within, across, replica, replica_size = replica_groups(config, ctx)
     sync = make_sync(config, model, ctx, within, across)
-    outer = make_outer(config, model, across)
+    outer = make_outer(config, model, across, sync)
     compile_counts = compile_forward(config, model)
     optimizer = make_optimizer(config, model, sync)
     # the schedule and the scaler
@@ -172,14 +172,18 @@ def make_sync(config: Config, model: nn.Module, ctx: utils.DistContext, within: 
                       timeout_s=config.timeout)
 
 
-def make_outer(config: Config, model: nn.Module, across: Any) -> DiLoCo | None:
-    """diloco, localsgd: the outer loop over the group across replicas (None for the other syncs)."""
+def make_outer(config: Config, model: nn.Module, across: Any, sync: DataParallel) -> DiLoCo | None:
+    """diloco, localsgd: the outer loop over the group across replicas (None for the other syncs). With --zero 3
+    inside the replicas the model keeps no whole weights between steps: the outer step acts on this rank's master
+    shards (sync.weights), which the ranks at its place in the other replicas (its group across) hold too, and
+    drops the units gathered before it wrote them (a prefetch from the step's edge would bring back the old)."""
     if config.grad_sync not in OUTER_SYNCS:
         return None
+    sharded = {"params": sync.weights, "after_write": sync.drop_gathered} if config.zero == 3 else {}
     try:
         return DiLoCo(model, across, config.local_steps, config.outer_lr, config.outer_momentum,
                       config.outer_optimizer == "nesterov", config.outer_compress, config.fragments,
-                      config.outer_delay, config.timeout)
+                      config.outer_delay, config.timeout, **sharded)
     except ValueError as exc:  # e.g. more fragments than the model has parameters
         raise UsageError(f"--grad-sync {config.grad_sync}: {exc}") from None
 

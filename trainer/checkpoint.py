@@ -181,8 +181,9 @@ def save(parts: Parts, position: Position, history: list[dict[str, Any]], sums: 
     replicas = None
     if parts.outer is not None:  # every replica's own weights, optimizer and outer state; "model": the shared point
         replicas = gather_replicas(parts, model_state, optimizer_state)
-        with parts.outer.global_weights():
-            model_state = {key: value.clone() for key, value in parts.model.state_dict().items()}
+        with parts.outer.global_weights():  # --zero 3: the shards hold it, gathered one unit at a time
+            model_state = (parts.sync.model_state_dict() if parts.config.zero == 3 else
+                           {key: value.clone() for key, value in parts.model.state_dict().items()})
     if parts.ctx.rank != 0:
         return
     record = trajectory(parts)
@@ -199,13 +200,26 @@ def save(parts: Parts, position: Position, history: list[dict[str, Any]], sums: 
 
 def gather_replicas(parts: Parts, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> list[Any] | None:
     """Each replica's first rank sends its replica's state to rank 0 (the others hold the same); rank 0 gets them
-    in replica order, the others None."""
-    rank = parts.ctx.rank
-    first = rank % parts.replica_size == 0
-    mine = {"model": model_state, "optimizer": optimizer_state, "outer": parts.outer.state_dict()} if first else None
+    in replica order, the others None. With --zero 3 inside the replicas each rank's outer state is its shard's:
+    every rank sends it, and a replica's "outer" is the list of its ranks' in order."""
+    rank, per = parts.ctx.rank, parts.replica_size
+    first, outer = rank % per == 0, parts.outer.state_dict()
+    mine = {"model": model_state, "optimizer": optimizer_state, "outer": outer} if first else None
+    if parts.config.zero == 3:
+        mine = {"outer": outer, **({"model": model_state, "optimizer": optimizer_state} if first else {})}
     gathered: list[Any] = [None] * parts.ctx.world_size
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-    return [state for state in gathered if state is not None] if rank == 0 else None
+    if rank != 0:
+        return None
+    if parts.config.zero == 3:
+        return [{**gathered[i * per], "outer": [state["outer"] for state in gathered[i * per:(i + 1) * per]]}
+                for i in range(parts.ctx.world_size // per)]
+    return [state for state in gathered if state is not None]
+
+
+def outer_state(parts: Parts, replica: dict[str, Any]) -> dict[str, Any]:
+    """This rank's outer state in its replica's entry (--zero 3: its place's shard's)."""
+    return replica["outer"][parts.ctx.rank % parts.replica_size] if parts.config.zero == 3 else replica["outer"]
 
 
 def check_optimizer_state(state: dict[str, Any], path: str, config: Config, position: Position) -> None:
@@ -231,7 +245,7 @@ def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     if config.eval_only:
         try:
             if parts.outer is not None and "replicas" in state:  # the shared point is what validation evaluates
-                parts.outer.load_state_dict(state["replicas"][parts.replica]["outer"])
+                parts.outer.load_state_dict(outer_state(parts, state["replicas"][parts.replica]))
             parts.sync.load_model_state_dict(state["model"])
         except RuntimeError as exc:
             raise UsageError(f"checkpoint {path} does not fit --model {config.model}: "
@@ -244,7 +258,7 @@ def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     check_optimizer_state(replica["optimizer"], path, config, position)
     parts.optimizer.load_state_dict(replica["optimizer"])
     if parts.outer is not None:
-        parts.outer.load_state_dict(replica["outer"])
+        parts.outer.load_state_dict(outer_state(parts, replica))
     if parts.scheduler is not None:
         parts.scheduler.load_state_dict(state["scheduler"])
     parts.scaler.load_state_dict(state["scaler"])

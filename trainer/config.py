@@ -330,9 +330,6 @@ def outer_flags(given: argparse.Namespace) -> dict[str, Any]:
     defaults = {**DILOCO_DEFAULTS, **(LOCALSGD if given.grad_sync == "localsgd" else {})}
     outer = {key: default if getattr(given, key) is None else getattr(given, key)
              for key, default in defaults.items()}
-    if given.zero == 3:
-        raise UsageError(f"--grad-sync {given.grad_sync} takes --zero 0, 1 or 2 inside the replicas (stage 3 keeps no "
-                         f"whole weights between steps for the outer step to read)")
     if not 1 <= outer["fragments"] <= outer["local_steps"]:
         raise UsageError(f"--fragments {outer['fragments']} must be between 1 and --local-steps {outer['local_steps']}")
     if not 0 <= outer["outer_delay"] <= outer["local_steps"] // outer["fragments"]:
