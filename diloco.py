@@ -15,7 +15,8 @@ The world is R replicas of W/R processes. Inside a replica every step is ordinar
 (``within``); across replicas, ``group`` (``across``) holds this rank and the rank at the same position in every
 other replica, and nothing crosses it but the outer all-reduce. The training state of every replica is whole on each
 of its ranks (zero.shard's stages 0-2), so the R-rank rings of the W/R positions run side by side on identical
-inputs: each rank sends what one ring sends.
+inputs: each rank sends what one ring sends. At stage 3 (``params=`` the stage's master shards, ``after_write=`` its
+drop_gathered) each rank's ring carries its shard: the ranks at one place in every replica hold the same shard.
 
 DiLoCo (Douillard et al., 2023, arXiv:2311.08105). Every replica starts a window from the shared point theta,
 takes H inner steps with its own optimizer (AdamW, its state kept across windows), reaching theta_r, and then

@@ -33,6 +33,7 @@ DILOCO_DP = ["--grad-sync", "diloco", "--zero", "3", *HYBRID, "--local-steps", "
 # ~ 1e-3 a step, computed from weights rounded to 8 bits (2^-9 relative): a few 1e-4 apart from the float32
 # run at most, and more than float32's own rounding (1e-6): the bf16 run did compute in bf16
 BF16_MAX, BF16_MIN = 1e-2, 1e-5
+BATCHNORM = ["--model", "resnet"]  # affine BatchNorm: bf16 weights beside float32 running statistics in evaluation
 
 
 def runs_in_group(rank, world_size, variants, checkpoint_root):
@@ -65,9 +66,9 @@ def runs(local_group, tmp_path_factory):
     variants = [("stage 0", BASE + ["--zero", "0"], "float64")]
     variants += [(f"hybrid {stage}", BASE + ["--zero", str(stage), *HYBRID], "float64") for stage in (1, 2, 3)]
     variants += [("hsdp", BASE + ["--grad-sync", "fsdp", "--zero", "3", *HYBRID], "float64"),
-                 ("hybrid 3 float32", BASE + ["--zero", "3", *HYBRID], "float32"),
-                 ("hybrid 3 bf16", BASE + ["--zero", "3", *HYBRID, "--param-dtype", "bf16", "--reduce-dtype", "fp32"],
-                  "float32"),
+                 ("hybrid 3 float32", BASE + ["--zero", "3", *HYBRID, *BATCHNORM], "float32"),
+                 ("hybrid 3 bf16", BASE + ["--zero", "3", *HYBRID, *BATCHNORM, "--param-dtype", "bf16",
+                                           "--reduce-dtype", "fp32"], "float32"),
                  ("plain stage 0", PLAIN + ["--zero", "0"], "float64"),
                  ("diloco over zero 3", PLAIN + DILOCO_DP, "float64")]
     # resume: 2 outer steps of Nesterov (its momentum and shared point per shard in the checkpoint), then a third
@@ -143,6 +144,9 @@ REFUSED = [
      "--replicas is for --grad-sync custom --zero 1-3 and fsdp (hybrid sharding), diloco and localsgd; "
      "not --grad-sync ddp --zero 1"),
     (["--zero", "2", "--replicas", "0"], "--replicas must be positive, got 0"),
+    (["--zero", "1", "--param-dtype", "bf16", "--norm", "local"],
+     "--param-dtype with --norm local: torch's BatchNorm takes its weights and running statistics in one dtype; "
+     "--norm custom (syncbn.py) takes bf16 weights over float32 statistics"),
 ]
 
 

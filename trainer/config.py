@@ -100,7 +100,7 @@ class Config:
     grad_sync: str = flag("custom", choices=("custom", "ddp", "fsdp", *OUTER_SYNCS),
                           help="custom: gradsync.py / zero/, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's "
                                "fully_shard on the model's blocks and the root (with --zero 2 or 3); diloco: "
-                               "--replicas that train alone (custom inside each, --zero 0-2) and meet every "
+                               "--replicas that train alone (custom inside each, --zero 0-3) and meet every "
                                "--local-steps through an outer optimizer (diloco.py); localsgd: the same, meeting by "
                                "averaging their weights")
     replicas: int | None = flag(None, type=int, metavar="R",
@@ -358,6 +358,9 @@ def check_syncs(given: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} is for --grad-sync custom --zero 1-3 and fsdp (master "
                              f"shards in the model's dtype); --grad-sync {sync} --zero {stage} {why} in its own "
                              f"dtype (use --amp there)")
+    if given.param_dtype and given.norm == "local" and sync == "custom":
+        raise UsageError("--param-dtype with --norm local: torch's BatchNorm takes its weights and running statistics "
+                         "in one dtype; --norm custom (syncbn.py) takes bf16 weights over float32 statistics")
     if (given.param_dtype or given.reduce_dtype) and given.amp != "off":
         raise UsageError(f"--param-dtype and --reduce-dtype are mixed precision of their own; --amp {given.amp} "
                          f"would autocast on top of them: use one or the other")
