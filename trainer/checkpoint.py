@@ -90,6 +90,8 @@ def trajectory(parts: Parts) -> dict[str, Any]:
     record["schedule_steps"] = parts.schedule_steps if config.scheduler in ("onecycle", "cosine") else None
     if config.grad_sync in OUTER_SYNCS:  # the replicas are processes: their number is the run's too
         record.update(world_size=world_size, diloco={key: getattr(config, key) for key in DILOCO_FLAGS})
+        if config.zero == 3:  # the outer state is per shard: such a checkpoint resumes only at --zero 3 (and the
+            record["diloco"]["zero"] = 3  # others, which lack the key, keep their fingerprint)
     return record
 
 
