@@ -15,7 +15,8 @@ The world is R replicas of W/R processes. Inside a replica every step is ordinar
 (``within``); across replicas, ``group`` (``across``) holds this rank and the rank at the same position in every
 other replica, and nothing crosses it but the outer all-reduce. The training state of every replica is whole on each
 of its ranks (zero.shard's stages 0-2), so the R-rank rings of the W/R positions run side by side on identical
-inputs: each rank sends what one ring sends.
+inputs: each rank sends what one ring sends. At stage 3 (``params=`` the stage's master shards, ``after_write=`` its
+drop_gathered) each rank's ring carries its shard: the ranks at one place in every replica hold the same shard.
 
 DiLoCo (Douillard et al., 2023, arXiv:2311.08105). Every replica starts a window from the shared point theta,
 takes H inner steps with its own optimizer (AdamW, its state kept across windows), reaching theta_r, and then
@@ -73,7 +74,7 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -259,7 +260,8 @@ class DiLoCo:
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, local_steps: int = 500,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, compress: str = "none",
-                 fragments: int = 1, delay: int = 0, timeout_s: float | None = None):
+                 fragments: int = 1, delay: int = 0, timeout_s: float | None = None,
+                 params: list[torch.Tensor] | None = None, after_write: Callable[[], None] | None = None):
         if compress not in CODECS:
             raise ValueError(f"compress is one of {', '.join(CODECS)}, not {compress!r}")
         if local_steps < 1 or fragments < 1 or local_steps < fragments:
@@ -268,7 +270,10 @@ class DiLoCo:
             raise ValueError(f"delay must be in [0, local_steps // fragments = {local_steps // fragments}] (one "
                              f"fragment in flight at a time), got {delay}")
         self.model, self.local_steps, self.compress, self.delay = model, local_steps, compress, delay
-        params = [p for p in model.parameters() if p.requires_grad]
+        # the tensors the outer step reads and writes: the model's parameters, or (ZeRO-3 inside the replicas)
+        # this rank's master shards, which the rank at the same place in every other replica holds too
+        params = [p for p in model.parameters() if p.requires_grad] if params is None else params
+        self.after_write = after_write  # e.g. stage 3 dropping units gathered before the write
         self.fragments = split_fragments(params, fragments)
         # fragment f meets after inner steps t = offsets[f] (mod H)
         self.offsets = [((f + 1) * (local_steps // fragments)) % local_steps for f in range(fragments)]
@@ -291,6 +296,8 @@ class DiLoCo:
             for p in self.fragments[f]:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
+        if self.after_write is not None:
+            self.after_write()
 
     def due(self, step: int) -> list[int]:
         """The fragments that meet after inner step ``step`` (counted from 1)."""

@@ -5,6 +5,8 @@ references every hand-written stage is measured against.
     DDPSync(model, device, bucket_mb, zero_redundancy=True) stage 1: DDP, then ZeroRedundancyOptimizer's step
     FSDPSync(model, units, reshard_after_forward=True)      stage 3 (False: a stage 2 sharding the weights between
                                                             steps): FSDP2's fully_shard on the same units
+    FSDPSync(..., mesh=, param_dtype=, reduce_dtype=)       HSDP on a 2-D mesh (replicate, shard), and FSDP2's
+                                                            MixedPrecisionPolicy
 
 Each leaves the user's optimizer code as it is and PyTorch's own clipping (torch.nn.utils.clip_grad_norm_, which
 FSDP2's DTensors make global) in place. Their optimizers' state_dict() gives torch.optim's ordinary, unsharded
@@ -101,11 +103,16 @@ class FSDPSync:
     build the optimizer after this, from model.parameters(). Its state dicts go through DTensor's full_tensor()
     and distribute_tensor(), so they are torch.optim's ordinary form (every rank calls state_dict())."""
 
-    def __init__(self, model: nn.Module, units: list[nn.Module], reshard_after_forward: bool):
-        from torch.distributed.fsdp import fully_shard
+    def __init__(self, model: nn.Module, units: list[nn.Module], reshard_after_forward: bool, mesh: Any = None,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        # mesh: a 2-D DeviceMesh (replicate, shard) makes it HSDP (None: the world, 1-D); the dtypes are
+        # MixedPrecisionPolicy's (None: the model's own), the sharded parameters and the state dicts stay in it
+        options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+                   "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
         for unit in units:
-            fully_shard(unit, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
         self.module = self.model = model
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],

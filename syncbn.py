@@ -713,8 +713,11 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training and self.running_mean is not None:
             # (x - running_mean) / sqrt(running_var + eps) * w + b: eval-mode batch_norm is exactly that, one
             # fused per-channel affine pass in the input's dtype and memory format, computing nothing of its own.
-            return torch.batch_norm(input, self.weight, self.bias, self.running_mean, self.running_var, False, 0.0,
-                                    self.eps, torch.backends.cudnn.enabled)
+            mean, var = self.running_mean, self.running_var
+            if self.weight is not None and self.weight.dtype != mean.dtype:  # bf16 weights over float32 statistics
+                mean, var = mean.to(self.weight.dtype), var.to(self.weight.dtype)  # (param_dtype): one dtype for all
+            return torch.batch_norm(input, self.weight, self.bias, mean, var, False, 0.0, self.eps,
+                                    torch.backends.cudnn.enabled)
 
         update = self.training and self.track_running_stats
         return sync_batch_norm.apply(

@@ -101,7 +101,8 @@ def test_resume_mid_window_with_a_fragment_in_flight_is_exact(local_group, tmp_p
 @pytest.mark.parametrize("flags, message", [
     (["--local-steps", "5"], "--local-steps is for --grad-sync diloco or localsgd"),
     (["--grad-sync", "localsgd", "--outer-lr", "0.5"], "--outer-lr is diloco's"),
-    (["--grad-sync", "diloco", "--zero", "3"], "takes --zero 0, 1 or 2"),
+    (["--grad-sync", "diloco", "--zero", "1", "--param-dtype", "bf16"],
+     "--param-dtype is for --grad-sync custom --zero 1-3 and fsdp"),  # --zero 3 is taken now (issue 37)
     (["--grad-sync", "diloco", "--replicas", "3"], "--replicas 3 does not divide the 2 processes"),
     (["--grad-sync", "diloco", "--local-steps", "8", "--fragments", "4", "--outer-delay", "3"],
      "--outer-delay 3 must be between 0 and"),

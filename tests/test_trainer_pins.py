@@ -109,8 +109,8 @@ FLAGS = ["--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--be
          "--eval-every", "--eval-only", "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help",
          "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr", "--max-steps", "--metrics-out",
          "--min-lr", "--model", "--momentum", "--norm", "--norm-weight-decay", "--optimizer", "--outer-compress",
-         "--outer-delay", "--outer-lr", "--outer-momentum", "--outer-optimizer", "--profile", "--profile-steps",
-         "--prompt", "--replicas", "--scheduler", "--seed", "--sync-mode", "--temperature", "--timeout", "--top-k",
+         "--outer-delay", "--outer-lr", "--outer-momentum", "--outer-optimizer", "--param-dtype", "--profile",
+         "--profile-steps", "--prompt", "--reduce-dtype", "--replicas", "--scheduler", "--seed", "--sync-mode", "--temperature", "--timeout", "--top-k",
          "--train-size", "--val-fraction", "--val-size", "--warmup-steps", "--weight-decay", "--workers", "--zero",
          "--zero3-accumulate"]
 
@@ -119,7 +119,8 @@ DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "augment": "cifar", "workers": 0, "context": None, "val_fraction": 0.1, "model": "net", "channels_last": False,
     "compile": None, "compile_backend": "inductor", "dropout": 0.5, "grad_sync": "custom", "replicas": None,
     "local_steps": None, "outer_optimizer": None, "outer_lr": None, "outer_momentum": None, "outer_compress": None,
-    "fragments": None, "outer_delay": None, "zero": 0, "zero3_accumulate": "sharded", "optimizer": "sgd",
+    "fragments": None, "outer_delay": None, "zero": 0, "zero3_accumulate": "sharded", "param_dtype": None,
+    "reduce_dtype": None, "optimizer": "sgd",
     "allreduce": "torch", "sync_mode": "overlap", "bucket_mb": 25.0, "norm": "custom", "grad_accum": 1,
     "batch_size": 128, "epochs": 10, "max_steps": 0, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0005,
     "betas": None, "norm_weight_decay": None, "clip_grad_norm": None, "scheduler": "none", "warmup_steps": None,
@@ -145,6 +146,10 @@ PARSED = [  # argv, what differs from DEFAULTS after parsing
      dict(zero=3, profile="p", profile_steps=(0, 2), betas=[0.9, 0.95], optimizer="adamw")),
     (["--grad-sync", "custom", "--zero", "3", "--zero3-accumulate", "unsharded"],
      dict(zero=3, zero3_accumulate="unsharded")),
+    (["--zero", "2", "--replicas", "2", "--param-dtype", "bf16", "--reduce-dtype", "fp32"],
+     dict(zero=2, replicas=2, param_dtype="bf16", reduce_dtype="fp32")),
+    (["--grad-sync", "fsdp", "--zero", "3", "--replicas", "2", "--param-dtype", "bf16"],
+     dict(grad_sync="fsdp", zero=3, replicas=2, param_dtype="bf16")),
 ]
 
 
@@ -206,9 +211,6 @@ ERRORS = [
     (["--local-steps", "5"], "--local-steps is for --grad-sync diloco or localsgd"),
     (["--grad-sync", "localsgd", "--outer-lr", "0.5"],
      "--outer-lr is diloco's: localsgd averages the weights (outer SGD, lr 1, no momentum)"),
-    (["--grad-sync", "diloco", "--zero", "3"],
-     "--grad-sync diloco takes --zero 0, 1 or 2 inside the replicas (stage 3 keeps no whole weights between steps "
-     "for the outer step to read)"),
     (["--grad-sync", "diloco", "--replicas", "0"], "--replicas must be positive, got 0"),
     (["--grad-sync", "diloco", "--local-steps", "4", "--fragments", "5"],
      "--fragments 5 must be between 1 and --local-steps 4"),

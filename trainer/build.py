@@ -32,7 +32,7 @@ from diloco import DiLoCo
 from gradsync import DataParallel, broadcast_state
 from models import blocks, build_model
 from references import DDPSync, FSDPSync
-from trainer.config import OURS, OUTER_SYNCS, Config
+from trainer.config import DTYPES, OURS, OUTER_SYNCS, Config
 from utils import UsageError
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,8 +84,8 @@ def build(config: Config) -> Parts:
     broadcast_state(model)
     # the gradient sync (and the replicas' outer loop), torch.compile, the optimizer through the sync
     within, across, replica, replica_size = replica_groups(config, ctx)
-    sync = make_sync(config, model, ctx.device, within)
-    outer = make_outer(config, model, across)
+    sync = make_sync(config, model, ctx, within, across)
+    outer = make_outer(config, model, across, sync)
     compile_counts = compile_forward(config, model)
     optimizer = make_optimizer(config, model, sync)
     # the schedule and the scaler
@@ -109,12 +109,18 @@ def make_deterministic() -> None:
 
 
 def replica_groups(config: Config, ctx: utils.DistContext) -> tuple[Any, Any, int, int]:
-    """--grad-sync diloco|localsgd: the process group of this rank's replica (ranks R_i = i W/R .. (i+1) W/R - 1,
-    the inner data parallelism), the group across replicas (this rank and the ranks at its place in every other
-    replica: the outer all-reduce, always gloo: its ring works on host memory), the replica's index and its number of
-    ranks. Every rank makes every group, in one order (torch.distributed's rule). (None, None, 0, 1) for the other
-    syncs."""
-    if config.grad_sync not in OUTER_SYNCS:
+    """The world as a grid of R replicas (--replicas) x W/R processes: replica i is ranks i W/R .. (i+1) W/R - 1
+    (consecutive: a node), and "across" holds this rank and the ranks at its place in every other replica (strided).
+    That is FSDP2's 2-D mesh (replicate, shard) as torchtitan lays it out. Returns the group of this rank's replica,
+    the group across replicas, the replica's index and its number of ranks; every rank makes every group, in one
+    order (torch.distributed's rule).
+
+    diloco, localsgd: the replica trains alone (the inner data parallelism) and the group across carries the outer
+    all-reduce, always on gloo (its ring works on host memory). custom --zero 1-3: hybrid sharding, the state
+    sharded over the replica and replicated across (zero.shard's group and replicate_group). fsdp: make_sync builds
+    its DeviceMesh itself. (None, None, 0, 1) without replicas."""
+    hybrid = config.replicas is not None and config.grad_sync == "custom"
+    if config.grad_sync not in OUTER_SYNCS and not hybrid:
         return None, None, 0, 1
     world, replicas = ctx.world_size, config.replicas or ctx.world_size
     if world % replicas:
@@ -125,35 +131,59 @@ def replica_groups(config: Config, ctx: utils.DistContext) -> tuple[Any, Any, in
         group = dist.new_group(list(range(i * per, (i + 1) * per)))
         within = group if ctx.rank // per == i else within
     for place in range(per):
-        group = dist.new_group([i * per + place for i in range(replicas)], backend="gloo")
+        group = dist.new_group([i * per + place for i in range(replicas)],
+                               backend="gloo" if config.grad_sync in OUTER_SYNCS else None)
         across = group if ctx.rank % per == place else across
     return within, across, ctx.rank // per, per
 
 
-def make_sync(config: Config, model: nn.Module, device: torch.device, within: Any) -> DataParallel:
-    """--grad-sync and --zero's sync around ``model``; ``within``: the replica's group (diloco, localsgd), over which
-    SyncBatchNorm normalizes too."""
-    if within is not None:
+def device_mesh(config: Config, ctx: utils.DistContext) -> Any:
+    """--grad-sync fsdp --replicas R: FSDP2's 2-D DeviceMesh (replicate, shard) of R x W/R, shard groups of
+    consecutive ranks as replica_groups lays them out (HSDP); None (fully_shard's 1-D default) otherwise."""
+    if config.replicas is None or config.replicas == 1:
+        return None
+    if ctx.world_size % config.replicas:
+        raise UsageError(f"--replicas {config.replicas} does not divide the {ctx.world_size} processes into equal "
+                         f"replicas")
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(ctx.device.type, (config.replicas, ctx.world_size // config.replicas),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def make_sync(config: Config, model: nn.Module, ctx: utils.DistContext, within: Any, across: Any) -> DataParallel:
+    """--grad-sync and --zero's sync around ``model``. diloco, localsgd: over ``within``, the replica's group, over
+    which SyncBatchNorm normalizes too. custom with --replicas: sharded over ``within``, replicated over ``across``
+    (the replicas meet every step: SyncBatchNorm stays over the world)."""
+    param_dtype, reduce_dtype = DTYPES.get(config.param_dtype), DTYPES.get(config.reduce_dtype)
+    if within is not None and config.grad_sync in OUTER_SYNCS:
         for module in model.modules():
             if hasattr(module, "process_group"):
                 module.process_group = within
     if config.grad_sync == "ddp":
-        return DDPSync(model, device, config.bucket_mb, zero_redundancy=config.zero == 1)
+        return DDPSync(model, ctx.device, config.bucket_mb, zero_redundancy=config.zero == 1)
     if config.grad_sync == "fsdp":
-        return FSDPSync(model, blocks(model), reshard_after_forward=config.zero == 3)
+        return FSDPSync(model, blocks(model), reshard_after_forward=config.zero == 3, mesh=device_mesh(config, ctx),
+                        param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    hybrid = config.grad_sync == "custom" and across is not None and dist.get_world_size(across) > 1
     return zero.shard(model, config.zero, blocks(model) if config.zero == 3 else None, group=within,
-                      collectives=config.allreduce, bucket_mb=config.bucket_mb, overlap=config.sync_mode == "overlap",
-                      accumulate=config.zero3_accumulate, timeout_s=config.timeout)
+                      collectives=config.allreduce, replicate_group=across if hybrid else None,
+                      param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_mb=config.bucket_mb,
+                      overlap=config.sync_mode == "overlap", accumulate=config.zero3_accumulate,
+                      timeout_s=config.timeout)
 
 
-def make_outer(config: Config, model: nn.Module, across: Any) -> DiLoCo | None:
-    """diloco, localsgd: the outer loop over the group across replicas (None for the other syncs)."""
-    if across is None:
+def make_outer(config: Config, model: nn.Module, across: Any, sync: DataParallel) -> DiLoCo | None:
+    """diloco, localsgd: the outer loop over the group across replicas (None for the other syncs). With --zero 3
+    inside the replicas the model keeps no whole weights between steps: the outer step acts on this rank's master
+    shards (sync.weights), which the ranks at its place in the other replicas (its group across) hold too, and
+    drops the units gathered before it wrote them (a prefetch from the step's edge would bring back the old)."""
+    if config.grad_sync not in OUTER_SYNCS:
         return None
+    sharded = {"params": sync.weights, "after_write": sync.drop_gathered} if config.zero == 3 else {}
     try:
         return DiLoCo(model, across, config.local_steps, config.outer_lr, config.outer_momentum,
                       config.outer_optimizer == "nesterov", config.outer_compress, config.fragments,
-                      config.outer_delay, config.timeout)
+                      config.outer_delay, config.timeout, **sharded)
     except ValueError as exc:  # e.g. more fragments than the model has parameters
         raise UsageError(f"--grad-sync {config.grad_sync}: {exc}") from None
 

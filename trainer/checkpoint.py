@@ -75,7 +75,8 @@ def trajectory(parts: Parts) -> dict[str, Any]:
                "scheduler", "amp", "seed", "augment", "image_size")}
     # named only when given, so that a checkpoint from before these flags existed still resumes without them
     record.update({key: getattr(config, key) for key in ("norm_weight_decay", "clip_grad_norm", "betas",
-                                                         "warmup_steps", "min_lr") if getattr(config, key) is not None})
+                                                         "warmup_steps", "min_lr", "param_dtype", "reduce_dtype")
+                   if getattr(config, key) is not None})
     if config.dataset == "text":  # the GPT's shape too, so that --generate can rebuild it from the checkpoint
         record.update(context=config.context, val_fraction=config.val_fraction,
                       gpt=dict(GPT_SIZES[config.model], context=config.context))
@@ -89,6 +90,8 @@ def trajectory(parts: Parts) -> dict[str, Any]:
     record["schedule_steps"] = parts.schedule_steps if config.scheduler in ("onecycle", "cosine") else None
     if config.grad_sync in OUTER_SYNCS:  # the replicas are processes: their number is the run's too
         record.update(world_size=world_size, diloco={key: getattr(config, key) for key in DILOCO_FLAGS})
+        if config.zero == 3:  # the outer state is per shard: such a checkpoint resumes only at --zero 3 (and the
+            record["diloco"]["zero"] = 3  # others, which lack the key, keep their fingerprint)
     return record
 
 
@@ -180,8 +183,9 @@ def save(parts: Parts, position: Position, history: list[dict[str, Any]], sums: 
     replicas = None
     if parts.outer is not None:  # every replica's own weights, optimizer and outer state; "model": the shared point
         replicas = gather_replicas(parts, model_state, optimizer_state)
-        with parts.outer.global_weights():
-            model_state = {key: value.clone() for key, value in parts.model.state_dict().items()}
+        with parts.outer.global_weights():  # --zero 3: the shards hold it, gathered one unit at a time
+            model_state = (parts.sync.model_state_dict() if parts.config.zero == 3 else
+                           {key: value.clone() for key, value in parts.model.state_dict().items()})
     if parts.ctx.rank != 0:
         return
     record = trajectory(parts)
@@ -198,13 +202,26 @@ def save(parts: Parts, position: Position, history: list[dict[str, Any]], sums: 
 
 def gather_replicas(parts: Parts, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> list[Any] | None:
     """Each replica's first rank sends its replica's state to rank 0 (the others hold the same); rank 0 gets them
-    in replica order, the others None."""
-    rank = parts.ctx.rank
-    first = rank % parts.replica_size == 0
-    mine = {"model": model_state, "optimizer": optimizer_state, "outer": parts.outer.state_dict()} if first else None
+    in replica order, the others None. With --zero 3 inside the replicas each rank's outer state is its shard's:
+    every rank sends it, and a replica's "outer" is the list of its ranks' in order."""
+    rank, per = parts.ctx.rank, parts.replica_size
+    first, outer = rank % per == 0, parts.outer.state_dict()
+    mine = {"model": model_state, "optimizer": optimizer_state, "outer": outer} if first else None
+    if parts.config.zero == 3:
+        mine = {"outer": outer, **({"model": model_state, "optimizer": optimizer_state} if first else {})}
     gathered: list[Any] = [None] * parts.ctx.world_size
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-    return [state for state in gathered if state is not None] if rank == 0 else None
+    if rank != 0:
+        return None
+    if parts.config.zero == 3:
+        return [{**gathered[i * per], "outer": [state["outer"] for state in gathered[i * per:(i + 1) * per]]}
+                for i in range(parts.ctx.world_size // per)]
+    return [state for state in gathered if state is not None]
+
+
+def outer_state(parts: Parts, replica: dict[str, Any]) -> dict[str, Any]:
+    """This rank's outer state in its replica's entry (--zero 3: its place's shard's)."""
+    return replica["outer"][parts.ctx.rank % parts.replica_size] if parts.config.zero == 3 else replica["outer"]
 
 
 def check_optimizer_state(state: dict[str, Any], path: str, config: Config, position: Position) -> None:
@@ -230,7 +247,7 @@ def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     if config.eval_only:
         try:
             if parts.outer is not None and "replicas" in state:  # the shared point is what validation evaluates
-                parts.outer.load_state_dict(state["replicas"][parts.replica]["outer"])
+                parts.outer.load_state_dict(outer_state(parts, state["replicas"][parts.replica]))
             parts.sync.load_model_state_dict(state["model"])
         except RuntimeError as exc:
             raise UsageError(f"checkpoint {path} does not fit --model {config.model}: "
@@ -243,7 +260,7 @@ def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     check_optimizer_state(replica["optimizer"], path, config, position)
     parts.optimizer.load_state_dict(replica["optimizer"])
     if parts.outer is not None:
-        parts.outer.load_state_dict(replica["outer"])
+        parts.outer.load_state_dict(outer_state(parts, replica))
     if parts.scheduler is not None:
         parts.scheduler.load_state_dict(state["scheduler"])
     parts.scaler.load_state_dict(state["scaler"])

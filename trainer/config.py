@@ -23,6 +23,7 @@ WARMUP_STEPS = 3  # optimizer steps left out of the step-time statistics (alloca
 PROFILE_STEPS = (WARMUP_STEPS, WARMUP_STEPS + 3)  # --profile's default window: 3 steps after the warm-up
 OURS = ("custom", "diloco", "localsgd")  # the syncs built on zero.shard
 OUTER_SYNCS = ("diloco", "localsgd")  # replicas meeting through an outer step (diloco.py)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --param-dtype, --reduce-dtype
 COMPILE_SCOPES = ("forward", "blocks")  # what --compile compiles: the model's forward, or each block's
 DATASET_DEFAULTS = {  # the flags whose default depends on --dataset (text: the standard library's source, and
     # --context the model's: models.GPT_SIZES)
@@ -99,12 +100,15 @@ class Config:
     grad_sync: str = flag("custom", choices=("custom", "ddp", "fsdp", *OUTER_SYNCS),
                           help="custom: gradsync.py / zero/, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's "
                                "fully_shard on the model's blocks and the root (with --zero 2 or 3); diloco: "
-                               "--replicas that train alone (custom inside each, --zero 0-2) and meet every "
+                               "--replicas that train alone (custom inside each, --zero 0-3) and meet every "
                                "--local-steps through an outer optimizer (diloco.py); localsgd: the same, meeting by "
                                "averaging their weights")
     replicas: int | None = flag(None, type=int, metavar="R",
                                 help="diloco, localsgd: the number of replicas, each of W/R processes (default: one "
-                                     "process each)")
+                                     "process each); custom --zero 1-3 and fsdp: hybrid sharding on a 2-D mesh "
+                                     "(replicate, shard), the state sharded over W/R consecutive processes and "
+                                     "replicated over R, the replicas meeting every step (FSDP2's HSDP; default: "
+                                     "one replica)")
     local_steps: int | None = flag(None, type=int, metavar="H", resolved=True, help=diloco_help(
         "diloco, localsgd: inner optimizer steps between two meetings of the replicas", "local_steps"))
     outer_optimizer: str | None = flag(None, choices=("sgd", "nesterov"), resolved=True,
@@ -134,6 +138,13 @@ class Config:
                                       "gradient over the window and reduce-scatter it once (unsharded: 4 Psi more "
                                       "during the window, K-1 fewer reduce-scatters, stage 0's summation order; what "
                                       "FSDP2 does)")
+    param_dtype: str | None = flag(None, choices=tuple(DTYPES),
+                                   help="custom --zero 1-3, fsdp: the dtype the weights are kept (stages 1-2) or "
+                                        "gathered (3) and computed in, over master shards and optimizer state in "
+                                        "the model's own dtype (FSDP2's MixedPrecisionPolicy; default: the model's)")
+    reduce_dtype: str | None = flag(None, choices=tuple(DTYPES),
+                                    help="custom --zero 1-3, fsdp: the dtype gradients are reduced over the processes "
+                                         "in (default: --param-dtype's)")
     optimizer: str = flag("sgd", choices=("sgd", "sgd_nesterov", "adamw"),
                           help="SGD with --momentum and --weight-decay (sgd_nesterov: Nesterov's momentum, as "
                                "torchvision's reference scripts name it), or AdamW with --weight-decay (decoupled)")
@@ -306,7 +317,7 @@ def check_recipe_flags(given: argparse.Namespace) -> None:
 def outer_flags(given: argparse.Namespace) -> dict[str, Any]:
     """diloco and localsgd's flags with their defaults filled in (refused for the other syncs, where they stay
     None), in one line when they do not fit."""
-    named = [f"--{key.replace('_', '-')}" for key in DILOCO_FLAGS[1:] if getattr(given, key) is not None]
+    named = [f"--{key.replace('_', '-')}" for key in DILOCO_DEFAULTS if getattr(given, key) is not None]
     if given.grad_sync not in OUTER_SYNCS:
         if named:
             raise UsageError(f"{named[0]} is for --grad-sync diloco or localsgd")
@@ -319,11 +330,6 @@ def outer_flags(given: argparse.Namespace) -> dict[str, Any]:
     defaults = {**DILOCO_DEFAULTS, **(LOCALSGD if given.grad_sync == "localsgd" else {})}
     outer = {key: default if getattr(given, key) is None else getattr(given, key)
              for key, default in defaults.items()}
-    if given.zero == 3:
-        raise UsageError(f"--grad-sync {given.grad_sync} takes --zero 0, 1 or 2 inside the replicas (stage 3 keeps no "
-                         f"whole weights between steps for the outer step to read)")
-    if given.replicas is not None and given.replicas < 1:
-        raise UsageError(f"--replicas must be positive, got {given.replicas}")
     if not 1 <= outer["fragments"] <= outer["local_steps"]:
         raise UsageError(f"--fragments {outer['fragments']} must be between 1 and --local-steps {outer['local_steps']}")
     if not 0 <= outer["outer_delay"] <= outer["local_steps"] // outer["fragments"]:
@@ -336,8 +342,28 @@ def outer_flags(given: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_syncs(given: argparse.Namespace) -> None:
-    """--grad-sync against --zero, --allreduce, --sync-mode, --compile and --zero3-accumulate."""
+    """--grad-sync against --zero, --replicas, --param-dtype, --reduce-dtype, --allreduce, --sync-mode, --compile and
+    --zero3-accumulate."""
     sync, stage = given.grad_sync, given.zero
+    if given.replicas is not None and given.replicas < 1:
+        raise UsageError(f"--replicas must be positive, got {given.replicas}")
+    sharded = (sync == "custom" and stage > 0) or sync == "fsdp"  # the syncs with master shards and a mesh
+    if given.replicas is not None and sync not in OUTER_SYNCS and not sharded:
+        raise UsageError(f"--replicas is for --grad-sync custom --zero 1-3 and fsdp (hybrid sharding), diloco and "
+                         f"localsgd; not --grad-sync {sync} --zero {stage}")
+    for name in ("param_dtype", "reduce_dtype"):
+        if getattr(given, name) is not None and not sharded:
+            why = ("hands the model's weights to the outer step" if sync in OUTER_SYNCS else
+                   "keeps the model whole")
+            raise UsageError(f"--{name.replace('_', '-')} is for --grad-sync custom --zero 1-3 and fsdp (master "
+                             f"shards in the model's dtype); --grad-sync {sync} --zero {stage} {why} in its own "
+                             f"dtype (use --amp there)")
+    if given.param_dtype and given.norm == "local" and sync == "custom":
+        raise UsageError("--param-dtype with --norm local: torch's BatchNorm takes its weights and running statistics "
+                         "in one dtype; --norm custom (syncbn.py) takes bf16 weights over float32 statistics")
+    if (given.param_dtype or given.reduce_dtype) and given.amp != "off":
+        raise UsageError(f"--param-dtype and --reduce-dtype are mixed precision of their own; --amp {given.amp} "
+                         f"would autocast on top of them: use one or the other")
     if given.allreduce != "torch" and sync not in OURS:
         raise UsageError(f"--allreduce {given.allreduce} is for --grad-sync custom ({sync} uses its own collectives)")
     if sync == "fsdp" and stage not in (2, 3):

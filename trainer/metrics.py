@@ -262,8 +262,9 @@ def announce(meter: Meter) -> None:
 def describe_outer(parts: Parts) -> str:
     """diloco, localsgd: the replicas and how they meet, for the run's first line."""
     config = parts.config
-    if parts.outer is None:
-        return ""
+    if parts.outer is None:  # custom --zero 1-3 and fsdp: hybrid sharding, or none
+        replicas = config.replicas or 1
+        return f" ({replicas} replicas x {parts.ctx.world_size // replicas} shards)" if replicas > 1 else ""
     replicas = parts.ctx.world_size // parts.replica_size
     text = f" ({replicas} replicas of {parts.replica_size}, meeting every {config.local_steps} steps"
     if config.grad_sync == "diloco":

@@ -578,6 +578,16 @@ class ZeroStage3(ZeroStage2):
             return {}
         return {key: gathered.get(key, value.detach().cpu()) for key, value in self.model.state_dict().items()}
 
+    def drop_gathered(self) -> None:
+        """Every unit gathered or gathering freed (its gather waited for), and no prefetch held back: call it after
+        writing the shards (``weights``) other than through the optimizer, since a prefetch launched at the step's
+        edge would bring back the old weights. Every rank of the group calls it (the gathers in flight are
+        collectives)."""
+        self.wanted = None
+        for unit in self._held():
+            self._materialize(unit)
+            self._free(unit)
+
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         """Load a whole state_dict (every rank passes the same): unit by unit into a full flat of the masters'
         dtype, whose chunk becomes this rank's shard (no collective); buffers as they are."""
@@ -585,10 +595,7 @@ class ZeroStage3(ZeroStage2):
         if set(state) != set(expected):
             raise RuntimeError(f"Error(s) in loading state_dict: missing keys {sorted(set(expected) - set(state))}, "
                                f"unexpected keys {sorted(set(state) - set(expected))}")
-        self.wanted = None
-        for unit in self._held():  # a prefetch launched at the step's edge would bring back the old weights
-            self._materialize(unit)
-            self._free(unit)
+        self.drop_gathered()
         load_masters(self.units, self.comm, self.weights, self.names, state)
         with torch.no_grad():
             for name, buffer in self.model.named_buffers():
