@@ -1,13 +1,26 @@
 """Shared pytest fixtures: one LocalGroup per world size for the whole session (rebuilt only if a case broke it),
-and a tiny image folder."""
+and a tiny image folder; and the processes test modules declare to start with the session (tests/processes.py)."""
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
 
+import processes  # noqa: E402
 from utils import LocalGroup, stop_worker_server  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    """The selected tests' modules that declare early_processes() have them started now (tests/processes.py)."""
+    modules = {item.module.__name__: item.module for item in session.items
+               if hasattr(getattr(item, "module", None), "early_processes")}
+    processes.start_early(list(modules.values()))
+
+
+def pytest_sessionfinish(session):
+    processes.stop_all()
 
 
 @pytest.fixture(scope="session")

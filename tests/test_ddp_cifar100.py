@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
 import ddp_cifar100 as trainer
+import processes
 from training_benchmark import named_ranges
 from data import FolderSamples, MemoryData, make_synthetic
 from gradsync import GradientSync
@@ -256,22 +256,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(procs, timeout):
-    """Each process's CompletedProcess, all within ``timeout`` seconds (the stragglers killed)."""
-    deadline = time.monotonic() + timeout
-    results = {}
-    try:
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
-
-
 def final_weights(checkpoint_dir):
     return torch.load(os.path.join(checkpoint_dir, "last.pt"), map_location="cpu", weights_only=True)["model"]
 
@@ -311,12 +295,11 @@ def launches(local_group, image_folder, tmp_path_factory):
     ranks (in_group_runs). {"runs": {name: CompletedProcess}, "dir": their folder, "bad_file": the truncated image}."""
     out = tmp_path_factory.mktemp("runs")
     commands = {**training_commands(out), **fault_commands()}
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                    cwd=HERE) for name, (cmd, env) in commands.items()}
+    procs = processes.start(commands)
     try:
         runs, bad_file = in_group_runs(local_group, image_folder, out)
     finally:
-        runs_of_processes = wait_for(procs, timeout=240)  # on an error too: no process outlives the fixture
+        runs_of_processes = processes.wait_for(procs, timeout=240)  # on an error too: no process outlives the fixture
     return {"runs": {**runs_of_processes, **runs}, "dir": out, "bad_file": bad_file}
 
 

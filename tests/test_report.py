@@ -5,30 +5,50 @@ the report's tests then skip with the reason, and the rest of the suite is colle
 """
 import glob
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
+
+import processes
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 
 
+# The report run by nbclient in a process of its own (REPORT_RERUN=0: reading mode, CI never re-runs the benchmarks),
+# the executed notebook written to the path given: started with the session (early_processes), as it reads only
+# the committed results (test_syncbn rewrites one of them atomically: the old file or the new one is read).
+EXECUTE = """
+import sys
+import nbclient, nbformat
+nb = nbformat.read("report.ipynb", as_version=4)
+nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": "."}}).execute()
+nbformat.write(nb, sys.argv[1])
+"""
+
+
+def early_processes():
+    try:
+        import nbclient  # noqa: F401
+        import nbformat  # noqa: F401
+    except ImportError:
+        return {}  # the report's tests skip, with the reason
+    executed = os.path.join(tempfile.mkdtemp(prefix="report-"), "executed.ipynb")
+    return {"report": ([sys.executable, "-c", EXECUTE, executed], dict(os.environ, REPORT_RERUN="0"))}
+
+
 def executed_report():
     nbformat = pytest.importorskip("nbformat", reason="executing report.ipynb needs nbformat")
-    nbclient = pytest.importorskip("nbclient", reason="executing report.ipynb needs nbclient")
-    nb = nbformat.read(os.path.join(HERE, "report.ipynb"), as_version=4)
-    env_before = os.environ.get("REPORT_RERUN")
-    os.environ["REPORT_RERUN"] = "0"  # reading mode: CI never re-runs the benchmarks
+    pytest.importorskip("nbclient", reason="executing report.ipynb needs nbclient")
+    run = processes.results_of(sys.modules[__name__], timeout=240)["report"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    executed = run.args[-1]
     try:
-        client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                                         resources={"metadata": {"path": HERE}})
-        client.execute()
+        return nbformat.read(executed, as_version=4)
     finally:
-        if env_before is None:
-            os.environ.pop("REPORT_RERUN", None)
-        else:
-            os.environ["REPORT_RERUN"] = env_before
-    return nb
+        shutil.rmtree(os.path.dirname(executed), ignore_errors=True)
 
 
 def cell_text(cell) -> str:

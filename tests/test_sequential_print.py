@@ -1,13 +1,13 @@
 """sequential_print.py under torchrun: the exact bytes, the same on every run.
 
-Every launch is started at once by one fixture (they are mostly interpreter start-up and waiting on each other),
-and each test reads the runs it checks."""
+Every launch is started at once, when the session starts (early_processes: they are mostly interpreter start-up
+and waiting on each other), and each test reads the runs it checks."""
 import os
-import subprocess
 import sys
-import time
 
 import pytest
+
+import processes
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 SCRIPT = os.path.join(HERE, "sequential_print.py")
@@ -29,27 +29,21 @@ def torchrun_command(world_size: int, num_iter: int) -> list[str]:
             "--num-iter", str(num_iter), "--timeout", "60"]
 
 
+def early_processes():
+    """Every launch, by name: the torchrun cases' runs, the default run and a bad flag (started with the session:
+    tests/processes.py)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    commands = {f"torchrun {w} {n} #{i}": (torchrun_command(w, n), env) for w, n, count in TORCHRUN_CASES
+                for i in range(count)}
+    commands["default"] = ([sys.executable, SCRIPT], env)
+    commands["negative"] = ([sys.executable, SCRIPT, "--num-iter", "-1"], env)
+    return commands
+
+
 @pytest.fixture(scope="module")
 def runs():
-    """Every launch's CompletedProcess, by name: the torchrun cases' runs, the default run and a bad flag."""
-    commands = {f"torchrun {w} {n} #{i}": torchrun_command(w, n) for w, n, count in TORCHRUN_CASES
-                for i in range(count)}
-    commands["default"] = [sys.executable, SCRIPT]
-    commands["negative"] = [sys.executable, SCRIPT, "--num-iter", "-1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                    cwd=HERE) for name, cmd in commands.items()}
-    deadline, results = time.monotonic() + 180, {}
-    try:
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
+    """Every launch's CompletedProcess, by name."""
+    return processes.results_of(sys.modules[__name__], timeout=180)
 
 
 def test_expected_output_shape():

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import shutil
 import sys
 from contextlib import redirect_stdout
 

@@ -605,7 +605,7 @@ def test_a_checkpoint_without_sgds_momentum_is_refused_in_one_line(sgd_resumed, 
     for stage in ("0", "3"):
         argv = run["argv"] + ["--zero", stage, "--checkpoint-dir", str(tmp_path)]
         messages = local_group(2).run(try_train_in_group, with_batch_size(argv, 8))
-        expected = f"has no 'momentum_buffer', which torch.optim.SGD keeps for every parameter it has stepped"
+        expected = "has no 'momentum_buffer', which torch.optim.SGD keeps for every parameter it has stepped"
         assert all(isinstance(m, str) and "\n" not in m and expected in m for m in messages), messages
         assert f"parameter {0 if loss == 'every entry' else 5} has no" in messages[0]
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import zero
-from test_zero_contract import (B, CONTEXT, K, LR, MAX_NORM, SEED, attempt, cloned, configure_optimizers,
+from test_zero_contract import (B, CONTEXT, K, MAX_NORM, SEED, attempt, cloned, configure_optimizers,
                                 loss_sum, make_data, make_model, micro_batch, plain_optimizer, warmup)
 
 STEPS = 2
@@ -223,7 +223,7 @@ def test_bf16_over_float32_masters_matches_fsdp2_mixed_precision(runs, name):
 
 @pytest.mark.parametrize("name", [name for name, _ in BF16_CASES])
 def test_bf16_weights_inside_forward_float32_everywhere_else_and_half_the_gather_bytes(runs, name):
-    world_size, ranks = 2, runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
+    ranks = runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
     for r in ranks:
         run = r[name]["ours"]
         assert run["forward dtypes"] == {torch.bfloat16}
@@ -238,13 +238,13 @@ def test_bf16_weights_inside_forward_float32_everywhere_else_and_half_the_gather
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_fresh_shard_loaded_from_the_masters_steps_as_the_run_that_went_on(runs, stage):
-    world_size, ranks = 2, runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
+    ranks = runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
     assert all(r[f"resume stage {stage}"] for r in ranks)
 
 
 @pytest.mark.parametrize("key", ["float16", "reduce float16", "stage 0"])
 def test_refusals_in_one_line(runs, key):
-    world_size, ranks = 2, runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
+    ranks = runs[2]  # bf16 (BF16_TOL's argument), the resume and the refusals: at 2 processes
     for r in ranks:
         kind, message = r[key]
         print(f"\n{key}: {kind}: {message}")

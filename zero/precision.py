@@ -63,8 +63,8 @@ def resolve(model: nn.Module, stage: int, param_dtype: torch.dtype | None,
     """The stage's Precision, or a one-line ValueError for what it cannot train with."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if stage == 0 and (param_dtype is not None or reduce_dtype is not None):
-        raise ValueError(f"zero.shard: param_dtype and reduce_dtype are for stages 1-3 (masters and gathers of "
-                         f"shards); stage 0 keeps the model whole in its own dtype (use autocast there)")
+        raise ValueError("zero.shard: param_dtype and reduce_dtype are for stages 1-3 (masters and gathers of "
+                         "shards); stage 0 keeps the model whole in its own dtype (use autocast there)")
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dtype is None:
             continue
