@@ -153,7 +153,7 @@ def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
 # A reusable local N-process group for tests and benchmarks
 # ----------------------------------------------------------------------------------------------------------
 def _group_worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s: float,
-                  tasks: Any, results: Any, env: dict[str, str]) -> None:
+                  tasks: Any, results: Any, env: dict[str, str], owner: int) -> None:
     os.environ.update(env)  # before the first task imports anything that reads it (forked: the server's environment)
     # A forked worker inherits the fork server as its start method; the task's own processes (a DataLoader's
     # workers) start as in a fresh interpreter, by the platform's default
@@ -170,7 +170,12 @@ def _group_worker(rank: int, world_size: int, store_path: str, backend: str, tim
         results.put((rank, "error", traceback.format_exc()))
         return
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if _gone(owner):  # the process that made the group died without closing it: no task will come
+                os._exit(1)
+            continue
         if task is None:
             break
         fn, args, kwargs = task
@@ -220,6 +225,17 @@ def _stop_workers(procs: list[Any], tasks: list[Any] | None) -> None:
             p.join(timeout=5)
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a killed test session leaves its groups' workers waiting otherwise)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 class WorkerError(RuntimeError):
     """A worker of a LocalGroup raised; the message carries its traceback."""
 
@@ -246,7 +262,7 @@ class LocalGroup:
         self._procs = [
             ctx.Process(target=_group_worker, daemon=False,  # a worker may start processes: a DataLoader's
                         args=(r, world_size, os.path.join(self._dir, "store"), backend, timeout_s,
-                              self._tasks[r], self._results, dict(env or {})))
+                              self._tasks[r], self._results, dict(env or {}), os.getpid()))
             for r in range(world_size)
         ]
         for p in self._procs:
