@@ -73,8 +73,8 @@ from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadca
 from zero.hybrid import Replicas, check_grid
 from zero.optimizer import (ELEMENTWISE, WHOLE_PARAMETER, ShardedOptimizer, ShardRun, check_optimizer_class,
                             missing_optimizer_state, state_kinds)
-from zero.precision import (Precision, cast_forward_inputs, gather_full, load_masters, master_state_dict, resolve,
-                            shard_weights)
+from zero.precision import (Precision, cast_forward_inputs, gather_full, gathered_state_dict, load_masters,
+                            master_state_dict, resolve, shard_weights)
 
 __all__ = ["shard", "default_units", "stage_3_units", "state_bytes", "ZeroStage1", "ZeroStage2", "ZeroStage3",
            "ShardedOptimizer", "ShardRun", "ELEMENTWISE", "WHOLE_PARAMETER", "check_optimizer_class", "state_kinds",
@@ -564,19 +564,11 @@ class ZeroStage3(ZeroStage2):
         param_dtype from the masters (ShardedStage's)."""
         if self.precision.separate_masters:
             return super().model_state_dict()
-        gathered: dict[str, torch.Tensor] = {}
-        names: dict[int, list[str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        for unit in self.units:
+
+        def full_flat(unit: Unit) -> torch.Tensor:
             self._materialize(unit)
-            if self.rank == 0:
-                for p in unit.params:
-                    gathered.update((name, p.detach().cpu().clone()) for name in names[id(p)])
-            self._free(unit)
-        if self.rank != 0:
-            return {}
-        return {key: gathered.get(key, value.detach().cpu()) for key, value in self.model.state_dict().items()}
+            return unit.flat
+        return gathered_state_dict(self.model, self.units, self.rank, full_flat, self._free)
 
     def drop_gathered(self) -> None:
         """Every unit gathered or gathering freed (its gather waited for), and no prefetch held back: call it after

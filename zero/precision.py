@@ -36,7 +36,7 @@ shard, and stage 3's accumulate="unsharded" keeps its full gradients in ``reduce
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -113,22 +113,32 @@ def gather_full(comm: Collectives, bucket: Bucket, shard: torch.Tensor) -> torch
     return full
 
 
-def master_state_dict(model: nn.Module, buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor],
-                      rank: int) -> dict[str, Any]:
-    """The model's state_dict with every trainable parameter taken from the masters (the model's own dtype),
-    gathered one bucket at a time; on rank 0 of the group (CPU tensors), {} on the others."""
+def gathered_state_dict(model: nn.Module, buckets: list[Bucket], rank: int,
+                        full_flat: Callable[[Bucket], torch.Tensor],
+                        release: Callable[[Bucket], None] = lambda bucket: None) -> dict[str, Any]:
+    """The model's state_dict with every bucket's parameters read from its whole flat, one bucket at a time:
+    ``full_flat(bucket)`` gives it (a collective: every rank calls it), ``release(bucket)`` drops it after. On rank 0
+    of the group as CPU tensors (a tied parameter under each of its names), {} on the others."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     gathered: dict[str, torch.Tensor] = {}
-    for bucket, shard in zip(buckets, masters):
-        full = gather_full(comm, bucket, shard)
+    for bucket in buckets:
+        full = full_flat(bucket)
         if rank == 0:
             for p in bucket.params:
-                gathered.update((name, bucket.view(full, p).cpu().clone()) for name in names[id(p)])
+                gathered.update((name, bucket.view(full, p).detach().cpu().clone()) for name in names[id(p)])
+        release(bucket)
     if rank != 0:
         return {}
     return {key: gathered.get(key, value.detach().cpu()) for key, value in model.state_dict().items()}
+
+
+def master_state_dict(model: nn.Module, buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor],
+                      rank: int) -> dict[str, Any]:
+    """The model's state_dict with every trainable parameter taken from the masters (the model's own dtype),
+    gathered one bucket at a time; on rank 0 of the group (CPU tensors), {} on the others."""
+    return gathered_state_dict(model, buckets, rank, lambda bucket: gather_full(comm, bucket, masters[bucket.index]))
 
 
 def load_masters(buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor], names: dict[int, str],
