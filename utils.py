@@ -211,12 +211,12 @@ def stop_worker_server() -> None:
     forkserver._forkserver._stop()
 
 
-def _stop_workers(procs: list[Any], tasks: list[Any] | None) -> None:
-    """Ask each worker to leave through its task queue (``tasks``; None: already asked, []: do not ask), give them
-    10 s, then kill what is left."""
-    for q in tasks or []:
+def _stop_workers(procs: list[Any], ask: list[Any], wait: bool = True) -> None:
+    """Ask each worker to leave through its task queue in ``ask``, give them 10 s if ``wait``, then kill what is
+    left."""
+    for q in ask:
         q.put(None)
-    if tasks != []:
+    if wait:
         for p in procs:
             p.join(timeout=10)
     for p in procs:
@@ -350,7 +350,7 @@ class LocalGroup:
             self.request_stop()
         self.closed = True
         self._finalizer.cancel()
-        _stop_workers(self._procs, [] if kill else None)
+        _stop_workers(self._procs, [], wait=not kill)  # request_stop() has asked them, unless killed
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalGroup":
