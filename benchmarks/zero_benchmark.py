@@ -3,6 +3,8 @@ what it sends, how long a step takes, and where the weights end.
 
     python -m benchmarks.zero_benchmark [--quick] [--models vit,resnet] [--nprocs 2,4] [--grad-accums 1,2] [--rows ...]
     python -m benchmarks.zero_benchmark --device cuda --models vit_b_16,resnet50 --nprocs 2 --grad-accums 1 --amp bf16
+    python -m benchmarks.zero_benchmark --models vit,gpt --nprocs 2 --rows stage0,stage3-bf16,fsdp3-bf16 ...  # bf16
+    python -m benchmarks.zero_benchmark --models gpt --nprocs 4 --rows stage0,hybrid3,hsdp ...  # 2 replicas x 2
     python -m benchmarks.zero_benchmark --trace   # one profiled stage 3 run -> results/trace-zero3-<machine>.json
 
 Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run (training_benchmark.
@@ -19,7 +21,16 @@ most --bucket-mb; for every (model, W, K = --grad-accum), the rows (--rows picks
 - ``stage 3 torch unsharded`` / ``... ring unsharded`` (stage3u): stage 3 with ``--zero3-accumulate unsharded``,
   each unit's full gradient kept over the window and reduce-scattered once (2K + 1 one-ways per step);
 - ``fsdp 3`` / ``fsdp 2`` (fsdp3, fsdp2): PyTorch's FSDP2, ``fully_shard`` on the same units (``--grad-sync fsdp
-  --zero 3|2``: parameters resharded after forward, or kept gathered until backward ends).
+  --zero 3|2``: parameters resharded after forward, or kept gathered until backward ends);
+
+and, only when --rows names them, mixed precision and hybrid sharding:
+
+- ``stage S torch|ring bf16`` (stageS-bf16, S = 1, 2, 3): ``--param-dtype bf16 --reduce-dtype fp32``, bf16
+  weights kept (1, 2) or gathered (3) and computed in, over fp32 masters and AdamW state, gradients reduced in
+  fp32; ``fsdp 3 bf16`` (fsdp3-bf16): FSDP2 with the same policy (``MixedPrecisionPolicy(bf16, fp32)``);
+- ``stage S torch|ring hybrid`` (hybridS): ``--replicas 2``, the W processes as 2 replicas of S = W/2 shards
+  (state sharded over a replica's S consecutive ranks, replicated across the 2), and ``hsdp`` (hsdp): FSDP2's
+  HSDP on the same 2 x W/2 mesh (``--grad-sync fsdp --zero 3 --replicas 2``). W must be even and at least 4.
 
 Columns, per row: ``state_bytes`` (the largest rank's weights, gradients and optimizer state between steps, from
 the trainer's metrics) beside the formula (zero's docstring: 4/4/8 Psi bytes replicated, 8 Psi / W of state from
@@ -34,9 +45,15 @@ backward does not gather again. Then the gathered peak (stage 3 ours: the most u
 place at once besides the root, and the most bytes of full parameters, root included); the peak memory (the
 process's resident set on the CPU, torch.cuda.max_memory_allocated on a GPU, the largest rank's); the median
 optimizer-step time after the warm-up and its ratio to ``stage 0 torch``; the loss over the steps run; and the
-largest difference of the final weights from ``stage 0 torch`` (read from each run's checkpoint). Configurations
-run in alternating order over --repeats and each keeps its median run. Writes ``results/zero-<machine>.json``,
-which report.ipynb draws as stacked bars of memory per rank.
+largest difference of the final weights from ``stage 0 torch`` (read from each run's checkpoint). The bf16 and
+hybrid rows' formulas (expected_bytes) take their weights' bytes and replicas; a second table gives, for zero's
+stages 1-3, the bytes the busiest rank sends per step inside its shard group and across replicas (the trainer's
+``sent_bytes_by_group_per_step``) beside the formula, and the goals' ratios follow: bf16 stage 3's median step
+over ``fsdp 3 bf16``'s, hybrid stage 3's over ``hsdp``'s. Last, GPT-2 small's and medium's bytes per rank and
+stage from the formula, fp32 and bf16 weights, at 2 and 8 processes and 8 as 2 replicas x 4 shards.
+Configurations run in alternating order over --repeats and each keeps its median run. Writes
+``results/zero-<machine>.json``, which report.ipynb draws as stacked bars of memory per rank (files with bf16 or
+hybrid rows in a section of their own).
 
 ``--trace`` profiles instead one ``stage 3`` run (the first of --models, --nprocs, --grad-accums and --allreduces:
 by default the small ViT, 2 processes, K = 1, torch's collectives) over optimizer steps 3 and 4, keeps of each
@@ -66,7 +83,12 @@ from models import GPT, GPT_SIZES, LANGUAGE_MODELS, MODELS
 from training_benchmark import HERE, merge_ranks, run_trainer
 from utils import machine_info, machine_tag, write_json
 
-ROW_GROUPS = ("ddp", "zero-redundancy", "stage0", "stage1", "stage2", "stage3", "stage3u", "fsdp3", "fsdp2")
+DEFAULT_ROWS = ("ddp", "zero-redundancy", "stage0", "stage1", "stage2", "stage3", "stage3u", "fsdp3", "fsdp2")
+PRECISION_ROWS = ("stage1-bf16", "stage2-bf16", "stage3-bf16", "fsdp3-bf16")  # bf16 weights over fp32 masters
+HYBRID_ROWS = ("hybrid1", "hybrid2", "hybrid3", "hsdp")  # 2 replicas x W/2 shards
+ROW_GROUPS = DEFAULT_ROWS + PRECISION_ROWS + HYBRID_ROWS
+REPLICAS = 2  # the hybrid rows' grid: 2 replicas (across nodes, say) of W/2 shards (within one)
+BF16 = ["--param-dtype", "bf16", "--reduce-dtype", "fp32"]  # FSDP2's MixedPrecisionPolicy(bf16, fp32), ours alike
 TRACE_STEPS = (WARMUP_STEPS, WARMUP_STEPS + 2)  # --trace: optimizer steps 3 and 4, after the trainer's warm-up
 
 
@@ -78,67 +100,124 @@ def row_kinds(allreduces: list[str]) -> list[tuple[str, str, str, list[str]]]:
     kinds += [("stage3u", f"stage 3 {allreduce} unsharded", "custom",
                ["--zero", "3", "--allreduce", allreduce, "--zero3-accumulate", "unsharded"]) for allreduce in allreduces]
     kinds += [(f"fsdp{stage}", f"fsdp {stage}", "fsdp", ["--zero", str(stage)]) for stage in (3, 2)]
+    kinds += [(f"stage{stage}-bf16", f"stage {stage} {allreduce} bf16", "custom",
+               ["--zero", str(stage), "--allreduce", allreduce, *BF16])
+              for stage in (1, 2, 3) for allreduce in allreduces]
+    kinds += [("fsdp3-bf16", "fsdp 3 bf16", "fsdp", ["--zero", "3", *BF16])]
+    kinds += [(f"hybrid{stage}", f"stage {stage} {allreduce} hybrid", "custom",
+               ["--zero", str(stage), "--allreduce", allreduce, "--replicas", str(REPLICAS)])
+              for stage in (1, 2, 3) for allreduce in allreduces]
+    kinds += [("hsdp", "hsdp", "fsdp", ["--zero", "3", "--replicas", str(REPLICAS)])]
     return kinds
 
 
 def configurations(model: str, nproc: int, grad_accum: int, allreduces: list[str],
-                   rows: tuple[str, ...] | list[str] = ROW_GROUPS) -> list[dict]:
+                   rows: tuple[str, ...] | list[str] = DEFAULT_ROWS) -> list[dict]:
+    """The runs of one (model, W, K) in table order, each with what its formulas need: the bytes of a weight
+    element (``param_bytes``, 2 under --param-dtype bf16) and the number of replicas."""
     return [{"name": f"{model}/w{nproc}/k{grad_accum}/{label}", "label": label, "model": model, "nproc": nproc,
-             "grad_accum": grad_accum, "grad_sync": grad_sync, "norm": "custom", "sync_mode": None, "flags": flags}
+             "grad_accum": grad_accum, "grad_sync": grad_sync, "norm": "custom", "sync_mode": None, "flags": flags,
+             "param_bytes": 2 if "bf16" in flags else 4,
+             "replicas": int(flags[flags.index("--replicas") + 1]) if "--replicas" in flags else 1}
             for group, label, grad_sync, flags in row_kinds(allreduces) if group in rows]
 
 
 def stage_of(label: str) -> int:
-    """The ZeRO stage a row's label names: ddp 0, zero-redundancy 1, "stage S torch|ring" and "fsdp S" S."""
-    named = {"ddp": 0, "zero-redundancy": 1}
+    """The ZeRO stage a row's label names: ddp 0, zero-redundancy 1, hsdp 3, "stage S ..." and "fsdp S ..." S."""
+    named = {"ddp": 0, "zero-redundancy": 1, "hsdp": 3}
     return named[label] if label in named else int(label.split()[1])
 
 
-def expected_bytes(label: str, psi: int, world_size: int, grad_accum: int) -> dict[str, Any]:
-    """zero's formulas for fp32 AdamW: weights, gradients, state (two tensors) per rank, and bytes sent per
-    optimizer step (None where the run does not count them: DDP, ZeroRedundancyOptimizer, FSDP2)."""
-    stage = stage_of(label)
-    params_sharded = stage == 3 or label.startswith("fsdp")  # FSDP2 at 2 too: sharded between steps
-    one_way = 4 * psi * (world_size - 1) / world_size
-    sends = {0: 2 * one_way, 1: 2 * one_way, 2: (grad_accum + 1) * one_way, 3: 3 * grad_accum * one_way}[stage]
+def expected_bytes(label: str, psi: int, world_size: int, grad_accum: int, param_bytes: int = 4,
+                   replicas: int = 1) -> dict[str, Any]:
+    """zero's formulas for AdamW over fp32 masters: what a rank holds between steps (weights, gradients, state of
+    two tensors) and the bytes it sends per optimizer step, for Psi parameters on W ranks in R replicas of S = W/R
+    shards, weights of p = ``param_bytes`` bytes (4: fp32; 2: bf16 over fp32 masters) and fp32 reduction:
+
+        stage   weights            gradients          optimizer   (bytes a rank holds between steps)
+        0       4 Psi              4 Psi              8 Psi
+        1       p Psi (+ 4 Psi/S)  p Psi (+ 4 Psi/S)  8 Psi / S   (+: the fp32 masters and gradient shards, bf16)
+        2       p Psi (+ 4 Psi/S)  4 Psi / S          8 Psi / S
+        3       4 Psi / S          4 Psi / S          8 Psi / S   (FSDP2 and HSDP, both stages: the same)
+
+    so with bf16 weights stage 1 holds 4 Psi + 16 Psi/S, stage 2 2 Psi + 16 Psi/S and stage 3 16 Psi/S, as fp32's
+    stage 3 (its masters are fp32; the bf16 units exist only while gathered). Sent inside the shard group, with
+    one-way = (S-1)/S Psi elements, gathers in p bytes and reductions in 4: stages 0 and 1 a reduce-scatter and
+    an all-gather (4 + p one-ways), stage 2 K reduce-scatters and one all-gather (4 K + p), stage 3 per
+    micro-batch two all-gathers and a reduce-scatter (K (2 p + 4); reduce-scattering once a window, 2 K p + 4).
+    Across replicas (R > 1): one all-reduce of the rank's fp32 gradient shard, 2 (R-1)/R x 4 Psi/S. A rank's
+    total is the two added (expected_sent_by_group). ``sent_bytes_per_step`` is None where the run does not count
+    (DDP, ZeroRedundancyOptimizer, FSDP2)."""
+    stage, shards = stage_of(label), world_size // replicas
+    params_sharded = stage == 3 or label.startswith("fsdp") or label == "hsdp"  # FSDP2 at 2 too: sharded
+    masters = 4 * psi / shards if param_bytes != 4 else 0  # fp32 masters of their own beside lower-precision weights
+    sent = expected_sent_by_group(label, psi, world_size, grad_accum, param_bytes, replicas)
+    return {"params": 4 * psi / shards if params_sharded else param_bytes * psi + masters,
+            "grads": 4 * psi / shards if stage >= 2 or params_sharded else param_bytes * psi + masters,
+            "optimizer": 8 * psi / (shards if stage >= 1 else 1),
+            "sent_bytes_per_step": sum(sent.values()) if label.startswith("stage") else None}
+
+
+def expected_sent_by_group(label: str, psi: int, world_size: int, grad_accum: int, param_bytes: int = 4,
+                           replicas: int = 1) -> dict[str, float]:
+    """The bytes a rank sends per optimizer step inside its shard group of S = W/R ranks and across the R
+    replicas (expected_bytes's formulas): {"shard_group": ..., "replicas": ...}, the replicas' 0 without them."""
+    stage, shards = stage_of(label), world_size // replicas
+    one_way = psi * (shards - 1) / shards  # elements
+    shard_group = {0: (4 + param_bytes) * one_way, 1: (4 + param_bytes) * one_way,
+                   2: (4 * grad_accum + param_bytes) * one_way,
+                   3: grad_accum * (2 * param_bytes + 4) * one_way}[stage]
     if label.endswith("unsharded"):  # stage 3 reduce-scattering once per window
-        sends = (2 * grad_accum + 1) * one_way
-    counted = label.startswith("stage")
-    return {"params": 4 * psi / (world_size if params_sharded else 1),
-            "grads": 4 * psi / (world_size if stage >= 2 else 1),
-            "optimizer": 8 * psi / (world_size if stage >= 1 else 1),
-            "sent_bytes_per_step": sends if counted else None}
+        shard_group = (2 * grad_accum * param_bytes + 4) * one_way
+    return {"shard_group": shard_group, "replicas": 2 * (replicas - 1) / replicas * 4 * psi / shards}
 
 
 GPT2_SHAPES = {"GPT-2 small": GPT_SIZES["gpt2"],  # models.py's gpt2 is GPT-2 small's shape; medium is wider and deeper
                "GPT-2 medium": dict(GPT_SIZES["gpt2"], layers=24, width=1024, heads=16)}
 
 
-def gpt2_memory(world_sizes: tuple[int, ...] = (2, 8)) -> list[dict]:
+MEMORY_LAYOUTS = ((2, 1), (8, 1), (8, 2))  # (W, R): 2 and 8 processes, and 8 as 2 replicas x 4 shards
+MEMORY_PRECISIONS = {"fp32": 4, "bf16": 2}  # the weights' bytes an element; masters and AdamW state fp32 in both
+
+
+def gpt2_memory(layouts: tuple[tuple[int, int], ...] = MEMORY_LAYOUTS) -> list[dict]:
     """What a rank holds of GPT-2 small and medium (models.GPT at their shapes, GPT-2's vocabulary of 50257 and
-    context of 1024, the head tied) at each stage, in fp32 with AdamW over W processes: expected_bytes's
-    arithmetic on the parameter count, built on the meta device (no memory). Weights, gradients and optimizer
-    state only: activations, the buckets in flight and stage 3's gathered units come on top."""
+    context of 1024, the head tied) at each stage with AdamW over W processes in R replicas (W/R shards), with
+    fp32 weights and with bf16 weights over fp32 masters (stages 1-3; stage 0 has neither masters nor replicas,
+    and R x S holds what S processes do): expected_bytes's arithmetic on the parameter count, built on the meta
+    device (no memory). Weights, gradients and optimizer state only: activations, the buckets in flight and stage
+    3's gathered units come on top."""
     rows = []
     for name, shape in GPT2_SHAPES.items():
         with torch.device("meta"):
             psi = sum(p.numel() for p in GPT(vocab_size=50257, **shape).parameters())
-        for world_size in world_sizes:
-            for stage in range(4):
-                held = expected_bytes(f"stage {stage} torch", psi, world_size, 1)
+        rows += memory_rows(name, psi, layouts)
+    return rows
+
+
+def memory_rows(model: str, psi: int, layouts: tuple[tuple[int, int], ...] = MEMORY_LAYOUTS) -> list[dict]:
+    """gpt2_memory's rows for one model of ``psi`` parameters: per precision, (W, R) and stage, the bytes held."""
+    rows = []
+    for precision, param_bytes in MEMORY_PRECISIONS.items():
+        for world_size, replicas in layouts:
+            for stage in range(0 if param_bytes == 4 and replicas == 1 else 1, 4):  # stage 0: whole, in fp32
+                held = expected_bytes(f"stage {stage} torch", psi, world_size, 1, param_bytes, replicas)
                 parts = {key: held[key] for key in ("params", "grads", "optimizer")}
-                rows.append({"model": name, "parameters": psi, "nproc": world_size, "stage": stage, **parts,
-                             "total": sum(parts.values())})
+                rows.append({"model": model, "parameters": psi, "precision": precision, "nproc": world_size,
+                             "replicas": replicas, "stage": stage, **parts, "total": sum(parts.values())})
     return rows
 
 
 def print_gpt2_memory(rows: list[dict]) -> None:
-    print("\nper rank, fp32 AdamW (weights + gradients + optimizer state), GB:")
-    print(f"{'model':<14}{'parameters':>13}{'W':>4}" + "".join(f"{f'stage {s}':>10}" for s in range(4)))
-    for model, world_size in dict.fromkeys((r["model"], r["nproc"]) for r in rows):
-        mine = [r for r in rows if (r["model"], r["nproc"]) == (model, world_size)]
-        print(f"{model:<14}{mine[0]['parameters']:>13,}{world_size:>4}" + "".join(f"{r['total'] / 1e9:>10.2f}"
-                                                                              for r in mine))
+    print("\nper rank, AdamW over fp32 masters (weights + gradients + optimizer state), GB; W as R x S: R replicas "
+          "of S shards:")
+    print(f"{'model':<14}{'parameters':>13}{'weights':>9}{'W':>6}" + "".join(f"{f'stage {s}':>10}" for s in range(4)))
+    for key in dict.fromkeys((r["model"], r["precision"], r["nproc"], r["replicas"]) for r in rows):
+        mine = {r["stage"]: r for r in rows if (r["model"], r["precision"], r["nproc"], r["replicas"]) == key}
+        model, precision, world_size, replicas = key
+        layout = str(world_size) if replicas == 1 else f"{replicas}x{world_size // replicas}"
+        print(f"{model:<14}{next(iter(mine.values()))['parameters']:>13,}{precision:>9}{layout:>6}"
+              + "".join(f"{mine[s]['total'] / 1e9:>10.2f}" if s in mine else f"{'-':>10}" for s in range(4)))
 
 
 def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -157,11 +236,16 @@ def run_with_weights(config: dict, args: argparse.Namespace) -> tuple[dict, dict
 
 def summarize(config: dict, metrics: dict, weights_difference: float | None) -> dict:
     psi, world_size = metrics["trainable_parameters"], config["nproc"]
+    shape = (config["label"], psi, world_size, config["grad_accum"], config["param_bytes"], config["replicas"])
+    by_group = metrics.get("sent_bytes_by_group_per_step")  # zero's stages 1-3 only
     return {"name": config["name"], "label": config["label"], "model": config["model"], "nproc": world_size,
-            "grad_accum": config["grad_accum"], "trainable_parameters": psi,
+            "grad_accum": config["grad_accum"], "param_bytes": config["param_bytes"], "replicas": config["replicas"],
+            "trainable_parameters": psi,
             "state_bytes": metrics["state_bytes"],
-            "expected": expected_bytes(config["label"], psi, world_size, config["grad_accum"]),
+            "expected": expected_bytes(*shape),
             "sent_bytes_per_step": metrics["sent_bytes_per_step"],
+            "sent_bytes_by_group_per_step": by_group,
+            "expected_sent_by_group": expected_sent_by_group(*shape) if by_group is not None else None,
             "optimizer_steps": metrics["optimizer_steps"],  # what sent_bytes_per_step divides by
             "gathered_peak": metrics.get("gathered_peak"),
             "step_time_ms_median": metrics["step_time_ms_median"],
@@ -195,6 +279,51 @@ def print_rows(rows: list[dict], reference: str) -> None:
               f"{gathered_text(r.get('gathered_peak')):>14}"
               f"{r['step_time_ms_median']:>9.1f}{ratio:>7.2f}x{r['train_loss']:>8.4f}"
               f"{difference if difference is not None else float('nan'):>10.1e}")
+
+
+def print_sent_by_group(rows: list[dict]) -> None:
+    """The bytes the busiest rank sends per optimizer step inside its shard group and across replicas, beside
+    expected_sent_by_group's formula, for the rows whose sync counts them (zero's stages 1-3), and the difference
+    in bytes: the measured figure is the run's total over its steps, so it holds what runs after the last step
+    (the checkpoint's gather: of the fp32 masters under bf16, of every unit at stage 3; stage 3's evaluation
+    forward), less the root, which stage 3's backward does not gather again, and the buckets' padding to a
+    multiple of S."""
+    mine = [r for r in rows if r.get("sent_bytes_by_group_per_step") is not None]
+    if not mine:
+        return
+    header = (f"{'bytes sent per step and rank':<40}{'shard group':>13}{'(formula)':>13}{'diff':>9}"
+              f"{'replicas':>11}{'(formula)':>11}{'diff':>7}")
+    print("\n" + header)
+    print("-" * len(header))
+    for r in mine:
+        sent, formula = r["sent_bytes_by_group_per_step"], r["expected_sent_by_group"]
+        print(f"{r['name']:<40}{sent['shard_group']:>13,.0f}{formula['shard_group']:>13,.0f}"
+              f"{sent['shard_group'] - formula['shard_group']:>9,.0f}{sent['replicas']:>11,.0f}"
+              f"{formula['replicas']:>11,.0f}{sent['replicas'] - formula['replicas']:>7,.0f}")
+
+
+GOALS = (("stage 3 {} bf16", "fsdp 3 bf16"), ("stage 3 {} hybrid", "hsdp"))  # ours at most 1.0x the reference
+
+
+def goal_ratios(rows: list[dict], allreduces: list[str]) -> list[dict]:
+    """The issue's goals, per (model, W, K) and collective: bf16 stage 3's median step over FSDP2's with the same
+    policy, and hybrid stage 3's over HSDP's (each at most 1.0x), for the pairs the rows hold."""
+    step = {r["name"]: r["step_time_ms_median"] for r in rows}
+    ratios = []
+    for r in rows:
+        prefix = r["name"].rsplit("/", 1)[0]
+        for ours, reference in GOALS:
+            for allreduce in allreduces:
+                if r["label"] == ours.format(allreduce) and f"{prefix}/{reference}" in step:
+                    ratios.append({"ours": r["name"], "reference": f"{prefix}/{reference}",
+                                   "ratio": step[r["name"]] / step[f"{prefix}/{reference}"]})
+    return ratios
+
+
+def print_goals(ratios: list[dict]) -> None:
+    for ratio in ratios:
+        print(f"{ratio['ours']} / {ratio['reference'].rsplit('/', 1)[1]}: {ratio['ratio']:.2f}x median step "
+              f"(goal at most 1.00x)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -336,9 +465,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=None, help="the GPTs' context (default: the model's)")
     parser.add_argument("--allreduces", default="torch,ring",
                         help="our collectives: torch, ring or both (default torch,ring; the first is the reference)")
-    parser.add_argument("--rows", default=",".join(ROW_GROUPS),
-                        help=f"comma-separated row groups from {','.join(ROW_GROUPS)} (default all; stage0 is the "
-                             "reference and must be one)")
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                        help=f"comma-separated row groups from {','.join(ROW_GROUPS)} (default "
+                             f"{','.join(DEFAULT_ROWS)}; stage0 is the reference and must be one; the hybrid ones, "
+                             f"{','.join(HYBRID_ROWS)}, need every --nprocs a multiple of {REPLICAS} and at least "
+                             f"{2 * REPLICAS})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: on a one-GPU machine the processes share it over gloo")
     parser.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
@@ -369,6 +500,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "--grad-accums, --batch-size, --steps and --repeats at least 1")
     if set(args.rows) - set(ROW_GROUPS):
         parser.error(f"--rows from {','.join(ROW_GROUPS)}, got {','.join(args.rows)}")
+    hybrid = sorted(set(args.rows) & set(HYBRID_ROWS), key=HYBRID_ROWS.index)
+    uneven = [n for n in args.nprocs if n % REPLICAS or n < 2 * REPLICAS]
+    if hybrid and uneven:
+        parser.error(f"--rows {','.join(hybrid)} run {REPLICAS} replicas of at least 2 shards: --nprocs must be "
+                     f"multiples of {REPLICAS} from {2 * REPLICAS}, got {','.join(map(str, uneven))}")
     if "stage0" not in args.rows and not args.trace:
         parser.error("--rows must include stage0: every row's step time and final weights are compared with "
                      f"stage 0 {args.allreduces[0]}")
@@ -466,6 +602,9 @@ def main_table(args: argparse.Namespace, argv) -> dict:
         reference = chosen[config["name"].rsplit("/", 1)[0] + f"/stage 0 {args.allreduces[0]}"][1]
         rows.append(summarize(config, metrics, max_weight_difference(reference, weights)))
     print_rows(rows, f"stage 0 {args.allreduces[0]}")
+    print_sent_by_group(rows)
+    ratios = goal_ratios(rows, args.allreduces)
+    print_goals(ratios)
     memory = gpt2_memory()
     print_gpt2_memory(memory)
     payload = {"benchmark": "zero", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
@@ -475,7 +614,7 @@ def main_table(args: argparse.Namespace, argv) -> dict:
                "wall_time_s": time.time() - started, "load_average_before": list(load_before),
                "load_average_after": list(os.getloadavg()),
                "step_time_spread_ms": {name: [m["step_time_ms_median"] for m, _ in ms] for name, ms in runs.items()},
-               "rows": rows, "gpt2_memory": memory}
+               "rows": rows, "goal_ratios": ratios, "gpt2_memory": memory}
     write_json(args.json, payload)
     print(f"wrote {os.path.relpath(args.json, HERE)}")
     return payload

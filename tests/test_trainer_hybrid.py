@@ -55,6 +55,7 @@ def runs_in_group(rank, world_size, variants, checkpoint_root):
         saved = torch.load(f"{directory}/last.pt", map_location="cpu", weights_only=True) if rank == 0 else None
         out[name] = {"state": state, "grad_norms": metrics["grad_norms"],
                      "optimizer_bytes": metrics["state_bytes"]["optimizer"],
+                     "sent_by_group": metrics.get("sent_bytes_by_group_per_step"),
                      "mesh_dims": first.device_mesh.ndim if hasattr(first, "device_mesh") else 0,
                      "saved_dtypes": {v.dtype for v in saved["model"].values() if v.is_floating_point()}
                      if saved else None}
@@ -94,6 +95,22 @@ def test_hybrid_sharding_takes_data_parallelisms_steps(runs, name):
     else:  # SGD's momentum: 8 bytes a parameter, over 2 shards
         parameters = sum(v.numel() for k, v in reference["state"].items() if "running" not in k and "num" not in k)
         assert runs[0][name]["optimizer_bytes"] >= 8 * parameters / 2
+
+
+@pytest.mark.parametrize("name", ["hybrid 1", "hybrid 2", "hybrid 3"])
+def test_the_metrics_carry_the_bytes_sent_across_replicas(runs, name):
+    """The metrics JSON's sent_bytes_by_group_per_step, in units of one (padded) float64 shard, which is exactly
+    the bytes of SGD's momentum over it: across 2 replicas each rank all-reduces its shard once per step, 2 (R-1)/R
+    = 1 shard; inside its shard group of S = 2, a one-way is (S-1)/S of a bucket = 1 shard, and a step of K = 2
+    micro-batches sends 2 at stage 1 (a reduce-scatter, an all-gather), K + 1 = 3 at stage 2, and at stage 3 at
+    least 3 K = 6 (and the evaluation's and the checkpoint's gathers). Stage 0 (no groups) carries no entry."""
+    sent, shard = runs[0][name]["sent_by_group"], runs[0][name]["optimizer_bytes"]
+    assert sent["replicas"] == shard
+    if name == "hybrid 3":
+        assert sent["shard_group"] >= 6 * shard
+    else:
+        assert sent["shard_group"] == {"hybrid 1": 2, "hybrid 2": 3}[name] * shard
+    assert runs[0]["stage 0"]["sent_by_group"] is None
 
 
 def test_diloco_over_zero_3_with_one_local_step_is_data_parallelism(runs):

@@ -10,7 +10,8 @@ and at stage 3 "unit I forward", "unit I backward", "all_gather unit I (S)", "re
 syncbn's collectives, optimizer step, outer step. Without --profile no profiler exists and no range is made.
 
 The metrics JSON (--metrics-out, rank 0): the final figures, step-time statistics (the first WARMUP_STEPS steps
-left out), the bytes sent, the memory, and the configuration. Its figures over ranks (the busiest rank's) are
+left out), the bytes sent (zero's stages 1-3 also per group: ``sent_bytes_by_group_per_step``, inside the shard
+group and across replicas), the memory, and the configuration. Its figures over ranks (the busiest rank's) are
 collectives, made in one place, ``busiest_rank_figures``, in one order on every rank.
 """
 from __future__ import annotations
@@ -322,8 +323,9 @@ def bytes_sent(meter: Meter, position: Position) -> int:
 
 def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
     """The figures that are the busiest rank's: collectives (all-reduces of a maximum) that every rank makes here,
-    in this order: the peak memory, the state's bytes, the gradient sync's bytes per step, the bytes sent, each
-    outer all-reduce's bytes and --zero 3's gathered peak."""
+    in this order: the peak memory, the state's bytes, the gradient sync's bytes per step (and zero's stages 1-3:
+    per group, inside the shard group and across replicas), the bytes sent, each outer all-reduce's bytes and
+    --zero 3's gathered peak."""
     parts = meter.parts
     busiest = utils.max_across_ranks
     figures: dict[str, Any] = {"peak_memory_mb": busiest(utils.peak_memory_mb(parts.device))}
@@ -331,6 +333,10 @@ def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
     figures["state_bytes"] = {key: int(busiest(value)) for key, value in state.items()}
     sync_sent, steps = parts.sync.sent_bytes(), position.optimizer_steps - meter.first_step
     figures["sent_bytes_per_step"] = None if sync_sent is None or not steps else busiest(sync_sent) / steps
+    if hasattr(parts.sync, "sent_bytes_by_group"):  # zero's stages 1-3 (every rank's sync has it, or none's)
+        by_group = parts.sync.sent_bytes_by_group()
+        figures["sent_bytes_by_group_per_step"] = {group: None if not steps else busiest(sent) / steps
+                                                   for group, sent in by_group.items()}
     if parts.outer is not None:
         parts.outer.wait()  # an all-reduce still in flight at the end has its bytes counted too
     figures["sent_bytes"] = int(busiest(bytes_sent(meter, position)))
@@ -359,6 +365,8 @@ def summarize(meter: Meter, position: Position, history: list[dict[str, Any]], f
                                        "val_correct5", "val_total")},
         "peak_memory_mb": busiest["peak_memory_mb"], "state_bytes": busiest["state_bytes"],
         "sent_bytes_per_step": busiest["sent_bytes_per_step"],
+        **({"sent_bytes_by_group_per_step": busiest["sent_bytes_by_group_per_step"]}
+           if "sent_bytes_by_group_per_step" in busiest else {}),
         **sent_figures(meter, position, trainable, busiest),
         "grad_norms": [float(norm) for norm in meter.grad_norms],  # --clip-grad-norm: this run's, before clipping
         **text_figures(meter, final),
