@@ -115,8 +115,14 @@ def test_a_broken_link_is_found(tmp_path):
         "../elsewhere.md (outside the repository)"]
 
 
+def commands_and_lines(page: str) -> list[str]:
+    """The page's lines, a shell command continued over several lines (ending in a backslash) joined into one, so
+    that the flags on its later lines are read as the program's on its first."""
+    return re.sub(r"\\\n", " ", open(page).read()).splitlines()
+
+
 def test_every_flag_the_trainers_pages_name_exists():
-    named = {flag for page in TRAINER_PAGES for line in open(page).read().splitlines()
+    named = {flag for page in TRAINER_PAGES for line in commands_and_lines(page)
              if not OTHER_PROGRAM.search(line) for flag in FLAG.findall(line)}
     torchrun = set(get_args_parser()._option_string_actions)
     assert len(named) > 40  # the pages were found
