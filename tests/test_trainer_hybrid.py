@@ -33,6 +33,7 @@ DILOCO_DP = ["--grad-sync", "diloco", "--zero", "3", *HYBRID, "--local-steps", "
 # ~ 1e-3 a step, computed from weights rounded to 8 bits (2^-9 relative): a few 1e-4 apart from the float32
 # run at most, and more than float32's own rounding (1e-6): the bf16 run did compute in bf16
 BF16_MAX, BF16_MIN = 1e-2, 1e-5
+BF16 = ["--param-dtype", "bf16", "--reduce-dtype", "fp32"]
 BATCHNORM = ["--model", "resnet"]  # affine BatchNorm: bf16 weights beside float32 running statistics in evaluation
 
 
@@ -68,8 +69,8 @@ def runs(local_group, tmp_path_factory):
     variants += [(f"hybrid {stage}", BASE + ["--zero", str(stage), *HYBRID], "float64") for stage in (1, 2, 3)]
     variants += [("hsdp", BASE + ["--grad-sync", "fsdp", "--zero", "3", *HYBRID], "float64"),
                  ("hybrid 3 float32", BASE + ["--zero", "3", *HYBRID, *BATCHNORM], "float32"),
-                 ("hybrid 3 bf16", BASE + ["--zero", "3", *HYBRID, *BATCHNORM, "--param-dtype", "bf16",
-                                           "--reduce-dtype", "fp32"], "float32"),
+                 ("hybrid 3 bf16", BASE + ["--zero", "3", *HYBRID, *BATCHNORM, *BF16], "float32"),
+                 ("hsdp bf16", BASE + ["--grad-sync", "fsdp", "--zero", "3", *HYBRID, *BATCHNORM, *BF16], "float32"),
                  ("plain stage 0", PLAIN + ["--zero", "0"], "float64"),
                  ("diloco over zero 3", PLAIN + DILOCO_DP, "float64")]
     # resume: 2 outer steps of Nesterov (its momentum and shared point per shard in the checkpoint), then a third
@@ -130,15 +131,28 @@ def test_diloco_over_zero_3_resumes_exactly(runs):
         assert max_difference(rank["diloco resumed"]["state"], rank["diloco 3 steps"]["state"]) == 0
 
 
-def test_bf16_parameters_train_over_float32_masters(runs):
-    """--param-dtype bf16 --reduce-dtype fp32: the weights handed back and the checkpoint are float32 (the
-    masters'), and they are bf16's rounding away from the same run in float32 (BF16_MAX, BF16_MIN)."""
+@pytest.mark.parametrize("name", ["hybrid 3 bf16", "hsdp bf16"])
+def test_bf16_parameters_train_over_float32_masters(runs, name):
+    """--param-dtype bf16 --reduce-dtype fp32, ours and FSDP2's (its MixedPrecisionPolicy on HSDP's mesh): the
+    weights handed back and the checkpoint are float32 (the masters'), and they are bf16's rounding away from the
+    same run in float32 (BF16_MAX, BF16_MIN)."""
     reference = runs[0]["hybrid 3 float32"]["state"]
-    ours = runs[0]["hybrid 3 bf16"]
+    ours = runs[0][name]
     assert {v.dtype for v in ours["state"].values() if v.is_floating_point()} == {torch.float32}
     assert ours["saved_dtypes"] == {torch.float32}
     difference = max_difference(ours["state"], reference)
+    print(f"\n{name} vs the float32 run: max |dw| = {difference:.2e}")
     assert BF16_MIN < difference < BF16_MAX, difference
+
+
+def test_bf16_hybrid_stage_3_takes_fsdp2_hsdps_steps_with_the_same_policy(runs):
+    """Ours and FSDP2's HSDP with MixedPrecisionPolicy(bf16, fp32): the same bf16 casts of the same float32 masters,
+    the gradients reduced in float32, so they part only by float32 sums in another order (the reduce-scatter's and
+    the replicas' all-reduce against FSDP2's), ~1e-7 relative a step; two steps stay within 1e-6 (7e-9 here), while
+    computing in another dtype than FSDP2's moves the weights by bf16's rounding of a step, ~4e-4 (the float32 run)."""
+    difference = max_difference(runs[0]["hybrid 3 bf16"]["state"], runs[0]["hsdp bf16"]["state"])
+    print(f"\nbf16 hybrid stage 3, ours vs FSDP2's HSDP: max |dw| = {difference:.2e}")
+    assert difference < 1e-6
 
 
 REFUSED = [
