@@ -111,8 +111,10 @@ class Bucket:
     strides), so the flat weight and the flat gradient match element by element; ``length`` pads ``numel`` to a
     multiple of ``chunks`` (the sharded stages' W equal chunks; the padding stays zero)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], chunks: int, word: str):
+    def __init__(self, index: int, params: list[nn.Parameter], chunks: int, word: str,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None):
         self.index, self.params = index, params
+        self.empty_dtype, self.empty_device = dtype, device  # an empty bucket's (stage 3: a frozen unit's)
         self.offsets = list(accumulate((p.numel() for p in params[:-1]), initial=0))
         self.numel = sum(p.numel() for p in params)
         self.length = -(-self.numel // chunks) * chunks
@@ -123,6 +125,15 @@ class Bucket:
         self.pending = len(params)  # gradients still to come in this backward
         self.handle: Any = None  # its collective in flight
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype now (a lower param_dtype moves them into it)."""
+        return self.params[0].dtype if self.params else self.empty_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device if self.params else self.empty_device
+
     def view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
         """Parameter ``p``'s place in ``flat`` (this bucket's length, or longer), with ``p``'s shape and strides."""
         start, strides = self.place[id(p)]
@@ -130,11 +141,11 @@ class Bucket:
 
     def name(self, collective: str) -> str:
         """The profiler range of this bucket's ``collective``: "allreduce bucket 3 (1.0 MB)"."""
-        nbytes = self.length * self.params[0].element_size()
+        nbytes = self.length * self.dtype.itemsize
         return f"{collective} {self.word} {self.index} ({size_text(nbytes)})"
 
     def zeros(self) -> torch.Tensor:
-        return torch.zeros(self.length, dtype=self.params[0].dtype, device=self.params[0].device)
+        return torch.zeros(self.length, dtype=self.dtype, device=self.device)
 
 
 class BucketedSync:
@@ -157,7 +168,9 @@ class BucketedSync:
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.size
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = [self.bucket_class(index, params, chunks, self.word) for index, params in enumerate(bucketed)]
+        first = self.params[0]  # the dtype and device of a bucket with no parameter (stage 3: a frozen unit's)
+        self.buckets = [self.bucket_class(index, params, chunks, self.word, first.dtype, first.device)
+                        for index, params in enumerate(bucketed)]
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.requires_sync = True

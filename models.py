@@ -14,11 +14,15 @@ against 9.4 MB of parameters, gradients and momentum).
 """
 from __future__ import annotations
 
+import math
+from typing import Any, Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from syncbn import SyncBatchNorm
+from zero import init as zero_init
 from utils import UsageError
 
 TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -103,6 +107,7 @@ class CausalSelfAttention(nn.Module):
         self.heads = heads
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
+        self.proj.into_residual = True  # GPT-2 scales the initial weights of the projections into the residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, width = x.shape
@@ -121,6 +126,7 @@ class GPTBlock(nn.Module):
         self.attention = CausalSelfAttention(width, heads)
         self.mlp_norm = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp[2].into_residual = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -132,7 +138,8 @@ class GPT(nn.Module):
     embeddings, pre-LayerNorm blocks, a final LayerNorm, and an output head that shares the token embedding's
     weight (tied: one tensor, so a sharded model must keep it one). No dropout, so a step does not depend on how
     the batch is split over processes. Weights start as GPT-2's: normal(0, 0.02), the projections into the
-    residual stream scaled by 1/sqrt(2 layers), biases 0.
+    residual stream scaled by 1/sqrt(2 layers), biases 0 (``init_weights``, module by module: also what
+    zero.shard(init=) takes for a GPT built on the meta device).
 
     forward: int64 bytes (B, T), T <= context -> logits (B, T, vocab_size) for the byte after each position.
     """
@@ -147,11 +154,24 @@ class GPT(nn.Module):
         self.final_norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # tied
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
+        self.layers = layers
+        for module in self.modules():
+            self.init_weights(module)
+
+    def init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialization of one module's own parameters: matrices (and embeddings) normal(0, 0.02), the
+        projections into the residual stream normal(0, 0.02 / sqrt(2 layers)), biases 0, LayerNorms 1 and 0. The
+        tied head is the token embedding's, which initializes it."""
+        if module is self.head:
+            return
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+            return
+        for name, p in module.named_parameters(recurse=False):
+            if name == "bias":
                 nn.init.zeros_(p)
             elif p.dim() >= 2:
-                std = 0.02 / (2 * layers) ** 0.5 if name.endswith(("attention.proj.weight", "mlp.2.weight")) else 0.02
+                std = 0.02 / (2 * self.layers) ** 0.5 if getattr(module, "into_residual", False) else 0.02
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -177,6 +197,97 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     kinds = (BasicBlock, TorchvisionBasicBlock, Bottleneck, EncoderBlock, GPTBlock)
     found = [m for m in model.modules() if isinstance(m, kinds)]
     return found or [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Built on the meta device: the eager build's weights, module by module (zero.shard's init=)
+# ----------------------------------------------------------------------------------------------------------
+def initializer(model: nn.Module, device: torch.device | str = "cpu") -> zero_init.Replay:
+    """zero.shard(init=)'s fn for a model of build_model made under torch.device("meta"): bit for bit the weights
+    build_model gives eagerly on ``device`` from the same generator state, at any world size. Each constructor
+    draws its random numbers in its own order (every nn.Linear its reset_parameters as it is made, then the model's
+    own loop over all of them); zero.init.Replay replays that order module by module: ``construction`` lists the
+    steps of the eager build."""
+    return zero_init.Replay(construction(model), device)
+
+
+def construction(model: nn.Module) -> list[tuple[Any, ...]]:
+    """The eager build's initializations in the order it runs them, each (module, what it does to that module's
+    own tensors), and False after them where the eager build drops the values (zero.init.Replay)."""
+    from torchvision.models import ResNet as TorchvisionResNet, VisionTransformer
+
+    if isinstance(model, GPT):  # every layer's reset_parameters as made (the head's on its own, untied weight:
+        # those draws are taken, their values dropped), then GPT-2's initialization
+        made = [(m, zero_init.reset_parameters, m is not model.head) for m in model.modules()]
+        return made + [(m, model.init_weights) for m in model.modules()]
+    if isinstance(model, TorchvisionResNet):
+        return [(m, zero_init.reset_parameters) for m in resnet_construction_order(model)] + \
+               [(m, torchvision_resnet_init) for m in model.modules()]
+    if isinstance(model, VisionTransformer):
+        return vit_construction(model)
+    return [(m, zero_init.reset_parameters) for m in model.modules()]  # net, resnet: made in module order
+
+
+def resnet_construction_order(model: nn.Module) -> list[nn.Module]:
+    """torchvision's ResNet makes a layer's downsample before the block that holds it."""
+    order: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        downsample = getattr(module, "downsample", None)
+        if isinstance(downsample, nn.Module):
+            order.extend(downsample.modules())
+        order.append(module)
+        for child in module.children():
+            if child is not downsample:
+                visit(child)
+
+    visit(model)
+    return order
+
+
+def torchvision_resnet_init(module: nn.Module) -> None:
+    """torchvision ResNet's loop after construction (zero_init_residual off, as build_model makes it)."""
+    if isinstance(module, nn.Conv2d):
+        nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+    elif isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)):  # SyncBatchNorm'd or not
+        nn.init.constant_(module.weight, 1)
+        nn.init.constant_(module.bias, 0)
+
+
+def vit_construction(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
+    """torchvision's VisionTransformer (patchify stem, no representation layer), as its constructors run: the
+    stem's reset_parameters, the position embedding's normal draw, each block's attention (its out_proj made and
+    reset inside MultiheadAttention's constructor, then its _reset_parameters) and MLP (both Linears made, then
+    MLPBlock's xavier and normal loop), the head; then the stem's truncated normal and the head's zeros."""
+    reset = zero_init.reset_parameters
+    steps: list[tuple[nn.Module, Callable[[nn.Module], None]]] = [(model.conv_proj, reset),
+                                                                    (model, lambda m: nn.init.zeros_(m.class_token))]
+    steps.append((model.encoder, lambda m: nn.init.normal_(m.pos_embedding, std=0.02)))
+    for block in model.encoder.layers:
+        attention, first, second = block.self_attention, block.mlp[0], block.mlp[3]
+        steps += [(block.ln_1, reset), (attention.out_proj, reset), (attention, attention_reset),
+                  (attention.out_proj, lambda m: nn.init.zeros_(m.bias)), (block.ln_2, reset),
+                  (first, reset), (second, reset), (first, mlp_init), (second, mlp_init)]
+    steps += [(model.encoder.ln, reset), (model.heads.head, reset), (model.conv_proj, vit_stem_init),
+              (model.heads.head, lambda m: (nn.init.zeros_(m.weight), nn.init.zeros_(m.bias)))]
+    return steps
+
+
+def attention_reset(module: nn.Module) -> None:
+    """nn.MultiheadAttention._reset_parameters on its own tensors (its out_proj's bias is a step of its own)."""
+    nn.init.xavier_uniform_(module.in_proj_weight)
+    nn.init.zeros_(module.in_proj_bias)
+
+
+def mlp_init(module: nn.Module) -> None:
+    nn.init.xavier_uniform_(module.weight)
+    nn.init.normal_(module.bias, std=1e-6)
+
+
+def vit_stem_init(module: nn.Module) -> None:
+    fan_in = module.in_channels * module.kernel_size[0] * module.kernel_size[1]
+    nn.init.trunc_normal_(module.weight, std=math.sqrt(1 / fan_in))
+    nn.init.zeros_(module.bias)
 
 
 def build_model(name: str, dropout: float, norm: str, num_classes: int = NUM_CLASSES, image_size: int = 32,

@@ -621,7 +621,7 @@ def misfits():
         (dict(stage=2, accumulate="unsharded"), "accumulate is 'sharded', or 'unsharded' at stage 3"),
         (dict(stage=2, units=blocks(model)), "units are stage 3's"),
         (dict(stage=3, units=[relu]), f"unit {[n for n, m in model.named_modules() if m is relu][0]!r} (ReLU) owns "
-                                      f"no trainable parameter"),
+                                      f"no parameter"),
         (dict(stage=3, units=[torch.nn.Linear(2, 2)]), "a unit (Linear) is not a submodule of the model"),
     ]
 

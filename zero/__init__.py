@@ -61,15 +61,17 @@ from __future__ import annotations
 
 import enum
 from functools import partial
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import utils
 from collectives import Collectives
 from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadcast_state
+from zero import init as init_module
 from zero.hybrid import Replicas, check_grid
 from zero.optimizer import (ELEMENTWISE, WHOLE_PARAMETER, ShardedOptimizer, ShardRun, check_optimizer_class,
                             missing_optimizer_state, state_kinds)
@@ -84,6 +86,12 @@ __all__ = ["shard", "default_units", "stage_3_units", "state_bytes", "ZeroStage1
 # ----------------------------------------------------------------------------------------------------------
 # The stages
 # ----------------------------------------------------------------------------------------------------------
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (where activation checkpointing recomputes a
+    forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def all_gather_weights(stage: ZeroStage1 | ZeroStage2, buckets: list[Bucket]) -> None:
     """[Note: after the step] Stages 1 and 2: every rank's updated chunks into every rank's weights (all-gather in
     place, every bucket launched before any is waited for), so the model is whole for the next forward. Under a
@@ -181,7 +189,7 @@ class ZeroStage1(ShardedStage, GradientSync):
         if precision.separate_masters:
             self.flats = [bucket.zeros() for bucket in self.buckets]  # in param_dtype: the parameters' now
             self._attach_gradients()
-            self.grads = [torch.zeros(b.length // comm.size, dtype=precision.master, device=b.params[0].device)
+            self.grads = [torch.zeros(b.length // comm.size, dtype=precision.master, device=b.device)
                           for b in self.buckets]
         else:
             self.grads = [comm.chunk(flat) for flat in self.flats]  # views: the reduce-scatter lands in place
@@ -245,11 +253,11 @@ class ZeroStage2(ShardedStage, BucketedSync):
     own_shards = False  # the weights' shards are views of the flats (stage 3: tensors of their own)
 
     def __init__(self, model: nn.Module, bucketed: list[list[nn.Parameter]], comm: Collectives,
-                 precision: Precision, replicas: Replicas | None = None):
+                 precision: Precision, replicas: Replicas | None = None, deferred: bool = False):
         super().__init__(model, bucketed, comm, chunks=comm.size)
         self.precision, self.replicas = precision, replicas
-        self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, self.own_shards)
-        self.grads = [torch.zeros(b.length // comm.size, dtype=precision.master, device=b.params[0].device)
+        self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, self.own_shards, deferred)
+        self.grads = [torch.zeros(b.length // comm.size, dtype=precision.master, device=b.device)
                       for b in self.buckets]
         self._start_sharded()
         self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
@@ -333,17 +341,55 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"  # the unit's full parameters are in place
 
 
-class Unit(Bucket):
-    """A bucket of stage 3: one module's parameters, gathered whole only around its forward and its backward."""
+class FrozenPart(Bucket):
+    """A stage-3 unit's frozen parameters of one dtype: a flat of their own, gathered and freed with the unit's
+    trainable bucket, and this rank's shard of it, which no optimizer steps and no gradient reaches."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], chunks: int, word: str):
-        super().__init__(index, params, chunks, word)
-        self.state = UnitState.GATHERED  # as made: the parameters are moved into the flat, not yet freed
+    def __init__(self, index: int, params: list[nn.Parameter], chunks: int):
+        super().__init__(index, params, chunks, "frozen")
+        self.flat: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+
+
+class Unit(Bucket):
+    """A bucket of stage 3: one module's trainable parameters (the bucket's own, which may be none), and its frozen
+    ones (``frozen``, a part per dtype), gathered whole only around its forward and its backward."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], chunks: int, word: str,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None):
+        super().__init__(index, params, chunks, word, dtype, device)
+        self.state = UnitState.SHARDED  # as made (shard_weights frees each flat once its shard is taken)
         self.module: nn.Module | None = None
         self.flat: torch.Tensor | None = None  # the unit's parameters, whole: storage only while not SHARDED
-        self.gather: Any = None  # its all-gather in flight (GATHERING)
+        self.frozen: list[FrozenPart] = []
+        self.gather: list[Any] = []  # its all-gathers in flight (GATHERING)
         self.backward_begun = False  # in this backward
+        self.inputs_pending = False  # [Note: frozen parameters] its inputs' gradient is still to come ...
+        self.held_to_end = False  # ... or, where none comes, it is freed at the end of backward
         self.span: Any = None  # its open "unit I forward/backward" profiler range
+
+    def flats(self) -> list[tuple[Bucket, torch.Tensor]]:
+        """Each part that is gathered with the unit (the trainable bucket unless empty, the frozen parts) and its
+        flat."""
+        return ([(self, self.flat)] if self.length else []) + [(part, part.flat) for part in self.frozen]
+
+    def full_bytes(self) -> int:
+        return sum(flat.numel() * flat.element_size() for _, flat in self.flats())
+
+
+class InputsGradient(torch.autograd.Function):
+    """The identity on a unit's inputs, whose backward runs once the gradient of every input is computed, that is
+    once the unit's own backward is over (FSDP2's RegisterPostBackwardFunction does the same)."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.done()
+        return (None, *grads)
 
 
 class ZeroStage3(ZeroStage2):
@@ -383,13 +429,15 @@ class ZeroStage3(ZeroStage2):
     own_shards = True  # a tensor of its own: the full flat is freed between uses
 
     def __init__(self, model: nn.Module, units: list[nn.Module], owner: dict[int, nn.Module], comm: Collectives,
-                 accumulate: str, precision: Precision, replicas: Replicas | None = None):
+                 accumulate: str, precision: Precision, replicas: Replicas | None = None, deferred: bool = False):
         self.unsharded = accumulate == "unsharded"
-        owned = [[p for p in unit.parameters() if p.requires_grad and owner[id(p)] is unit] for unit in units]
-        super().__init__(model, owned, comm, precision, replicas)
+        owned = [[p for p in unit.parameters() if owner[id(p)] is unit] for unit in units]
+        super().__init__(model, [[p for p in params if p.requires_grad] for params in owned], comm, precision,
+                         replicas, deferred)
         self.units: list[Unit] = self.buckets  # type: ignore[assignment]
-        for unit, module in zip(self.units, units):
+        for unit, module, params in zip(self.units, units, owned):
             unit.module, unit.flat = module, self.param_flats[unit.index]
+            unit.frozen = self._frozen_parts(unit.index, [p for p in params if not p.requires_grad], deferred)
         self.root = self.units[0] if units[0] is model else None
         self.wanted: Unit | None = None  # a prefetch held back by max_gathered, launched when a unit is freed
         # the units in the order the last forward started them, and in the reverse of the order it finished them
@@ -397,8 +445,6 @@ class ZeroStage3(ZeroStage2):
         self.backward_order: list[Unit] = []
         self.recording: tuple[list[Unit], list[Unit]] = ([], [])
         self.peak = {"units": 0, "bytes": 0}  # most units gathered at once besides the root; most full bytes
-        for unit in self.units:
-            self._free(unit)
         # hooks run in the order they were registered: the pass starts before the root's forward begins, and ends
         # after the root's forward has finished (so the recorded orders include it)
         self.hooks.append(model.register_forward_pre_hook(self._pass_starts))
@@ -407,24 +453,42 @@ class ZeroStage3(ZeroStage2):
                            unit.module.register_forward_hook(partial(self._unit_forward_ends, unit))]
         self.hooks.append(model.register_forward_hook(self._pass_ends))
 
+    def _frozen_parts(self, index: int, params: list[nn.Parameter], deferred: bool) -> list[FrozenPart]:
+        """The unit's frozen parameters, a part per dtype ([Note: frozen parameters]), each moved into a flat of its
+        own (freed at once) with this rank's shard kept; gathered in param_dtype where one is set (floating ones)."""
+        parts = []
+        for dtype in dict.fromkeys(p.dtype for p in params):  # each dtype, in the order met
+            part = FrozenPart(index, [p for p in params if p.dtype == dtype], self.world_size)
+            gathered = self.precision.param if self.precision.separate_masters and dtype.is_floating_point else dtype
+            (part.flat,), (part.shard,) = shard_weights([part], self.comm, Precision(dtype, gathered, gathered),
+                                                        own_shards=True, deferred=deferred)
+            parts.append(part)
+        return parts
+
+    def shard_of(self, part: Bucket) -> torch.Tensor:
+        """This rank's shard of a unit's trainable bucket (``weights``: the optimizer's) or of a frozen part."""
+        return part.shard if isinstance(part, FrozenPart) else self.weights[part.index]
+
     # ------------------------------------------------------------------------------------------------------
     # A unit's life: SHARDED -> GATHERING -> GATHERED -> SHARDED
     # ------------------------------------------------------------------------------------------------------
     def _gather(self, unit: Unit) -> None:
-        """Give the unit's flat its storage back, put this rank's shard in place (cast to param_dtype: the gather
-        moves the low-precision bytes) and launch the all-gather of the others' (asynchronously, like the
+        """Give the unit's flats their storage back, put this rank's shards in place (cast to param_dtype: the
+        gather moves the low-precision bytes) and launch the all-gathers of the others' (asynchronously, like the
         reduce-scatters)."""
         assert unit.state is UnitState.SHARDED, unit.state
         self._allocate(unit)
-        self.comm.chunk(unit.flat).copy_(self.weights[unit.index])
-        unit.gather = self.comm.all_gather(unit.flat, unit.name("all_gather"))
+        for part, flat in unit.flats():
+            self.comm.chunk(flat).copy_(self.shard_of(part))
+            unit.gather.append(self.comm.all_gather(flat, part.name("all_gather")))
         unit.state = UnitState.GATHERING
         held = self._held()
         self.peak["units"] = max(self.peak["units"], len([u for u in held if u is not self.root]))
-        self.peak["bytes"] = max(self.peak["bytes"], sum(u.length for u in held) * unit.flat.element_size())
+        self.peak["bytes"] = max(self.peak["bytes"], sum(u.full_bytes() for u in held))
 
     def _allocate(self, unit: Unit) -> None:
-        unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
+        for _, flat in unit.flats():
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
 
     def _held(self) -> list[Unit]:
         """The units whose flat has storage: gathered, or being gathered."""
@@ -437,14 +501,16 @@ class ZeroStage3(ZeroStage2):
         if unit.state is UnitState.SHARDED:
             self._gather(unit)
         with utils.profiled("all_gather wait"):
-            unit.gather.wait()
-        unit.gather, unit.state = None, UnitState.GATHERED
+            for pending in unit.gather:
+                pending.wait()
+        unit.gather, unit.state = [], UnitState.GATHERED
 
     def _free(self, unit: Unit) -> None:
         """Drop the unit's full parameters (the views stay, on a storage of 0 bytes), and launch a prefetch that
         max_gathered held back."""
         assert unit.state is UnitState.GATHERED, unit.state
-        unit.flat.untyped_storage().resize_(0)
+        for _, flat in unit.flats():
+            flat.untyped_storage().resize_(0)
         unit.state = UnitState.SHARDED
         if self.wanted is not None:
             wanted, self.wanted = self.wanted, None
@@ -503,13 +569,21 @@ class ZeroStage3(ZeroStage2):
         started, finished = self.recording
         self.order, self.backward_order = started, finished[::-1]
 
-    def _unit_forward_starts(self, unit: Unit, module: nn.Module, args: Any) -> None:
-        self.recording[0].append(unit)
-        self._open(unit, f"unit {unit.index} forward")
+    def _unit_forward_starts(self, unit: Unit, module: nn.Module, args: Any) -> Any:
+        recomputing = in_backward()  # activation checkpointing's recomputation, inside the unit's backward
+        if not recomputing:
+            self.recording[0].append(unit)
+            self._open(unit, f"unit {unit.index} forward")
         self._materialize(unit)
-        self._prefetch(self._after(self.order, unit))
+        if not recomputing:
+            self._prefetch(self._after(self.order, unit))
+        if unit.frozen and torch.is_grad_enabled() and not recomputing:
+            return self._watch_inputs(unit, args)
+        return None
 
     def _unit_forward_ends(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():  # a recomputation (without early stop): the unit's backward comes next, gathered
+            return
         self.recording[1].append(unit)
         self._close(unit)
         if not torch.is_grad_enabled():
@@ -521,6 +595,33 @@ class ZeroStage3(ZeroStage2):
         if unit is not self.root:  # the root (stem and head) is used at both ends of forward and backward: kept
             self._free(unit)
 
+    def _watch_inputs(self, unit: Unit, args: Any) -> Any:
+        """[Note: frozen parameters] A unit with frozen parameters is freed after its backward only once the
+        gradient of its inputs is computed, which the identity InputsGradient on them reports; where no input
+        needs one (or for the root, whose modules sit at both ends of the graph) at the end of backward."""
+        leaves, spec = tree_flatten(args)
+        watched = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad]
+        unit.held_to_end = unit is self.root or not watched
+        unit.inputs_pending = not unit.held_to_end
+        if not unit.inputs_pending:
+            return None
+        outputs = InputsGradient.apply(partial(self._unit_inputs_done, unit), *(leaves[i] for i in watched))
+        for i, tensor in zip(watched, outputs):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
+
+    def _unit_inputs_done(self, unit: Unit) -> None:
+        unit.inputs_pending = False
+        self._free_if_done(unit)
+
+    def _free_if_done(self, unit: Unit) -> None:
+        """Free the unit after its backward: once its trainable gradients are all in, and its frozen parameters'
+        use is over too ([Note: frozen parameters])."""
+        if unit.pending == 0 and not unit.inputs_pending and not unit.held_to_end \
+                and unit.state is UnitState.GATHERED:
+            self._free(unit)
+            self._close(unit)
+
     def _unit_backward_starts(self, unit: Unit, grad: torch.Tensor) -> None:
         """The gradient of the unit's output is ready: its backward is about to run."""
         if not unit.backward_begun:
@@ -531,11 +632,19 @@ class ZeroStage3(ZeroStage2):
 
     def _grad_ready(self, unit: Unit, param: nn.Parameter) -> None:  # type: ignore[override]
         self._copy_out(unit, param)
-        if unit.pending == 0:  # the unit's backward is done: average its gradients, free its parameters
+        if unit.pending == 0:  # the unit's gradients are all in: average them, free its parameters
             if self.requires_sync or not self.unsharded:
                 self._launch(unit)
-            self._free(unit)
-            self._close(unit)
+            self._free_if_done(unit)
+
+    def _backward_done(self) -> None:
+        """Stage 2's, then the units held to the end of backward freed ([Note: frozen parameters])."""
+        super()._backward_done()
+        for unit in self.units:
+            if (unit.held_to_end or unit.inputs_pending) and unit.state is UnitState.GATHERED:
+                self._free(unit)
+                self._close(unit)
+            unit.held_to_end = unit.inputs_pending = False
 
     def _copy_out(self, unit: Unit, param: nn.Parameter) -> None:  # type: ignore[override]
         """Sharded accumulation: stage 2's. Unsharded: add the gradient into the unit's own full buffer, kept
@@ -559,16 +668,19 @@ class ZeroStage3(ZeroStage2):
     # ------------------------------------------------------------------------------------------------------
     # The whole model: state dicts, and the model handed back
     # ------------------------------------------------------------------------------------------------------
-    def model_state_dict(self) -> dict[str, Any]:
-        """The whole state_dict on rank 0's CPU, gathered one unit at a time ({} on the other ranks); under a lower
-        param_dtype from the masters (ShardedStage's)."""
-        if self.precision.separate_masters:
-            return super().model_state_dict()
+    def parts(self) -> list[Bucket]:
+        """Every unit's trainable bucket and frozen parts, in unit order: what this rank holds a shard of
+        (``shard_of``)."""
+        return [part for unit in self.units for part in [unit, *unit.frozen] if part.length]
 
-        def full_flat(unit: Unit) -> torch.Tensor:
-            self._materialize(unit)
-            return unit.flat
-        return gathered_state_dict(self.model, self.units, self.rank, full_flat, self._free)
+    def frozen_shards(self) -> list[torch.Tensor]:
+        return [part.shard for unit in self.units for part in unit.frozen]
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The whole state_dict on rank 0's CPU, gathered from the shards one part at a time ({} on the other
+        ranks), so in the masters' dtype (the model's own) whatever param_dtype is."""
+        wholes = ((part, gather_full(self.comm, part, self.shard_of(part))) for part in self.parts())
+        return gathered_state_dict(self.model, wholes, self.rank)
 
     def drop_gathered(self) -> None:
         """Every unit gathered or gathering freed (its gather waited for), and no prefetch held back: call it after
@@ -588,7 +700,8 @@ class ZeroStage3(ZeroStage2):
             raise RuntimeError(f"Error(s) in loading state_dict: missing keys {sorted(set(expected) - set(state))}, "
                                f"unexpected keys {sorted(set(state) - set(expected))}")
         self.drop_gathered()
-        load_masters(self.units, self.comm, self.weights, self.names, state)
+        parts = self.parts()
+        load_masters(parts, self.comm, [self.shard_of(part) for part in parts], self.names, state)
         with torch.no_grad():
             for name, buffer in self.model.named_buffers():
                 buffer.copy_(state[name])
@@ -598,6 +711,10 @@ class ZeroStage3(ZeroStage2):
         the model is whole and ordinary again, in its own dtype."""
         for unit in self.units:
             self._materialize(unit)
+            for part in unit.frozen:  # in their own dtype, from the shards
+                full = gather_full(self.comm, part, part.shard)
+                for p in part.params:
+                    p.data = part.view(full, p)
         super().close()
 
 
@@ -610,11 +727,19 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
           group: dist.ProcessGroup | None = None, collectives: str = "torch",
           replicate_group: dist.ProcessGroup | None = None, param_dtype: torch.dtype | None = None,
-          reduce_dtype: torch.dtype | None = None, *, bucket_mb: float = 25.0, overlap: bool = True,
-          accumulate: str = "sharded", timeout_s: float | None = None) -> Any:
+          reduce_dtype: torch.dtype | None = None, init: Callable[[nn.Module], None] | None = None, *,
+          device: torch.device | str | None = None, init_device: torch.device | str | None = None,
+          bucket_mb: float = 25.0, overlap: bool = True, accumulate: str = "sharded",
+          timeout_s: float | None = None) -> Any:
     """Data parallelism at ZeRO ``stage`` over ``group`` (default: the world) for ``model``, in place: the group's
     rank 0's weights and buffers are broadcast first (as DistributedDataParallel does), then the model's
     parameters become views of flat buckets (stages 1-3), and hooks do the rest (module docstring).
+
+    ``init`` (a model built on the meta device): ``init(module)`` initializes one module's own parameters and
+    buffers, and the model is materialized module by module (zero/init.py): at stage 3 no rank holds it whole,
+    and the weights are bit for bit ``model.to_empty(device=init_device); for m in model.modules(): init(m)`` on
+    one process, at any world size. ``device``: where the model then lives (default: this process's GPU under
+    NCCL, else the CPU); ``init_device``: where ``init`` runs (default: ``device``).
 
     ``replicate_group`` (stages 1-3): hybrid sharding, the state sharded over ``group`` and replicated over the
     ranks holding the same shard (zero/hybrid.py); the two must tile the world as a grid. ``param_dtype`` (stages
@@ -647,24 +772,48 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
     if stage == 0 and replicate_group is not None:
         raise ValueError("zero.shard: replicate_group is for stages 1-3 (state sharded over group, replicated "
                          "across it); at stage 0 every rank holds everything: pass the whole world as group")
+    deferred = init_module.on_meta(model)
+    if deferred and init is None:
+        raise ValueError("zero.shard: the model is on the meta device; pass init=fn, fn(module) initializing that "
+                         "module's own parameters and buffers (its reset_parameters, say), to materialize it shard "
+                         "by shard")
+    if init is not None and not deferred:
+        raise ValueError(f"zero.shard: init= is for a model built on the meta device (with torch.device('meta'): "
+                         f"...); this one is on {trainable[0].device} already")
     precision = resolve(model, stage, param_dtype, reduce_dtype)
-    if stage == 3:
-        units, owner = stage_3_units(model, default_units(model) if units is None else list(units))
     if replicate_group is not None:
         check_grid(group, replicate_group)  # before any broadcast: on every rank, the same verdict
-    broadcast_state(model, group=group)
+    if deferred:  # materialized (stages 0-2) or given placeholders (stage 3), the same on every rank: no broadcast
+        device = torch.device(device) if device is not None else init_module.default_device(group)
+        init_device = torch.device(init_device) if init_device is not None else device
+        init_module.check_same_generator(group, init_device)
+        if stage < 3:
+            init_module.initialize_whole(model, init, device, init_device)
+        else:
+            init_module.replace_parameters(model, lambda p: init_module.placeholder(p, device))
+            init_module.materialize_buffers(model, init_device)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+    else:
+        broadcast_state(model, group=group)
+    if stage == 3:
+        units, owner = stage_3_units(model, default_units(model) if units is None else list(units))
     comm = Collectives(group, collectives, timeout_s)
     if stage == 0:
         return GradientSync(model, bucket_mb, overlap, comm)
     replicas = None
     if replicate_group is not None:
         replicas = Replicas(replicate_group, collectives, timeout_s, precision.reduce)
-        replicas.broadcast(model)  # then every rank of the grid holds replica 0's rank 0's weights
+        if not deferred:
+            replicas.broadcast(model)  # then every rank of the grid holds replica 0's rank 0's weights
     if stage == 1:
         return ZeroStage1(model, bucket_mb, overlap, comm, precision, replicas)
     if stage == 2:
         return ZeroStage2(model, assign_buckets(trainable, bucket_mb), comm, precision, replicas)
-    return ZeroStage3(model, units, owner, comm, accumulate, precision, replicas)
+    sharded = ZeroStage3(model, units, owner, comm, accumulate, precision, replicas, deferred)
+    if deferred:
+        init_module.initialize_shards(sharded, init, init_device)
+        init_module.move_buffers(model, device)
+    return sharded
 
 
 def stage_3_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], dict[int, nn.Module]]:
@@ -678,10 +827,10 @@ def stage_3_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Mod
             raise ValueError(f"zero.shard: a unit ({type(module).__name__}) is not a submodule of the model")
         owner.update((id(p), module) for p in module.parameters())
     for unit in units:
-        if not any(owner[id(p)] is unit for p in unit.parameters() if p.requires_grad):
-            raise ValueError(f"zero.shard: unit {names[id(unit)]!r} ({type(unit).__name__}) owns no trainable "
-                             f"parameter (none, or all claimed by units inside it)")
-    root_owns = any(owner[id(p)] is model for p in model.parameters() if p.requires_grad)
+        if not any(owner[id(p)] is unit for p in unit.parameters()):
+            raise ValueError(f"zero.shard: unit {names[id(unit)]!r} ({type(unit).__name__}) owns no parameter "
+                             f"(none, or all claimed by units inside it)")
+    root_owns = any(owner[id(p)] is model for p in model.parameters())
     return ([model] if root_owns else []) + list(units), owner
 
 
@@ -702,5 +851,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Any) -
     optimized = [p for group in optimizer.param_groups for p in group["params"]]
     local = getattr(optimizer, "optim", optimizer)
     grads = [p.grad for p in list(model.parameters()) + optimized] + sync.held_gradient_buffers()
-    return {"params": held(list(model.parameters()) + optimized), "grads": held(grads),
+    frozen = sync.frozen_shards() if hasattr(sync, "frozen_shards") else []  # stage 3's, beside the model's views
+    return {"params": held(list(model.parameters()) + optimized + frozen), "grads": held(grads),
             "optimizer": held(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))}

@@ -36,7 +36,7 @@ shard, and stage 3's accumulate="unsharded" keeps its full gradients in ``reduce
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -83,24 +83,29 @@ def resolve(model: nn.Module, stage: int, param_dtype: torch.dtype | None,
     return Precision(master, param, reduce_dtype or param)
 
 
-def shard_weights(buckets: list[Bucket], comm: Collectives, precision: Precision,
-                  own_shards: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def shard_weights(buckets: list[Bucket], comm: Collectives, precision: Precision, own_shards: bool,
+                  deferred: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each bucket's parameters moved into one padded flat tensor of ``precision.param`` (each parameter a view
     into it laid out as its gradient is, Bucket.view, so the flat weight and the flat gradient match element by
     element), and this rank's shard of the weights in the master dtype: a view of the flat's chunk when the dtypes
     agree and not ``own_shards`` (stages 1-2: the step writes the model's weights), else a tensor of its own
-    (stage 3, whose flats are freed; or masters under a lower param_dtype). Returns (flats, shards)."""
+    (stage 3, whose flats are freed here, one bucket at a time, so no more than one is whole at once; or masters
+    under a lower param_dtype). ``deferred`` (stage 3 from the meta device, zero/init.py): the parameters hold no
+    values yet, so the shards start as zeros for the initialization to fill. Returns (flats, shards)."""
     flats, shards = [], []
     with torch.no_grad():
         for bucket in buckets:
             full = bucket.zeros()  # the master dtype: the parameters' own, before they move
-            for p in bucket.params:
-                bucket.view(full, p).copy_(p)
+            if not deferred:
+                for p in bucket.params:
+                    bucket.view(full, p).copy_(p)
             flat = full if not precision.separate_masters else full.to(precision.param)
             shard = comm.chunk(full)
             shards.append(shard.clone() if own_shards or precision.separate_masters else shard)
             for p in bucket.params:
                 p.data = bucket.view(flat, p)
+            if own_shards:
+                flat.untyped_storage().resize_(0)  # the parameters stay views of it, with no memory behind them
             flats.append(flat)
     return flats, shards
 
@@ -113,22 +118,19 @@ def gather_full(comm: Collectives, bucket: Bucket, shard: torch.Tensor) -> torch
     return full
 
 
-def gathered_state_dict(model: nn.Module, buckets: list[Bucket], rank: int,
-                        full_flat: Callable[[Bucket], torch.Tensor],
-                        release: Callable[[Bucket], None] = lambda bucket: None) -> dict[str, Any]:
-    """The model's state_dict with every bucket's parameters read from its whole flat, one bucket at a time:
-    ``full_flat(bucket)`` gives it (a collective: every rank calls it), ``release(bucket)`` drops it after. On rank 0
-    of the group as CPU tensors (a tied parameter under each of its names), {} on the others."""
+def gathered_state_dict(model: nn.Module, wholes: Iterable[tuple[Bucket, torch.Tensor]],
+                        rank: int) -> dict[str, Any]:
+    """The model's state_dict with every bucket's parameters read from its whole flat: ``wholes`` yields each
+    bucket with it, one at a time (each a collective: every rank runs through them all). On rank 0 of the group as
+    CPU tensors (a tied parameter under each of its names), {} on the others."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     gathered: dict[str, torch.Tensor] = {}
-    for bucket in buckets:
-        full = full_flat(bucket)
+    for bucket, full in wholes:
         if rank == 0:
             for p in bucket.params:
                 gathered.update((name, bucket.view(full, p).detach().cpu().clone()) for name in names[id(p)])
-        release(bucket)
     if rank != 0:
         return {}
     return {key: gathered.get(key, value.detach().cpu()) for key, value in model.state_dict().items()}
@@ -138,7 +140,7 @@ def master_state_dict(model: nn.Module, buckets: list[Bucket], comm: Collectives
                       rank: int) -> dict[str, Any]:
     """The model's state_dict with every trainable parameter taken from the masters (the model's own dtype),
     gathered one bucket at a time; on rank 0 of the group (CPU tensors), {} on the others."""
-    return gathered_state_dict(model, buckets, rank, lambda bucket: gather_full(comm, bucket, masters[bucket.index]))
+    return gathered_state_dict(model, ((b, gather_full(comm, b, m)) for b, m in zip(buckets, masters)), rank)
 
 
 def load_masters(buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor], names: dict[int, str],
