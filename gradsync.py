@@ -225,10 +225,21 @@ class BucketedSync:
         every rank between steps (stage 3 overrides this)."""
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
 
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a whole state_dict (every rank passes the same); at stages 1 and 2 the weights' shards are views
-        of the model's parameters, so they follow."""
-        self.model.load_state_dict(state)
+    def load_model_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Load a whole state_dict, given on every rank alike, or on the group's rank 0 only (the others passing
+        None or {}: then sent from there, one tensor at a time, or at stages 1-3 one bucket's shards at a time;
+        FSDP2's broadcast_from_rank0). At stages 1 and 2 the weights' shards are views of the model's parameters,
+        so they follow."""
+        self._load_whole(state, only_rank0_holds(state, self.comm.group))
+
+    def _load_whole(self, state: dict[str, Any] | None, from_rank0: bool) -> None:
+        if not from_rank0:
+            self.model.load_state_dict(state)
+            return
+        check_keys_on_rank0(self.model, state, self.comm.group)
+        if self.rank == 0:
+            self.model.load_state_dict(state)
+        broadcast_state(self.model, group=self.comm.group)
 
     def sent_bytes(self) -> int:
         """Bytes this rank has sent in the gradient sync (collectives.py's count)."""
@@ -311,6 +322,34 @@ class GradientSync(BucketedSync):
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return list(self.flats)
+
+
+def only_rank0_holds(state: dict[str, Any] | None, group: dist.ProcessGroup | None) -> bool:
+    """Whether a whole state_dict was given on the group's rank 0 only (the others passing None or {}) rather than
+    on every rank: one object all-gather, so every rank reaches the same verdict; rank 0 without one is refused in
+    one line."""
+    held: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, bool(state), group=group)
+    if all(held):
+        return False
+    if not held[0]:
+        raise ValueError("load_model_state_dict: the group's rank 0 has no state_dict; pass it on rank 0 (the "
+                         "others may pass None or {}), or the same on every rank")
+    return True
+
+
+def check_keys_on_rank0(model: nn.Module, state: dict[str, Any] | None, group: dist.ProcessGroup | None) -> None:
+    """Rank 0's verdict on a state_dict's keys against the model's, sent to every rank: all raise together."""
+    verdict: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            verdict[0] = (f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys "
+                          f"{unexpected}")
+    dist.broadcast_object_list(verdict, group=group, group_src=0)
+    if verdict[0]:
+        raise RuntimeError(verdict[0])
 
 
 def broadcast_state(model: nn.Module, buffers_only: bool = False, group: dist.ProcessGroup | None = None) -> None:

@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradsync import broadcast_state, check_keys_on_rank0, only_rank0_holds
+
 
 def make_ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> DistributedDataParallel:
     """DistributedDataParallel set up as GradientSync works: gradients as views of its buckets, buckets of at
@@ -37,6 +39,36 @@ def make_ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> Distri
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                    bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
                                    **{no_buffer_sync: False})
+
+
+def shard_as_initialized(model: nn.Module, units: list[nn.Module], init: Any, shard: Any) -> None:
+    """A model on the meta device made real one module at a time on the CPU, in ``model.modules()`` order, with
+    ``init(module)`` (zero.shard's init= contract), each unit handed to ``shard`` (fully_shard) once its last module
+    is initialized, the root last: no rank holds more than the root and one unit whole, and the weights are those of
+    one process at any world size. (FSDP2's own recipe, fully_shard on the meta model, then to_empty and init on the
+    DTensors, draws each shard from DTensor's random generator, which gives other values at another world size:
+    pytorch issue 168058.)"""
+    from zero.init import whole
+
+    unit_of = {id(module): unit for unit in units for module in unit.modules()}
+    left = {id(unit): len(list(unit.modules())) for unit in units}
+    made: dict[int, nn.Parameter] = {}  # each meta parameter's real one (tied ones stay tied)
+    cpu = torch.device("cpu")
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[name] = made.setdefault(id(p), whole(p, cpu))
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=cpu)
+        with torch.no_grad():
+            init(module)
+        unit = unit_of.get(id(module))
+        if unit is not None:
+            left[id(unit)] -= 1
+            if left[id(unit)] == 0:
+                shard(unit)
+    shard(model)
 
 
 def consolidating_zero_redundancy_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
@@ -79,8 +111,15 @@ class DDPSync:
     def model_state_dict(self) -> dict[str, Any]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if dist.get_rank() == 0 else {}
 
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state)
+    def load_model_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Given on every rank alike, or on rank 0 alone (then broadcast, one tensor at a time)."""
+        if not only_rank0_holds(state, None):
+            self.model.load_state_dict(state)
+            return
+        check_keys_on_rank0(self.model, state, None)
+        if dist.get_rank() == 0:
+            self.model.load_state_dict(state)
+        broadcast_state(self.model)
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return []  # the .grad views of DDP's buckets are counted through the parameters
@@ -104,15 +143,19 @@ class FSDPSync:
     and distribute_tensor(), so they are torch.optim's ordinary form (every rank calls state_dict())."""
 
     def __init__(self, model: nn.Module, units: list[nn.Module], reshard_after_forward: bool, mesh: Any = None,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 init: Any = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         # mesh: a 2-D DeviceMesh (replicate, shard) makes it HSDP (None: the world, 1-D); the dtypes are
         # MixedPrecisionPolicy's (None: the model's own), the sharded parameters and the state dicts stay in it
         options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
                    "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
-        for unit in units:
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
+        if init is not None:
+            shard_as_initialized(model, units, init, lambda module: fully_shard(module, **options))
+        else:
+            for unit in units:
+                fully_shard(unit, **options)
+            fully_shard(model, **options)
         self.module = self.model = model
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
@@ -165,9 +208,12 @@ class FSDPSync:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if dist.get_rank() == 0 else {}
 
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+    def load_model_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Given on every rank alike, or on rank 0 alone (FSDP2's broadcast_from_rank0)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+        from_rank0 = only_rank0_holds(state, None)
+        set_model_state_dict(self.model, state if state else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0))
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return []

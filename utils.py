@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import faulthandler
 import json
 import math
@@ -453,6 +455,22 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def pin_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
+    """glibc's malloc: serve every block of ``nbytes`` or more by mmap, so a freed one goes back to the system at
+    once, and stop the threshold from rising (glibc raises it to the size of the first such block freed, up to
+    32 MB, after which blocks of that size stay in the heap when freed and the resident set reports the allocator's
+    history). What MALLOC_MMAP_THRESHOLD_=131072 does when set before the process starts. Returns whether it took
+    (False off glibc)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
+    except (OSError, AttributeError):
+        return False
 
 
 def _cpu_model() -> str:

@@ -102,21 +102,22 @@ def test_a_checkpoint_written_before_the_rooms_resumes_exactly(image_folder, tmp
 # ----------------------------------------------------------------------------------------------------------
 # Every flag of --help, and what parsing makes of it
 # ----------------------------------------------------------------------------------------------------------
-FLAGS = ["--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--betas", "--bucket-mb", "--channels-last",
+FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--betas", "--bucket-mb", "--channels-last",
          "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--compile", "--compile-backend", "--context",
          "--data-dir", "--dataset", "--decay-steps", "--deterministic", "--device", "--dropout", "--epochs",
          "--eval-every", "--eval-only", "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help",
          "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr", "--max-steps", "--metrics-out",
          "--min-lr", "--model", "--momentum", "--norm", "--norm-weight-decay", "--optimizer", "--outer-compress",
          "--outer-delay", "--outer-lr", "--outer-momentum", "--outer-optimizer", "--param-dtype", "--profile",
-         "--profile-steps", "--prompt", "--reduce-dtype", "--replicas", "--scheduler", "--seed", "--sync-mode", "--temperature", "--timeout", "--top-k",
+         "--profile-steps", "--prompt", "--reduce-dtype", "--replicas", "--scheduler", "--seed", "--sync-mode",
+         "--temperature", "--timeout", "--top-k",
          "--train-size", "--val-fraction", "--val-size", "--warmup-steps", "--weight-decay", "--workers", "--zero",
          "--zero3-accumulate"]
 
 DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "dataset": "cifar100", "data_dir": "data", "train_size": 10000, "val_size": 2000, "image_size": 32,
     "augment": "cifar", "workers": 0, "context": None, "val_fraction": 0.1, "model": "net", "channels_last": False,
-    "compile": None, "compile_backend": "inductor", "dropout": 0.5, "grad_sync": "custom", "replicas": None,
+    "activation_checkpointing": False, "compile": None, "compile_backend": "inductor", "dropout": 0.5, "grad_sync": "custom", "replicas": None,
     "local_steps": None, "outer_optimizer": None, "outer_lr": None, "outer_momentum": None, "outer_compress": None,
     "fragments": None, "outer_delay": None, "zero": 0, "zero3_accumulate": "sharded", "param_dtype": None,
     "reduce_dtype": None, "optimizer": "sgd",
@@ -244,10 +245,10 @@ ERRORS = [
     (["--profile", "p", "--profile-steps", "a:b"],
      "--profile-steps takes A:B, optimizer steps with 0 <= A < B, got 'a:b'"),
     (["--workers", "-1"], "--workers must not be negative, got -1"),
-    (["--dataset", "text"], "--model net does not take --dataset text: the GPTs (gpt, gpt-tiny, gpt2) train on "
-                            "--dataset text, the image models on images"),
-    (["--model", "gpt"], "--model gpt does not take --dataset cifar100: the GPTs (gpt, gpt-tiny, gpt2) train on "
-                         "--dataset text, the image models on images"),
+    (["--dataset", "text"], "--model net does not take --dataset text: the GPTs (gpt, gpt-tiny, gpt2, gpt2-medium, "
+                            "gpt2-large) train on --dataset text, the image models on images"),
+    (["--model", "gpt"], "--model gpt does not take --dataset cifar100: the GPTs (gpt, gpt-tiny, gpt2, gpt2-medium, "
+                         "gpt2-large) train on --dataset text, the image models on images"),
     (["--context", "5"], "--context and --val-fraction are for --dataset text"),
     (["--val-fraction", "0.2"], "--context and --val-fraction are for --dataset text"),
     (["--dataset", "text", "--model", "gpt", "--augment", "none"], "--augment is for image sets, not --dataset text"),

@@ -16,9 +16,11 @@ step (--outer-optimizer, --outer-lr, --outer-momentum; localsgd: averaging). Val
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ import zero
 from data import FolderData, MemoryData, TextData, load_data
 from diloco import DiLoCo
 from gradsync import DataParallel, broadcast_state
-from models import blocks, build_model
+from models import blocks, build_model, initializer
 from references import DDPSync, FSDPSync
 from trainer.config import DTYPES, OURS, OUTER_SYNCS, Config
 from utils import UsageError
@@ -76,15 +78,11 @@ def build(config: Config) -> Parts:
     if config.deterministic:
         make_deterministic()
     data = load_data(config, ctx, comm_device)
-    # the model, the same on every rank
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, config.dropout, config.norm, data.num_classes, config.image_size or 32,
-                        config.context)
-    model = model.to(ctx.device, memory_format=data.memory_format)
-    broadcast_state(model)
+    # the model, the same on every rank: built whole, or on the meta device for the sync to materialize
+    model, init = make_model(config, ctx, data)
     # the gradient sync (and the replicas' outer loop), torch.compile, the optimizer through the sync
     within, across, replica, replica_size = replica_groups(config, ctx)
-    sync = make_sync(config, model, ctx, within, across)
+    sync = make_sync(config, model, ctx, within, across, init)
     outer = make_outer(config, model, across, sync)
     compile_counts = compile_forward(config, model)
     optimizer = make_optimizer(config, model, sync)
@@ -96,6 +94,42 @@ def build(config: Config) -> Parts:
                  scaler=make_scaler(config, ctx.device), steps_per_epoch=steps_per_epoch,
                  schedule_steps=schedule_steps, outer=outer, replica=replica, replica_size=replica_size,
                  compile_counts=compile_counts)
+
+
+def on_meta_device(config: Config, data: Any) -> bool:
+    """Whether the model is built on the meta device and materialized by the sync one module at a time (the
+    sharded syncs: custom --zero 1-3, fsdp), so that no rank ever holds it whole at --zero 3. Channels-last models
+    are built whole: the eager build draws their weights in the contiguous layout, which the shards do not have."""
+    sharded = (config.grad_sync == "custom" and config.zero > 0) or config.grad_sync == "fsdp"
+    return sharded and data.memory_format == torch.contiguous_format
+
+
+def make_model(config: Config, ctx: utils.DistContext, data: Any) -> tuple[nn.Module, Any]:
+    """The model and, where it is built on the meta device, the fn that initializes it module by module
+    (models.initializer: the eager build's weights bit for bit, drawn on the CPU as the eager build draws them);
+    else the model built whole, on its device, rank 0's weights broadcast; --activation-checkpointing wraps each
+    block's forward."""
+    torch.manual_seed(config.seed)
+    meta = on_meta_device(config, data)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = build_model(config.model, config.dropout, config.norm, data.num_classes, config.image_size or 32,
+                            config.context)
+    init = initializer(model, "cpu") if meta else None
+    if not meta:
+        model = model.to(ctx.device, memory_format=data.memory_format)
+        broadcast_state(model)
+    if config.activation_checkpointing:
+        checkpoint_blocks(model)
+    return model, init
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """--activation-checkpointing: each block's forward under torch.utils.checkpoint (non-reentrant): its
+    activations are dropped after the forward and recomputed in its backward. The module's own call, and so the
+    syncs' hooks on it (--zero 3's gathers), stay outside: the recomputation runs while the block is gathered for
+    its backward."""
+    for block in blocks(model):
+        block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
 
 
 def make_deterministic() -> None:
@@ -150,10 +184,12 @@ def device_mesh(config: Config, ctx: utils.DistContext) -> Any:
                             mesh_dim_names=("replicate", "shard"))
 
 
-def make_sync(config: Config, model: nn.Module, ctx: utils.DistContext, within: Any, across: Any) -> DataParallel:
+def make_sync(config: Config, model: nn.Module, ctx: utils.DistContext, within: Any, across: Any,
+              init: Any = None) -> DataParallel:
     """--grad-sync and --zero's sync around ``model``. diloco, localsgd: over ``within``, the replica's group, over
     which SyncBatchNorm normalizes too. custom with --replicas: sharded over ``within``, replicated over ``across``
-    (the replicas meet every step: SyncBatchNorm stays over the world)."""
+    (the replicas meet every step: SyncBatchNorm stays over the world). ``init``: the model is on the meta device,
+    and the sync materializes it with ``init``, module by module."""
     param_dtype, reduce_dtype = DTYPES.get(config.param_dtype), DTYPES.get(config.reduce_dtype)
     if within is not None and config.grad_sync in OUTER_SYNCS:
         for module in model.modules():
@@ -163,13 +199,13 @@ def make_sync(config: Config, model: nn.Module, ctx: utils.DistContext, within: 
         return DDPSync(model, ctx.device, config.bucket_mb, zero_redundancy=config.zero == 1)
     if config.grad_sync == "fsdp":
         return FSDPSync(model, blocks(model), reshard_after_forward=config.zero == 3, mesh=device_mesh(config, ctx),
-                        param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                        param_dtype=param_dtype, reduce_dtype=reduce_dtype, init=init)
     hybrid = config.grad_sync == "custom" and across is not None and dist.get_world_size(across) > 1
     return zero.shard(model, config.zero, blocks(model) if config.zero == 3 else None, group=within,
                       collectives=config.allreduce, replicate_group=across if hybrid else None,
                       param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_mb=config.bucket_mb,
                       overlap=config.sync_mode == "overlap", accumulate=config.zero3_accumulate,
-                      timeout_s=config.timeout)
+                      timeout_s=config.timeout, init=init, device=ctx.device, init_device="cpu")
 
 
 def make_outer(config: Config, model: nn.Module, across: Any, sync: DataParallel) -> DiLoCo | None:

@@ -84,9 +84,13 @@ class Config:
     model: str = flag("net", choices=MODELS,
                       help="net, resnet and vit: small models for 32-pixel images; resnet18..., vit_b_16...: "
                            "torchvision's (weights=None; a ViT takes --image-size, which its patch size must divide); "
-                           "gpt (1.3M parameters), gpt-tiny (0.12M) and gpt2 (GPT-2 small's shape, 86M with 256 bytes "
-                           "for vocabulary): byte-level GPTs for --dataset text")
+                           "gpt (1.3M parameters), gpt-tiny (0.12M), gpt2, gpt2-medium and gpt2-large (GPT-2's "
+                           "shapes with 256 bytes for vocabulary: 86M, 303M, 709M): byte-level GPTs for --dataset "
+                           "text")
     channels_last: bool = flag(False, help="model and batches in channels-last memory format")
+    activation_checkpointing: bool = flag(False, help="torch.utils.checkpoint (non-reentrant) around each block "
+                                                      "(models.blocks: the units --zero 3 gathers): its activations "
+                                                      "recomputed in its backward instead of kept")
     compile: str | None = flag(None, nargs="?", const="forward", choices=COMPILE_SCOPES,
                                help="torch.compile at the first call, hooks left eager: the model's forward as one "
                                     "graph (forward, the default; SyncBatchNorm compiles without a graph break; the "

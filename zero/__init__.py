@@ -70,13 +70,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import utils
 from collectives import Collectives
-from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadcast_state
+from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadcast_state, check_keys_on_rank0
 from zero import init as init_module
 from zero.hybrid import Replicas, check_grid
 from zero.optimizer import (ELEMENTWISE, WHOLE_PARAMETER, ShardedOptimizer, ShardRun, check_optimizer_class,
                             missing_optimizer_state, state_kinds)
 from zero.precision import (Precision, cast_forward_inputs, gather_full, gathered_state_dict, load_masters,
-                            master_state_dict, resolve, shard_weights)
+                            master_state_dict, resolve, scatter_masters, shard_weights)
 
 __all__ = ["shard", "default_units", "stage_3_units", "state_bytes", "ZeroStage1", "ZeroStage2", "ZeroStage3",
            "ShardedOptimizer", "ShardRun", "ELEMENTWISE", "WHOLE_PARAMETER", "check_optimizer_class", "state_kinds",
@@ -130,12 +130,13 @@ class ShardedStage:
             return master_state_dict(self.model, self.buckets, self.comm, self.weights, self.rank)
         return super().model_state_dict()
 
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+    def _load_whole(self, state: dict[str, Any] | None, from_rank0: bool) -> None:
         """Stages 1-2: into the model (its weights, cast to param_dtype) and, where they are their own, the
-        masters."""
-        super().load_model_state_dict(state)
+        masters (cut out of the state on every rank, or scattered from rank 0)."""
+        super()._load_whole(state, from_rank0)
         if self.precision.separate_masters:
-            load_masters(self.buckets, self.comm, self.weights, self.names, state)
+            (scatter_masters if from_rank0 else load_masters)(self.buckets, self.comm, self.weights, self.names,
+                                                              state)
 
     def sent_bytes(self) -> int:
         """Bytes this rank has sent: in its shard group, and across replicas (sent_bytes_by_group)."""
@@ -692,19 +693,28 @@ class ZeroStage3(ZeroStage2):
             self._materialize(unit)
             self._free(unit)
 
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a whole state_dict (every rank passes the same): unit by unit into a full flat of the masters'
-        dtype, whose chunk becomes this rank's shard (no collective); buffers as they are."""
-        expected = self.model.state_dict().keys()
-        if set(state) != set(expected):
-            raise RuntimeError(f"Error(s) in loading state_dict: missing keys {sorted(set(expected) - set(state))}, "
-                               f"unexpected keys {sorted(set(state) - set(expected))}")
+    def _load_whole(self, state: dict[str, Any] | None, from_rank0: bool) -> None:
+        """A whole state_dict into the shards, part by part through a full flat of the shard's dtype: on every
+        rank, which keeps its chunk (no collective), or on rank 0 only, which scatters the chunks (no other rank
+        ever holds more than its chunk of it). Buffers as they are (broadcast from rank 0)."""
+        if from_rank0:
+            check_keys_on_rank0(self.model, state, self.comm.group)
+        else:
+            expected = self.model.state_dict().keys()
+            if set(state) != set(expected):
+                raise RuntimeError(f"Error(s) in loading state_dict: missing keys "
+                                   f"{sorted(set(expected) - set(state))}, unexpected keys "
+                                   f"{sorted(set(state) - set(expected))}")
         self.drop_gathered()
         parts = self.parts()
-        load_masters(parts, self.comm, [self.shard_of(part) for part in parts], self.names, state)
+        (scatter_masters if from_rank0 else load_masters)(parts, self.comm, [self.shard_of(part) for part in parts],
+                                                          self.names, state)
         with torch.no_grad():
-            for name, buffer in self.model.named_buffers():
-                buffer.copy_(state[name])
+            if not from_rank0 or self.rank == 0:
+                for name, buffer in self.model.named_buffers():
+                    buffer.copy_(state[name])
+        if from_rank0:
+            broadcast_state(self.model, buffers_only=True, group=self.comm.group)
 
     def close(self) -> None:
         """Gather every unit for good (under a lower param_dtype: the masters, ShardedStage's), then remove the hooks:
@@ -781,6 +791,9 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
         raise ValueError(f"zero.shard: init= is for a model built on the meta device (with torch.device('meta'): "
                          f"...); this one is on {trainable[0].device} already")
     precision = resolve(model, stage, param_dtype, reduce_dtype)
+    if stage == 3:  # refused before any collective, if they do not fit
+        given = default_units(model) if units is None else list(units)
+        units, owner = stage_3_units(model, given)
     if replicate_group is not None:
         check_grid(group, replicate_group)  # before any broadcast: on every rank, the same verdict
     if deferred:  # materialized (stages 0-2) or given placeholders (stage 3), the same on every rank: no broadcast
@@ -793,10 +806,10 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
             init_module.replace_parameters(model, lambda p: init_module.placeholder(p, device))
             init_module.materialize_buffers(model, init_device)
         trainable = [p for p in model.parameters() if p.requires_grad]
+        if stage == 3:  # the owners again, of the new parameters
+            units, owner = stage_3_units(model, given)
     else:
         broadcast_state(model, group=group)
-    if stage == 3:
-        units, owner = stage_3_units(model, default_units(model) if units is None else list(units))
     comm = Collectives(group, collectives, timeout_s)
     if stage == 0:
         return GradientSync(model, bucket_mb, overlap, comm)

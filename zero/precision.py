@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import Collectives
@@ -143,16 +144,34 @@ def master_state_dict(model: nn.Module, buckets: list[Bucket], comm: Collectives
     return gathered_state_dict(model, ((b, gather_full(comm, b, m)) for b, m in zip(buckets, masters)), rank)
 
 
+def full_flat(bucket: Bucket, state: dict[str, Any], names: dict[int, str], like: torch.Tensor) -> torch.Tensor:
+    """The bucket's parameters out of a whole state_dict as its flat, zero-padded, in ``like``'s dtype and device."""
+    full = torch.zeros(bucket.length, dtype=like.dtype, device=like.device)
+    for p in bucket.params:
+        bucket.view(full, p).copy_(state[names[id(p)]])
+    return full
+
+
 def load_masters(buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor], names: dict[int, str],
                  state: dict[str, Any]) -> None:
     """Each master shard cut out of a whole state_dict (every rank passes the same), in the master dtype: a full
     flat per bucket, zero-padded, whose chunk is this rank's shard. No collective."""
     with torch.no_grad():
         for bucket, shard in zip(buckets, masters):
-            full = torch.zeros(bucket.length, dtype=shard.dtype, device=shard.device)
-            for p in bucket.params:
-                bucket.view(full, p).copy_(state[names[id(p)]])
-            shard.copy_(comm.chunk(full))
+            shard.copy_(comm.chunk(full_flat(bucket, state, names, shard)))
+
+
+def scatter_masters(buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor], names: dict[int, str],
+                    state: dict[str, Any] | None) -> None:
+    """Each master shard scattered from the group's rank 0, the only one holding the state_dict: there a full flat
+    per bucket, one at a time, whose W chunks go out (dist.scatter); the others receive their chunk alone."""
+    with torch.no_grad():
+        for bucket, shard in zip(buckets, masters):
+            chunks = list(full_flat(bucket, state, names, shard).chunk(comm.size)) if comm.rank == 0 else None
+            received = shard if shard.is_contiguous() else torch.empty_like(shard)
+            dist.scatter(received, chunks, group=comm.group, group_src=0)
+            if received is not shard:
+                shard.copy_(received)
 
 
 def cast_forward_inputs(dtype: torch.dtype):

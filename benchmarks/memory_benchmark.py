@@ -1,0 +1,310 @@
+"""Memory over a training run's whole life, per rank and phase: ZeRO stages 0-3 (zero.shard) against FSDP2, on a plain
+loop of one's own (no trainer), with and without the allocator setting that makes freed memory go back.
+
+    python -m benchmarks.memory_benchmark [--model gpt2] [--worlds 2,4,8] [--rows stage0,stage1,stage2,stage3,fsdp3]
+                                          [--allocator both|default|pinned] [--steps 2] [--json results/....json]
+
+Each (row, W, allocator) is W fresh processes (spawned: no allocator history from another row) over gloo on the CPU,
+training models.py's GPT (``--model``: GPT-2 small's shape by default, 86M parameters) with AdamW on random bytes,
+``--context`` 64 and one sequence per rank per step. The phases, in each process:
+
+    start   imports and the process group (the baseline: every figure below is above it)
+    build   the model and its sync: stage 0 builds it whole on every rank (as DDP users do) and shard(model, 0);
+            stages 1-3 build it on the meta device and zero.shard(..., init=models.initializer(model)); FSDP2
+            materializes it one unit at a time and fully_shards each (references.shard_as_initialized)
+    steps   --steps optimizer steps (forward, backward, step)
+    save    a sharded checkpoint: zero.checkpoint.save, or FSDP2's get_state_dict + torch.distributed.checkpoint.save
+    load    the resume: the model and optimizer dropped, built again as in build, and the checkpoint loaded
+            (zero.checkpoint.load; FSDP2's dcp.load + set_state_dict), then one more step
+
+and per phase each rank's peak resident set above the start (VmHWM, reset at each phase's start by writing 5 to
+/proc/self/clear_refs), the phase's seconds, and the formula's bytes for what ZeRO says a rank holds (zero's module
+docstring: 16 Psi / W at stage 3, plus two units gathered and the root, their gradient buffers and the activations;
+16 Psi at stage 0).
+
+[Note: the allocator] glibc's malloc serves blocks of 128 kB and more by mmap, and returns them to the system when
+freed; but the first time such a block (up to 32 MB) is freed it raises that threshold to the block's size, so
+later blocks of that size come from the heap, and a freed heap block stays in the process (the resident set then
+reports the allocator's history, not what is alive). ``pinned`` sets the threshold once (mallopt(M_MMAP_THRESHOLD,
+128 kB), what the environment variable MALLOC_MMAP_THRESHOLD_=131072 does at start-up), which also stops it from
+moving: every large block is mmapped and given back when freed (utils.pin_mmap_threshold). ``default`` leaves
+glibc as it is. Both are measured, each in fresh processes.
+
+Writes results/memory-<machine>.json; prints a table per phase (the largest rank's peak, MB above start).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import queue
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROWS = ("stage0", "stage1", "stage2", "stage3", "fsdp3")
+PHASES = ("build", "steps", "save", "load")
+MB = 1e6
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The process's memory
+# ----------------------------------------------------------------------------------------------------------
+def status_kb(key: str) -> int:
+    """A field of /proc/self/status, in kB (VmRSS: the resident set now; VmHWM: its peak since the last reset)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def reset_peak() -> None:
+    """VmHWM back to the resident set now (Linux's clear_refs, 5: 'reset the peak resident set size')."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One process of a row
+# ----------------------------------------------------------------------------------------------------------
+def build(row: str, model_name: str, context: int) -> tuple[Any, Any, Any]:
+    """The model, its sync and AdamW over it, as the row builds them."""
+    import models
+    import zero
+    from references import FSDPSync
+
+    torch.manual_seed(0)
+    if row == "stage0":
+        model = models.build_model(model_name, 0.0, "local", 256, context=context)
+        sync = zero.shard(model, 0)
+    else:
+        with torch.device("meta"):
+            model = models.build_model(model_name, 0.0, "local", 256, context=context)
+        if row == "fsdp3":
+            sync = FSDPSync(model, models.blocks(model), reshard_after_forward=True, init=models.initializer(model))
+        else:
+            sync = zero.shard(model, int(row[-1]), models.blocks(model) if row == "stage3" else None,
+                              init=models.initializer(model))
+    optimizer = sync.optimizer(torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return model, sync, optimizer
+
+
+def step(model: Any, optimizer: Any, tokens: torch.Tensor) -> None:
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
+    if row == "fsdp3":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    else:
+        import zero.checkpoint
+        zero.checkpoint.save(path, sync, optimizer)
+
+
+def load(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
+    if row == "fsdp3":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        import zero.checkpoint
+        zero.checkpoint.load(path, sync, optimizer)
+
+
+def worker(rank: int, world_size: int, store_path: str, settings: dict, results: Any) -> None:
+    """One rank of a row: its phases' peaks and seconds into ``results``."""
+    torch.set_num_threads(1)
+    if settings["pinned"]:
+        import utils
+        utils.pin_mmap_threshold()
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    import models  # noqa: F401  (imported before the baseline, as the trainer's start-up does)
+    import references  # noqa: F401
+    import zero  # noqa: F401
+    import zero.checkpoint  # noqa: F401
+    row, steps, context = settings["row"], settings["steps"], settings["context"]
+    tokens = torch.randint(0, 256, (steps + 1, 1, context + 1), generator=torch.Generator().manual_seed(rank))
+    dist.barrier()
+    out: dict[str, Any] = {"start_mb": status_kb("VmRSS") * 1e3 / MB}
+
+    def phase(name: str, work: Any) -> Any:
+        gc.collect()
+        dist.barrier()
+        start_kb = status_kb("VmRSS")
+        reset_peak()
+        began = time.perf_counter()
+        value = work()
+        dist.barrier()
+        out[name] = {"peak_mb": (status_kb("VmHWM") - 0) * 1e3 / MB - out["start_mb"],
+                     "rss_before_mb": start_kb * 1e3 / MB - out["start_mb"],
+                     "seconds": time.perf_counter() - began}
+        return value
+
+    model, sync, optimizer = phase("build", lambda: build(row, settings["model"], context))
+    phase("steps", lambda: [step(model, optimizer, tokens[i]) for i in range(steps)])
+    path = settings["checkpoint"]
+    phase("save", lambda: save(row, path, model, sync, optimizer))
+
+    def resume() -> None:
+        nonlocal model, sync, optimizer
+        for hook in getattr(sync, "hooks", []):  # ours: dropped without close(), which would gather the model
+            hook.remove()
+        model = sync = optimizer = None
+        gc.collect()
+        model, sync, optimizer = build(row, settings["model"], context)
+        load(row, path, model, sync, optimizer)
+        step(model, optimizer, tokens[steps])
+
+    phase("load", resume)
+    out["psi"] = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) if row == "stage0" else None
+    results.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_row(row: str, world_size: int, pinned: bool, args: argparse.Namespace) -> list[dict]:
+    """W fresh processes running ``row``; each rank's figures."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = {"row": row, "pinned": pinned, "steps": args.steps, "context": args.context,
+                    "model": args.model, "checkpoint": os.path.join(tmp, "checkpoint")}
+        store = os.path.join(tmp, "store")
+        procs = [context.Process(target=worker, args=(rank, world_size, store, settings, results))
+                 for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        out: list[Any] = [None] * world_size
+        deadline = time.monotonic() + args.timeout
+        for _ in range(world_size):
+            try:
+                rank, figures = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            out[rank] = figures
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        if any(figures is None for figures in out):
+            codes = [p.exitcode for p in procs]
+            raise RuntimeError(f"memory_benchmark: {row} on {world_size} processes failed (exit codes {codes})")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The formula
+# ----------------------------------------------------------------------------------------------------------
+def model_shape(name: str, context: int) -> dict[str, int]:
+    """Psi, the largest block's parameters and the root's, of models.py's GPT ``name``."""
+    import models
+    with torch.device("meta"):
+        model = models.build_model(name, 0.0, "local", 256, context=context)
+    blocks = models.blocks(model)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    psi = sum(p.numel() for p in model.parameters())
+    return {"psi": psi, "block": max(sum(p.numel() for p in b.parameters()) for b in blocks),
+            "root": sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)}
+
+
+def expected_mb(row: str, shape: dict[str, int], world_size: int) -> float:
+    """What ZeRO's formula says a rank holds between steps, fp32 and AdamW (16 bytes a parameter), plus at stage 3
+    the gathered root and two units with their gradient buffers in flight (4 + 4 bytes a parameter each)."""
+    psi = shape["psi"]
+    held = {"stage0": 16 * psi, "stage1": 8 * psi + 8 * psi / world_size, "stage2": 4 * psi + 12 * psi / world_size,
+            "stage3": 16 * psi / world_size, "fsdp3": 16 * psi / world_size}[row]
+    if row in ("stage3", "fsdp3"):
+        held += 8 * (shape["root"] + 2 * shape["block"])
+    return held / MB
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2", help="a GPT of models.py (default gpt2: GPT-2 small's shape)")
+    parser.add_argument("--worlds", default="2,4,8", help="numbers of processes (default 2,4,8)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)} (default all)")
+    parser.add_argument("--allocator", default="both", choices=("both", "default", "pinned"),
+                        help="glibc as it is, its mmap threshold pinned at 128 kB, or both (default)")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps before the checkpoint (default 2)")
+    parser.add_argument("--context", type=int, default=64, help="bytes per sequence (default 64)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per row (default 1800)")
+    parser.add_argument("--json", default=None, help="output (default results/memory-<machine>.json)")
+    args = parser.parse_args(argv)
+    rows = args.rows.split(",")
+    unknown = [row for row in rows if row not in ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {', '.join(unknown)} (of {', '.join(ROWS)})")
+    try:
+        worlds = [int(w) for w in args.worlds.split(",")]
+    except ValueError:
+        parser.error(f"--worlds takes numbers of processes, such as 2,4,8; got {args.worlds!r}")
+    if any(w < 1 for w in worlds) or args.steps < 1 or args.context < 1:
+        parser.error("--worlds, --steps and --context must be positive")
+    args.rows_list, args.worlds_list = rows, worlds
+    return args
+
+
+def print_table(records: list[dict]) -> None:
+    print(f"{'row':8} {'W':>2} {'allocator':9} {'formula':>8} " + " ".join(f"{p:>9}" for p in PHASES)
+          + f" {'save s':>7} {'load s':>7}")
+    for r in records:
+        peaks = " ".join(f"{r['peak_mb'][p]:9.0f}" for p in PHASES)
+        print(f"{r['row']:8} {r['world_size']:>2} {r['allocator']:9} {r['formula_mb']:8.0f} {peaks} "
+              f"{r['seconds']['save']:7.2f} {r['seconds']['load']:7.2f}")
+    print("(MB above each process's start, the largest rank's peak; formula: what ZeRO says a rank holds between "
+          "steps, at stage 3 with the root and two units gathered)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import utils
+    args = parse_args(argv)
+    shape = model_shape(args.model, args.context)
+    allocators = ["default", "pinned"] if args.allocator == "both" else [args.allocator]
+    records = []
+    for world_size in args.worlds_list:
+        for row in args.rows_list:
+            for allocator in allocators:
+                ranks = run_row(row, world_size, allocator == "pinned", args)
+                records.append({
+                    "row": row, "world_size": world_size, "allocator": allocator,
+                    "formula_mb": expected_mb(row, shape, world_size),
+                    "start_mb": [r["start_mb"] for r in ranks],
+                    "peak_mb": {p: max(r[p]["peak_mb"] for r in ranks) for p in PHASES},
+                    "peak_mb_per_rank": {p: [r[p]["peak_mb"] for r in ranks] for p in PHASES},
+                    "seconds": {p: max(r[p]["seconds"] for r in ranks) for p in PHASES},
+                })
+                print(f"{row} W={world_size} {allocator}: " + ", ".join(
+                    f"{p} {records[-1]['peak_mb'][p]:.0f} MB" for p in PHASES), flush=True)
+    print_table(records)
+    payload = {"benchmark": "memory", "command": "python -m benchmarks.memory_benchmark " + " ".join(
+        sys.argv[1:] if argv is None else argv), "machine": utils.machine_info(), "model": args.model,
+        "shape": shape, "context": args.context, "steps": args.steps, "records": records}
+    path = args.json or os.path.join("results", f"memory-{utils.machine_tag()}.json")
+    utils.write_json(path, payload)
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
