@@ -3,7 +3,8 @@ your own training loop.
 
     import zero
     sharded = zero.shard(model, stage, units=None, group=None, collectives="torch",   # stage 0..3; "ring" too
-                         replicate_group=None, param_dtype=None, reduce_dtype=None)    # stages 1-3: hybrid, bf16
+                         replicate_group=None, param_dtype=None, reduce_dtype=None,    # stages 1-3: hybrid, bf16
+                         init=None)                                                   # a meta-device model: fn(module)
     optimizer = sharded.optimizer(torch.optim.AdamW, params_or_groups, lr=3e-4)        # over the MODEL's params
     for i, batch in enumerate(window):
         sharded.set_requires_gradient_sync(i == len(window) - 1)
@@ -14,6 +15,12 @@ your own training loop.
     optimizer.state_dict(); optimizer.load_state_dict(state)           # torch.optim's ordinary, unsharded form
     sharded.close()                                      # every hook removed, the model left whole
     sharded.sent_bytes(); sharded.sent_bytes_by_group()  # bytes sent: {"shard_group": ..., "replicas": ...}
+
+A model built on the meta device is materialized by zero.shard one module at a time (``init=fn``, zero/init.py),
+so that at stage 3 no rank ever holds it whole; its weights are bit for bit those of one process running ``fn``
+over ``model.modules()``, at any world size. Frozen parameters are sharded at stage 3 too ([Note: frozen
+parameters]). A whole state_dict may be given to load_model_state_dict on the group's rank 0 alone (the others
+passing None): it is then scattered, one bucket's chunks at a time.
 
 Parameter groups are given as to any torch.optim optimizer (a configure_optimizers with decay on matrices only
 works unchanged) and keep their hyperparameters at every stage. ``group`` is any process group: a sub-group trains
@@ -420,7 +427,18 @@ class ZeroStage3(ZeroStage2):
     the last micro-batch only (FSDP2's set_requires_gradient_sync): 4 Psi more during the window, K-1 fewer
     reduce-scatters, and stage 0's summation order. Parameters are gathered in their own dtype: under autocast
     each op casts its weight as it would at stage 0. Evaluation runs the same hooks under no_grad (each unit
-    freed after its forward), so every rank must run as many forwards."""
+    freed after its forward), so every rank must run as many forwards.
+
+    [Note: frozen parameters] Frozen parameters (requires_grad False: a fine-tuned model's base) are sharded too,
+    as FSDP2 shards them: each unit keeps them in parts of their own (a part per dtype, FrozenPart), gathered and
+    freed with the unit and never reduced, so a rank holds 1/W of them. Freeing after backward needs care: a unit's
+    last trainable gradient can arrive before autograd has used its frozen weights (a frozen LayerNorm before a
+    trainable adapter: the adapter's gradient is in, and the LayerNorm's backward, which reads its weight to pass
+    the gradient on, is still to run). So a unit with frozen parts is freed once both its gradients are in and its
+    inputs' gradient is computed (InputsGradient on its inputs reports it; FSDP2's RegisterPostBackwardFunction);
+    where no input needs a gradient, or for the root, whose modules sit at both ends of the graph, at the end of
+    backward. A recomputation inside backward (activation checkpointing) neither records nor frees a unit: it runs
+    while the unit is gathered for its backward."""
 
     stage = 3
     word = "unit"
