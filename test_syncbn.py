@@ -5,7 +5,8 @@ and in one more group of 4 whose Triton kernels run interpreted on CPU tensors (
 CUDA kernels' own code, checked against the same references on a machine without a GPU.
 Each worker rebuilds the same global batch from a seed and takes its own rank-major slice; the reference is
 computed here, in the test process, from the same global batch. The worst error of every comparison is
-printed (pytest -s shows it) and merged into results/syncbn-test-errors.json.
+printed (pytest -s shows it) and merged into results/syncbn-test-errors.json (or the file SYNCBN_ERRORS_JSON
+names).
 """
 import json
 import os
@@ -21,7 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import syncbn
 from utils import LocalGroup, write_json
 
-ERRORS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "syncbn-test-errors.json")
+# SYNCBN_ERRORS_JSON (from the repository's root) puts a run's errors in a file of its own: the GPU checks
+# (benchmarks/gpu_checks.py) keep the GPU's apart from the CPU suite's.
+ERRORS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           os.environ.get("SYNCBN_ERRORS_JSON", os.path.join("results", "syncbn-test-errors.json")))
 WORST_ERRORS: dict[str, dict[str, float]] = {}
 BATCHNORM_BY_NDIM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "broadcast",

@@ -27,8 +27,8 @@ channels-last, one process per GPU; every ``--norm custom|torch|local`` x ``--gr
 (``--norms``, ``--grad-syncs``; nn.SyncBatchNorm needs CUDA, so the CPU leaves ``torch`` out), and a plain PyTorch
 loop on random tensors already on the device (no data, no synchronization: the compute ceiling). Each row gives
 the median step time, the trainer's median wait for data per step, and peak memory; the JSON goes to
-``results/imagenet-<machine>.json``. ``--image-size 32 --model resnet18 --batch-size 4 --steps 2`` runs it in
-seconds on a CPU.
+``results/imagenet-<machine>.json``. ``--image-size 32 --model resnet18 --batch-size 4 --steps 2 --classes 4`` runs
+it in seconds on a CPU (the folder needs an image of every class: 20 images for 100 would fail).
 
 ``--trace`` profiles instead the trainer's steps 3 to 5 (``--profile``, 2 processes, net, grad-accum 2, buckets of
 at most 1 MB) with ``--sync-mode overlap`` and with ``after``, and keeps of each rank's Chrome trace only the named

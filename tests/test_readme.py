@@ -23,7 +23,7 @@ OTHER_PROGRAM = re.compile(r"python3? (?!ddp_cifar100\.py)\S+\.py|python3? -m (?
                            r"tensorboard")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 # Flags of the outside tools the pages run (pytest, jupyter, tensorboard) that no parser of this repository defines.
-OUTSIDE_FLAGS = {"--durations", "--inplace", "--logdir"}
+OUTSIDE_FLAGS = {"--durations", "--inplace", "--logdir", "--deselect", "--junitxml"}
 
 
 def trainer_flags() -> set[str]:
