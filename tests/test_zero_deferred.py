@@ -376,3 +376,45 @@ def test_models_built_on_meta_equal_their_eager_build(name):
     assert got.keys() == expected.keys()
     assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
     assert torch.equal(torch.get_rng_state(), after_eager)  # the generator left where the eager build leaves it
+
+
+def cuda_deferred_case(rank: int, world_size: int) -> dict:
+    """Stage 3 on the GPU from the meta device, initialized on the CPU (the trainer's init_device), frozen parts,
+    2 steps with activation checkpointing; then the whole state loaded from rank 0."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(SEED)
+    model = meta_model(frozen=True)
+    for block in model.blocks:
+        block.checkpointed = True
+    sharded = zero.shard(model, 3, init=init_fn, device=device, init_device="cpu")
+    out = {"init": {k: v.cpu() for k, v in state_of(sharded).items()}}
+    optimizer = sharded.optimizer(torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad], lr=LR)
+    data = batches(world_size).to(device)
+    for step in range(STEPS):
+        for k in range(K):
+            sharded.set_requires_gradient_sync(k == K - 1)
+            first = (rank * K + k) * B
+            (loss_of(model, data[step, first:first + B]) / (K * B)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out["trained"] = {k: v.cpu() for k, v in state_of(sharded).items()}
+    sharded.load_model_state_dict(out["init"] if rank == 0 else None)
+    out["reloaded"] = {k: v.cpu() for k, v in state_of(sharded).items()}
+    sharded.close()
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_deferred_stage_3_on_cuda_matches_the_cpu_reference():
+    """One rank over NCCL (NCCL refuses two ranks on one GPU): the CUDA paths of the placeholders, the CPU-side
+    initialization, frozen parts, the inputs' gradient hook, activation checkpointing and the rank-0 load."""
+    from utils import LocalGroup
+
+    with LocalGroup(1, backend="nccl") as group:
+        out = group.run(cuda_deferred_case, timeout_s=240)[0]
+    expected = one_process_init(frozen=True).state_dict()
+    assert [k for k in expected if not torch.equal(out["init"][k], expected[k])] == []
+    trained = trained_reference(1)
+    worst = max((out["trained"][k] - trained[k]).abs().max().item() for k in trained)
+    assert worst < TOL, worst
+    assert [k for k in expected if not torch.equal(out["reloaded"][k], expected[k])] == []
