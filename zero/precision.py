@@ -134,7 +134,8 @@ def gathered_state_dict(model: nn.Module, wholes: Iterable[tuple[Bucket, torch.T
                 gathered.update((name, bucket.view(full, p).detach().cpu().clone()) for name in names[id(p)])
     if rank != 0:
         return {}
-    return {key: gathered.get(key, value.detach().cpu()) for key, value in model.state_dict().items()}
+    return {key: gathered[key] if key in gathered else value.detach().cpu()  # (not .get: a stage-3 parameter has
+            for key, value in model.state_dict().items()}                      # no storage to copy between uses)
 
 
 def master_state_dict(model: nn.Module, buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor],
