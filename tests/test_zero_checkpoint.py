@@ -144,6 +144,12 @@ def test_the_planners_round_trip_pieces_in_one_process(tmp_path):
     whole = torch.load(tmp_path / "c.pt", weights_only=True)["model"]
     for name, tensor in tensors.items():
         assert torch.equal(whole[name], tensor) and torch.equal(fresh[name], tensor), name
+    # no copy: every box written is the piece's own memory, on a storage of exactly its bytes (DCP's writer copies
+    # any other, and keeps what it wrote until the file is closed)
+    for tensor in tensors.values():
+        for _, _, view in shards(tensor, [7, 23, 41]).boxes():
+            assert view.untyped_storage().nbytes() == view.nbytes
+            assert tensor.data_ptr() <= view.data_ptr() < tensor.data_ptr() + tensor.untyped_storage().nbytes()
 
 
 # ----------------------------------------------------------------------------------------------------------
