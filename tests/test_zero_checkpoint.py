@@ -11,7 +11,8 @@ on the global batch and against FSDP2, in the session's reusable gloo workers (o
   MORE steps: within 1e-10 of one process's STEPS + MORE steps; loaded at stage 2 on 4 processes and hybrid 2 x 2
   at stage 3: the state dicts as saved, bit for bit. The same both ways with FSDP2: fully_shard + get_state_dict +
   dcp.load + set_state_dict goes on from ours, and ours from what that FSDP2 program saved by dcp.save. float32
-  weights over float64 masters: loaded at stage 3 and at stage 1, the next step as the run that went on. On a GPU
+  weights over float64 masters: loaded at stage 3 and at stage 1, the next step as the run that went on. A frozen
+  parameter and a buffer: written once, whole, and loaded. On a GPU
   (skipped without one), two ranks share it over gloo: saved at stage 3, loaded at stage 1, bit for bit.
 - The format: ``dcp_to_torch_save`` of ours is exactly the gathered state dicts (sharded.model_state_dict(),
   optimizer.state_dict() by parameter name) at stage 3 on 3 processes, stage 0 on 2, hybrid, and under
@@ -201,8 +202,8 @@ def reference() -> dict:
 
 
 def parameter_names(model: nn.Module) -> list[str]:
-    """The parameters' names in configure_optimizers' numbering (decay group, then the rest)."""
-    named = list(model.named_parameters())
+    """The trainable parameters' names in configure_optimizers' numbering (decay group, then the rest)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
 
 
@@ -398,6 +399,7 @@ def resume_on_two(rank, world_size, root, saved):
 
     out.update(several_optimizers(rank, world_size, root, data))
     out.update(mixed_precision(rank, world_size, root, data))
+    out.update(frozen_and_buffers(rank, world_size, root, data))
     out.update(refusals(rank, world_size, root))
     return out
 
@@ -457,6 +459,32 @@ def mixed_precision(rank, world_size, root, data) -> dict:
         results.append(cloned(sharded.model_state_dict()))
         sharded.close()
     return {"param dtype gathered": masters, "param dtype steps": results}
+
+
+def frozen_and_buffers(rank, world_size, root, data) -> dict:
+    """A frozen parameter and a buffer (whole on every rank at every stage, written once): stage 3 saves after a
+    step, a stage 3 of other weights loads: the state dicts as saved, and the checkpoint holds each of the two as one
+    whole chunk."""
+    from torch.distributed.checkpoint import FileSystemReader
+    path = os.path.join(root, "frozen")
+    out = []
+    for seed in (SEED, SEED + 1000):
+        model = make_model(seed)
+        model.pos_emb.weight.requires_grad_(False)
+        model.register_buffer("scale", torch.rand(3, dtype=torch.float64))  # other values with the other seed
+        sharded = zero.shard(model, 3)
+        optimizer = configure_optimizers(model, sharded.optimizer)
+        if seed == SEED:
+            train(model, sharded, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup), data, range(1),
+                  rank, world_size)
+            zero.checkpoint.save(path, sharded, optimizer)
+        else:
+            zero.checkpoint.load(path, sharded, optimizer)
+        out.append(gathered(sharded, [optimizer], model))
+        sharded.close()
+    chunks = {key: len(md.chunks) for key, md in FileSystemReader(path).read_metadata().state_dict_metadata.items()
+              if key in ("model.pos_emb.weight", "model.scale")}
+    return {"frozen saved": out[0], "frozen loaded": out[1], "frozen chunks": chunks}
 
 
 def refusals(rank, world_size, root) -> dict:
@@ -751,6 +779,15 @@ def test_param_dtype_resumes_from_the_masters(two):
     error = max_difference(went_on, at_1)
     print(f"\nfloat32 over float64 masters, saved at stage 3, loaded at stage 1, a step: max |dw| = {error:.1e}")
     assert error < 1e-9
+
+
+def test_frozen_parameters_and_buffers_are_written_once_whole_and_loaded(two):
+    for r in two:
+        assert r["frozen chunks"] == {"model.pos_emb.weight": 1, "model.scale": 1}
+    saved, loaded = two[0]["frozen saved"], two[0]["frozen loaded"]
+    assert "pos_emb.weight" in saved["model"] and "scale" in saved["model"]
+    assert "pos_emb.weight" not in saved["optimizer"][0]["state"]
+    assert identical(loaded, saved)
 
 
 REFUSALS = {"empty": "not a torch.distributed.checkpoint folder", "no metadata": "torn: its .metadata is missing",

@@ -145,7 +145,8 @@ class ShardedStage:
         """What this rank holds of the parameters kept in flat buckets, for zero/checkpoint.py: under each name of
         each such parameter, its pieces in this rank's chunks (checkpoint.Piece: the elements [start, end) of its
         memory order, a 1-D view of them in the masters), none where the rank holds none. Everything else in the
-        model's state_dict (buffers, frozen parameters) is whole on every rank."""
+        model's state_dict (buffers, frozen parameters) is whole on every rank. Another sharded part (frozen
+        parameters sharded at stage 3) is one more (buckets, shards) pair of flat_pieces."""
         from zero.checkpoint import flat_pieces
         return flat_pieces(self.model, self.buckets, self.weights, self.rank)
 
