@@ -15,6 +15,8 @@ your own training loop.
     optimizer.state_dict(); optimizer.load_state_dict(state)           # torch.optim's ordinary, unsharded form
     sharded.close()                                      # every hook removed, the model left whole
     sharded.sent_bytes(); sharded.sent_bytes_by_group()  # bytes sent: {"shard_group": ..., "replicas": ...}
+    zero.checkpoint.save(path, sharded, optimizer, extra=None)         # sharded, torch.distributed.checkpoint's
+    extra = zero.checkpoint.load(path, sharded, optimizer)             # format: zero/checkpoint.py
 
 A model built on the meta device is materialized by zero.shard one module at a time (``init=fn``, zero/init.py),
 so that at stage 3 no rank ever holds it whole; its weights are bit for bit those of one process running ``fn``
@@ -57,6 +59,7 @@ param_dtype's bytes (bf16: half of fp32's), the reductions reduce_dtype's. Hybri
 the same inside the shard group, plus 2 (R-1)/R Psi / S across replicas (one all-reduce of each rank's shard).
 
 Where each part is: zero/precision.py (the dtypes, the masters), zero/hybrid.py (the grid, the replicas);
+zero/checkpoint.py (sharded checkpoints in torch.distributed.checkpoint's format, imported at first use);
 zero/optimizer.py's ShardedOptimizer (the optimizer side of stages 1-3, a part each stage
 holds: the shards, parameter groups, clipping, the unsharded state dicts, which optimizers it carries); here
 ZeroStage1, ZeroStage2, ZeroStage3 (each says what it adds to the one before, and in its own body what runs after
@@ -87,7 +90,16 @@ from zero.precision import (Precision, cast_forward_inputs, gather_full, gathere
 
 __all__ = ["shard", "default_units", "stage_3_units", "state_bytes", "ZeroStage1", "ZeroStage2", "ZeroStage3",
            "ShardedOptimizer", "ShardRun", "ELEMENTWISE", "WHOLE_PARAMETER", "check_optimizer_class", "state_kinds",
-           "missing_optimizer_state"]
+           "missing_optimizer_state", "checkpoint"]
+
+
+def __getattr__(name: str) -> Any:
+    """``zero.checkpoint``, imported at its first use: torch.distributed.checkpoint brings DTensor with it, about
+    half a second of every process's start-up otherwise."""
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module("zero.checkpoint")
+    raise AttributeError(f"module 'zero' has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -144,6 +156,20 @@ class ShardedStage:
         if self.precision.separate_masters:
             (scatter_masters if from_rank0 else load_masters)(self.buckets, self.comm, self.weights, self.names,
                                                               state)
+
+    def held_pieces(self) -> dict[str, list[Any]]:
+        """What this rank holds of the parameters kept in flat buckets, for zero/checkpoint.py: under each name of
+        each such parameter, its pieces in this rank's chunks (checkpoint.Piece: the elements [start, end) of its
+        memory order, a 1-D view of them in the masters), none where the rank holds none. Everything else in the
+        model's state_dict (buffers, frozen parameters) is whole on every rank. Another sharded part (frozen
+        parameters sharded at stage 3) is one more (buckets, shards) pair of flat_pieces."""
+        from zero.checkpoint import flat_pieces
+        return flat_pieces(self.model, self.buckets, self.weights, self.rank)
+
+    def shards_loaded(self) -> None:
+        """After this rank's master shards were written other than by a step (zero/checkpoint.py's load): stages
+        1-2 gather them into every rank's whole weights, as after a step. Every rank of the group calls it."""
+        all_gather_weights(self, self.buckets)
 
     def sent_bytes(self) -> int:
         """Bytes this rank has sent: in its shard group, and across replicas (sent_bytes_by_group)."""
@@ -710,6 +736,18 @@ class ZeroStage3(ZeroStage2):
         for unit in self._held():
             self._materialize(unit)
             self._free(unit)
+
+    def held_pieces(self) -> dict[str, list[Any]]:
+        """ShardedStage's, of every part this rank holds a shard of: the units' trainable buckets and their frozen
+        parts."""
+        from zero.checkpoint import flat_pieces
+        parts = self.parts()
+        return flat_pieces(self.model, parts, [self.shard_of(part) for part in parts], self.rank)
+
+    def shards_loaded(self) -> None:
+        """After the master shards were written other than by a step: no unit gathered before stays (their next
+        gathers read the new shards)."""
+        self.drop_gathered()
 
     def _load_whole(self, state: dict[str, Any] | None, from_rank0: bool) -> None:
         """A whole state_dict into the shards, part by part through a full flat of the shard's dtype: on every

@@ -197,6 +197,7 @@ class ShardedOptimizer:
         self.weights, self.grads = weights, grads
         self.after_step = after_step  # given the buckets a step updated ([Note: after the step])
         self.layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, Layout] = weakref.WeakKeyDictionary()
+        self.loading_runs: set[int] = set()  # id() of an optimizer loading its runs' own state (load_run_state)
         self.hook = register_optimizer_step_pre_hook(self._refuse_outside_optimizer)  # the stage's close() removes it
 
     def chunk_bounds(self, bucket: Bucket) -> tuple[int, int]:
@@ -358,17 +359,30 @@ class ShardedOptimizer:
         groups = [{**group, "params": list(layout.groups[g])} for g, group in enumerate(inner["param_groups"])]
         return {"state": state, "param_groups": groups}
 
+    def load_run_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> None:
+        """torch.optim's own load_state_dict of the runs' state as it stands, past the pre-hook that would cut runs
+        out of a whole state dict: ``inner`` is the inner optimizer's form (state by run number, the runs numbered
+        group by group as ``layouts[optimizer].runs``), which zero/checkpoint.py reads straight from its shards."""
+        self.loading_runs.add(id(optimizer))
+        try:
+            optimizer.load_state_dict(inner)
+        finally:
+            self.loading_runs.discard(id(optimizer))
+
     def _params_in(self, run: ShardRun, layout: Layout) -> list[nn.Parameter]:
         return [p for p, start in zip(run.bucket.params, run.bucket.offsets)
                 if start < run.end and run.start < start + p.numel() and id(p) in layout.index]
 
-    def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> dict[str, Any]:
+    def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                                 full: dict[str, Any]) -> dict[str, Any] | None:
         """Load pre-hook: this rank's runs cut out of a state dict in torch.optim's ordinary form (every rank
         passes the same). Which keys are element-wise is asked of the optimizer itself (``state_kinds``, per
         group), not guessed from shapes: a 0-dim parameter's moment and a step count look alike. A run steps its
         parameters together and may cross any boundary within a group, so a group's parameters must agree: all
         with an entry or none, the same keys and scalars; anything else, or an entry without a key the optimizer
         keeps, is refused in one line (the same on every rank) rather than loaded as another state."""
+        if id(optimizer) in self.loading_runs:
+            return None  # already the runs' own form (load_run_state)
         layout = self.layouts[optimizer]
         sizes = [len(group["params"]) for group in full["param_groups"]]
         if sizes != [len(indices) for indices in layout.groups]:
