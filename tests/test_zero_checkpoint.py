@@ -12,7 +12,7 @@ on the global batch and against FSDP2, in the session's reusable gloo workers (o
   at stage 3: the state dicts as saved, bit for bit. The same both ways with FSDP2: fully_shard + get_state_dict +
   dcp.load + set_state_dict goes on from ours, and ours from what that FSDP2 program saved by dcp.save. float32
   weights over float64 masters: loaded at stage 3 and at stage 1, the next step as the run that went on. A frozen
-  parameter and a buffer: written once, whole, and loaded. On a GPU
+  parameter (sharded at stage 3: written as each rank's boxes) and a buffer (written once, whole), loaded. On a GPU
   (skipped without one), two ranks share it over gloo: saved at stage 3, loaded at stage 1, bit for bit.
 - The format: ``dcp_to_torch_save`` of ours is exactly the gathered state dicts (sharded.model_state_dict(),
   optimizer.state_dict() by parameter name) at stage 3 on 3 processes, stage 0 on 2, hybrid, and under
@@ -462,9 +462,9 @@ def mixed_precision(rank, world_size, root, data) -> dict:
 
 
 def frozen_and_buffers(rank, world_size, root, data) -> dict:
-    """A frozen parameter and a buffer (whole on every rank at every stage, written once): stage 3 saves after a
-    step, a stage 3 of other weights loads: the state dicts as saved, and the checkpoint holds each of the two as one
-    whole chunk."""
+    """A frozen parameter (sharded at stage 3, as the trainable ones) and a buffer (whole on every rank, written
+    once): stage 3 saves after a step, a stage 3 of other weights loads: the state dicts as saved, and the checkpoint
+    holds the frozen parameter as each rank's chunk, the buffer as one whole chunk."""
     from torch.distributed.checkpoint import FileSystemReader
     path = os.path.join(root, "frozen")
     out = []
@@ -781,9 +781,9 @@ def test_param_dtype_resumes_from_the_masters(two):
     assert error < 1e-9
 
 
-def test_frozen_parameters_and_buffers_are_written_once_whole_and_loaded(two):
+def test_frozen_parameters_are_written_in_shards_and_buffers_once_whole_and_loaded(two):
     for r in two:
-        assert r["frozen chunks"] == {"model.pos_emb.weight": 1, "model.scale": 1}
+        assert r["frozen chunks"] == {"model.pos_emb.weight": len(two), "model.scale": 1}
     saved, loaded = two[0]["frozen saved"], two[0]["frozen loaded"]
     assert "pos_emb.weight" in saved["model"] and "scale" in saved["model"]
     assert "pos_emb.weight" not in saved["optimizer"][0]["state"]
