@@ -131,7 +131,10 @@ def gathered_state_dict(model: nn.Module, buckets: list[Bucket], rank: int,
         release(bucket)
     if rank != 0:
         return {}
-    return {key: gathered.get(key, value.detach().cpu()) for key, value in model.state_dict().items()}
+    # (not gathered.get(key, value.cpu()): that default would copy every parameter, and a stage-3 one has no
+    # storage between uses, which CUDA refuses to copy)
+    return {key: gathered[key] if key in gathered else value.detach().cpu()
+            for key, value in model.state_dict().items()}
 
 
 def master_state_dict(model: nn.Module, buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor],
