@@ -172,7 +172,7 @@ def missing_optimizer_state(optimizer_class: type[torch.optim.Optimizer], state:
     ``state_kinds``, where the caller knows them (else probed here, on the CPU: where the keys depend on the
     parameter's dimensions, as Adafactor's do, an entry may hold those of any of them)."""
     saved = {int(index): entry for index, entry in state["state"].items()}
-    for g, group in enumerate(state["param_groups"]):
+    for group in state["param_groups"]:
         candidates = None if kinds is not None else [
             state_kinds(optimizer_class, group, dim=dim) for dim in PROBE_DIMS.get(optimizer_class, (1,))]
         for index in group["params"]:
