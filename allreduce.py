@@ -7,8 +7,10 @@ p), and leave bit-identical values on every rank: each piece of the result is su
 one rank (its owner), and the other ranks only copy it. The halves work on a flat vector of p equal chunks:
 ``ring_reduce_scatter`` leaves on rank r the SUM over ranks of chunk r, ``ring_all_gather`` gives every rank
 every rank's own chunk (ZeRO's sharded optimizer is built on the pair: reduce-scatter the gradients, update one
-shard, all-gather the parameters). ``AllreduceThread`` runs any of them on a thread of its own over a group of
-its own, for overlapping communication with computation (the trainer's --allreduce ring|butterfly).
+shard, all-gather the parameters). ``pairwise_all_to_all`` sends each rank its own segment of a buffer (zero's
+whole-matrix optimizers bring a matrix's pieces to the rank that orthogonalizes it, and the result back).
+``AllreduceThread`` runs any of them on a thread of its own over a group of its own, for overlapping
+communication with computation (the trainer's --allreduce ring|butterfly).
 The benchmark against torch.distributed is ``benchmarks/allreduce_benchmark.py``; its figures are in docs/ and the
 report.
 
@@ -105,6 +107,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -407,6 +410,32 @@ def butterfly_allreduce(send: torch.Tensor, rank: int, size: int, group: dist.Pr
     """
     _check_args(send, rank, size, group, segment_elements, "butterfly_allreduce")
     return _in_place_on_contiguous(_butterfly, send, rank, size, group, segment_elements)
+
+
+def pairwise_all_to_all(buffer: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,
+                        segment_elements: int = SEGMENT_ELEMENTS, *, send_counts: list[int],
+                        recv_counts: list[int]) -> torch.Tensor:
+    """All-to-all on point-to-point messages, in place in one ``buffer``: its first sum(send_counts) elements are
+    what this rank sends (send_counts[d] for rank d, in rank order), the next sum(recv_counts) what it receives
+    (recv_counts[s] from rank s, in rank order); that tail is returned as a view. Every receive is posted first,
+    then the sends, rank + 1 first (so no rank is every rank's first peer), then all are waited for; this rank's own
+    segment is copied. Each message is one isend of its whole segment (the whole-matrix optimizers' pieces: small
+    beside a bucket), empty ones are not sent. Sends what leaves this rank, sum(send_counts) - send_counts[rank]
+    elements. (``segment_elements`` is ignored: the signature is AllreduceThread's.)"""
+    sent, received = sum(send_counts), sum(recv_counts)
+    if len(send_counts) != size or len(recv_counts) != size or buffer.numel() != sent + received:
+        raise ValueError(f"pairwise_all_to_all: {size} send and receive counts and a buffer of their sum, not "
+                         f"{send_counts}, {recv_counts} and {buffer.numel()} elements")
+    outgoing, incoming = buffer[:sent], buffer[sent:]
+    send_at = [0, *accumulate(send_counts)]
+    recv_at = [0, *accumulate(recv_counts)]
+    peers = [(rank + step) % size for step in range(1, size)]
+    receives = [_post_recv(incoming[recv_at[s]:recv_at[s + 1]], s, 0, group) for s in peers]
+    sends = [_post_send(outgoing[send_at[d]:send_at[d + 1]], d, 0, group) for d in peers]
+    incoming[recv_at[rank]:recv_at[rank + 1]].copy_(outgoing[send_at[rank]:send_at[rank + 1]])
+    for request in receives + sends:
+        _wait(request)
+    return incoming
 
 
 def torch_allreduce(send: torch.Tensor, rank: int, size: int, group: dist.ProcessGroup | None = None,

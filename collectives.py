@@ -1,6 +1,7 @@
 """The three collectives data parallelism is made of, in one place: average a flat tensor over a process group
 (all-reduce), average it into this rank's chunk (reduce-scatter), and give every rank every rank's chunk
-(all-gather). gradsync.py's stage 0 and zero's stages 1-3 call nothing else.
+(all-gather); and a fourth for the whole-matrix optimizers (zero/matrix.py): send each rank its own segment
+(all-to-all). gradsync.py's stage 0 and zero's stages 1-3 move their buckets with nothing else.
 
     comm = Collectives(group=None, kind="torch")       # or "ring" / "butterfly" (allreduce.py's, on a thread)
     pending = comm.reduce_scatter(flat, "reduce_scatter bucket 3 (1.0 MB)")
@@ -15,20 +16,23 @@ kind "torch" runs torch.distributed's collectives in place on ``group`` (the out
 input: NCCL's in-place convention, which gloo follows too). "ring" and "butterfly" run allreduce.py's algorithms,
 point-to-point messages only, on an AllreduceThread: a thread and a process group of its own over the same ranks,
 so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on ``group``.
+``all_to_all`` is torch's all_to_all_single, or allreduce.py's pairwise_all_to_all on the thread.
 ``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted, on this
 object's thread only (so two Collectives in one process, a shard group's and a replicate group's, count apart); for
 torch's collectives what an ideal ring sends, (W-1)/W of the buffer per reduce-scatter or all-gather and twice
-that per all-reduce (gloo's reduce_scatter_tensor actually all-reduces: it sends twice that).
+that per all-reduce (gloo's reduce_scatter_tensor actually all-reduces: it sends twice that), and for an all-to-all
+the segments that leave this rank.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import utils
-from allreduce import AllreduceThread, ring_all_gather, ring_reduce_scatter
+from allreduce import AllreduceThread, pairwise_all_to_all, ring_all_gather, ring_reduce_scatter
 
 KINDS = ("torch", "ring", "butterfly")
 
@@ -94,6 +98,23 @@ class Collectives:
             return dist.all_gather_into_tensor(flat, self.chunk(flat), group=self.group, async_op=True)
         with torch.no_grad():  # a flat behind parameters: gloo's in-place copies must not be recorded
             return self._launch(name, start)
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   name: str) -> tuple[Pending, torch.Tensor]:
+        """Segment d of ``send`` (send_counts[d] elements, segments in rank order) to rank d; returns the Pending
+        and the tensor that receives, once waited for, recv_counts[s] elements from each rank s in rank order.
+        Every rank's counts must agree (what r sends to s is what s expects from r)."""
+        received = sum(recv_counts)
+        if self.thread is not None:  # one buffer, what leaves and what lands, in place on the thread
+            buffer = torch.cat([send.reshape(-1), send.new_empty(received)])
+            operation = partial(pairwise_all_to_all, send_counts=send_counts, recv_counts=recv_counts)
+            return self._launch(name, lambda: self.thread.submit(buffer, operation=operation)), buffer[send.numel():]
+        output = send.new_empty(received)
+
+        def start() -> Any:
+            self.nominal_sent += (send.numel() - send_counts[self.rank]) * send.element_size()
+            return dist.all_to_all_single(output, send, recv_counts, send_counts, group=self.group, async_op=True)
+        return self._launch(name, start), output
 
     def _launch(self, name: str, start: Any) -> Pending:
         with utils.profiled(name) as span:

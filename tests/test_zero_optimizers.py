@@ -10,8 +10,8 @@ configuration:
   STEPS from scratch; 2: after MORE steps from 3's state, against one process that saved and loaded its own);
 - that state, saved on 3 processes at one stage, is loaded on 2 at another stage, and MORE steps end within
   1e-10 of one process's STEPS + MORE steps.
-And the optimizers that need whole parameters (Adafactor, Muon, LBFGS, SparseAdam), or that zero cannot know to
-be element-wise, are refused in one line at ``sharded.optimizer``; a state dict that lacks what the optimizer
+And the optimizers that neither runs nor pieces can carry (LBFGS, SparseAdam; Muon and Adafactor are
+test_zero_matrix's), or that zero cannot know to be element-wise, are refused in one line at ``sharded.optimizer``; a state dict that lacks what the optimizer
 keeps, or whose parameters stepped together disagree, is refused in one line on load.
 
 Why the tolerances hold: float64 throughout; the shards sum the same terms as one process in another order
@@ -294,15 +294,17 @@ def weight_difference(ours: dict, theirs: dict) -> float:
 # Tests
 # ----------------------------------------------------------------------------------------------------------
 def test_the_family_is_every_element_wise_optimizer_of_torch_optim():
-    """Every optimizer class torch.optim exports is either tested here as element-wise or refused as needing
-    whole parameters: a new one in a later torch fails this until it is placed."""
+    """Every optimizer class torch.optim exports is tested here as element-wise, stepped on pieces of whole
+    matrices (test_zero_matrix), or refused: a new one in a later torch fails this until it is placed."""
     family = {getattr(torch.optim, name) for name in torch.optim.__all__
               if isinstance(getattr(torch.optim, name), type) and issubclass(getattr(torch.optim, name),
                                                                            torch.optim.Optimizer)}
     family.discard(torch.optim.Optimizer)
     tested = {cls for cls, _ in OPTIMIZERS.values()}
     assert tested == zero.ELEMENTWISE
-    assert family == tested | set(zero.WHOLE_PARAMETER), family ^ (tested | set(zero.WHOLE_PARAMETER))
+    placed = tested | set(zero.WHOLE_PARAMETER) | set(zero.matrix.WHOLE_MATRIX)
+    assert family == placed, family ^ placed
+    assert set(zero.matrix.WHOLE_MATRIX) == {torch.optim.Muon, torch.optim.Adafactor}
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -352,7 +354,7 @@ def test_only_the_groups_rank_0_gets_the_state(runs, world_size):
         assert rank_runs and all(run["empty elsewhere"] for run in rank_runs.values())
 
 
-@pytest.mark.parametrize("name", ["Adafactor", "Muon", "LBFGS", "SparseAdam"])
+@pytest.mark.parametrize("name", ["LBFGS", "SparseAdam"])
 def test_an_optimizer_that_needs_whole_parameters_is_refused_in_one_line(refused, name):
     for stage in STAGES:
         kind, message = refused[0][name, stage]

@@ -28,9 +28,10 @@ Parameter groups are given as to any torch.optim optimizer (a configure_optimize
 works unchanged) and keep their hyperparameters at every stage. ``group`` is any process group: a sub-group trains
 as if it were alone. At stage >= 1 an optimizer built over the model's parameters outside ``sharded.optimizer``
 is refused at its first step(); a parameter that gets no gradient is named at the end of that backward. Every
-element-wise torch.optim optimizer is exact at every stage, its state dict torch.optim's own; the ones that need
-whole parameters (Adafactor, Muon, LBFGS, SparseAdam) are refused at ``sharded.optimizer`` ([Note: which
-optimizers]).
+element-wise torch.optim optimizer is exact at every stage, its state dict torch.optim's own, and so are Muon and
+Adafactor (zero/matrix.py: what needs a whole matrix travels, pieces by all-to-all or sums by all-reduce); LBFGS
+and SparseAdam are refused at ``sharded.optimizer`` ([Note: which optimizers]). Several optimizers may share one
+model, each over its own parameters (Muon on the matrices, AdamW on the rest: [Note: several optimizers]).
 
 ``param_dtype`` (stages 1-3; zero/precision.py): the weights are kept (stages 1-2) or gathered (stage 3) and
 computed in it, while the optimizer steps master shards in the model's own dtype with state in that dtype, and
@@ -145,6 +146,7 @@ class ShardedStage:
     def model_state_dict(self) -> dict[str, Any]:
         """The whole state_dict on the group's rank 0 (CPU), {} on the others; under a lower param_dtype gathered
         from the masters, so it is in the model's own dtype."""
+        self.shards.finish_steps()  # a bucket whose other optimizer skipped its step: gathered now
         if self.precision.separate_masters:
             return master_state_dict(self.model, self.buckets, self.comm, self.weights, self.rank)
         return super().model_state_dict()
@@ -191,6 +193,7 @@ class ShardedStage:
                     p.data = bucket.view(full, p)
 
     def close(self) -> None:
+        self.shards.finish_steps()
         self._hand_back_masters()
         super().close()
         if self.replicas is not None:
@@ -242,7 +245,7 @@ class ZeroStage1(ShardedStage, GradientSync):
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self._attach_gradients()
-        self.shards.reattach_gradients()
+        self.shards.before_forward()
 
     def _after_step(self, buckets: list[Bucket]) -> None:
         all_gather_weights(self, buckets)
@@ -308,7 +311,7 @@ class ZeroStage2(ShardedStage, BucketedSync):
         self.buffers_made = 0  # the most full buffers alive at once, over the run (the pool's high-water mark)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self.shards.reattach_gradients()
+        self.shards.before_forward()
 
     def _after_step(self, buckets: list[Bucket]) -> None:
         all_gather_weights(self, buckets)
@@ -582,9 +585,12 @@ class ZeroStage3(ZeroStage2):
         window comes next, and a gloo collective launched under a profiler and still in flight when that profiler
         stops kills the process with a segfault when it is waited for (PyTorch's: a bare all_gather_into_tensor
         launched, the profiler stopped, then waited crashed within 200 rounds in 2 tries of 2; the trainer's
-        profiled stage-3 runs crashed 3 times in 17 before this)."""
+        profiled stage-3 runs crashed 3 times in 17 before this). Only units among ``buckets`` (those every
+        optimizer over them has stepped: [Note: several optimizers]) or that no optimizer steps, so no prefetch
+        carries old weights."""
         if self.order:
-            units = [self.order[0], self._after(self.order, self.order[0])]
+            units = [unit for unit in (self.order[0], self._after(self.order, self.order[0]))
+                     if unit in buckets or (unit is not None and not self.shards.stepped_by_any(unit))]
             for unit in units:
                 self._prefetch(unit)
             if torch.autograd._profiler_enabled():

@@ -1,8 +1,10 @@
 """The optimizer side of ZeRO stages 1-3 (each stage in zero/__init__.py holds one ShardedOptimizer): this rank's
-runs of the flat buckets as the tensors of any element-wise torch.optim optimizer, their parameter groups, the
-whole model's clipping norm, and the optimizer's state in torch.optim's ordinary, unsharded form and back. Also
-which optimizers the runs can carry ([Note: which optimizers]): ELEMENTWISE, WHOLE_PARAMETER, and the probe that
-asks an optimizer what state it keeps (state_kinds, missing_optimizer_state), which the trainer's resume uses too.
+runs of the flat buckets as the tensors of any element-wise torch.optim optimizer (and, for Muon and Adafactor, its
+pieces of each parameter, stepped by zero/matrix.py), their parameter groups, several optimizers over one model
+([Note: several optimizers]), the whole model's clipping norm, and the optimizer's state in torch.optim's ordinary,
+unsharded form and back. Also which optimizers the runs can carry ([Note: which optimizers]): ELEMENTWISE,
+WHOLE_MATRIX, WHOLE_PARAMETER (refused), and the probe that asks an optimizer what state it keeps (state_kinds,
+missing_optimizer_state), which the trainer's resume uses too.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from collectives import Collectives
 from gradsync import Bucket
+from zero.matrix import PROBE_DIMS, WHOLE_MATRIX, PieceOptimizer, whole_parameters
 
 
 @dataclass
@@ -36,16 +39,47 @@ class ShardRun:
 @dataclass
 class Layout:
     """How one sharded optimizer maps onto the model: each model parameter's group and index in torch.optim's
-    ordinary numbering (group by group), the full groups, and this rank's runs in the inner optimizer's order."""
+    ordinary numbering (group by group), the full groups, this rank's runs in the inner optimizer's order (for a
+    whole-matrix optimizer, ``per_parameter``: a run never crosses a parameter's boundary, it is a piece), and the
+    buckets holding its parameters (on any rank's chunk)."""
     index: dict[int, tuple[int, int]]  # id(model parameter) -> (group, index)
     groups: list[list[int]]  # the indices in each group
     runs: list[ShardRun] = field(default_factory=list)
+    per_parameter: bool = False
+    buckets: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ElementWise:
     """Marks, while the state dict is gathered, a key whose value is one number per element (gathered by bucket)."""
     dtype: torch.dtype
+
+
+@dataclass
+class LocalState:
+    """One key of one parameter's optimizer state as this rank holds it (ShardedOptimizer.local_state): for a
+    ``whole_shaped`` key (one number per element of the parameter: a moment, Muon's momentum_buffer, Adafactor's
+    variance) this rank's elements [start, end) of it, numbered in the parameter's layout order (Bucket.view: its
+    memory order, row-major for a contiguous parameter), as a 1-D tensor; otherwise the whole value (a step count;
+    Adafactor's row_var and col_var in torch's shapes), which every rank holding a piece of the parameter holds
+    alike (``first``: this rank is the lowest of them, the one to write it)."""
+    value: Any
+    whole_shaped: bool
+    start: int = 0
+    end: int = 0
+    first: bool = True
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A rank's stretch of a parameter (ShardedOptimizer.held): its ``index`` in torch.optim's numbering, elements
+    [start, end) in its layout order in the flat, which is its memory order: element i of the stretch sits at the
+    multi-index whose dot product with ``strides`` is start + i (row-major when the parameter is contiguous)."""
+    index: int
+    start: int
+    end: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
 
 
 def _own_copy(value: Any) -> Any:
@@ -88,21 +122,20 @@ def total_norm(parts: list[torch.Tensor], norm_type: float, group: dist.ProcessG
 # count): exact on any run of any parameter. Add a class of your own that is element-wise: ELEMENTWISE.add(cls).
 ELEMENTWISE: set[type[torch.optim.Optimizer]] = {getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")}
-# What each of these needs that a run of a flat shard is not: refused at sharded.optimizer().
-_WHOLE_PARAMETER_NEEDS = {
-    "Adafactor": "factors each matrix's second moment into row and column statistics, which needs the matrix",
-    "Muon": "orthogonalizes each matrix's update (Newton-Schulz iterations on the whole 2-D parameter)",
-    "LBFGS": "takes dot products over the whole model's gradient and re-evaluates the loss in a closure",
-    "SparseAdam": "steps sparse gradients, and the shards' gradients are dense",
+# Muon and Adafactor read whole matrices: zero/matrix.py steps them on per-parameter pieces, exactly (WHOLE_MATRIX).
+# What each of these needs that neither runs nor pieces give: refused at sharded.optimizer().
+WHOLE_PARAMETER: dict[type[torch.optim.Optimizer], str] = {
+    torch.optim.LBFGS: "takes dot products over the whole model's gradient and re-evaluates the loss in a closure",
+    torch.optim.SparseAdam: "steps sparse gradients, and the shards' gradients are dense",
 }
-WHOLE_PARAMETER: dict[type[torch.optim.Optimizer], str] = {  # Muon: torch >= 2.9
-    getattr(torch.optim, name): need for name, need in _WHOLE_PARAMETER_NEEDS.items() if hasattr(torch.optim, name)}
 
 
 def check_optimizer_class(optimizer_class: type[torch.optim.Optimizer], stage: int) -> None:
     """One line, at sharded.optimizer(), for an optimizer the runs of a flat shard would give another algorithm
     ([Note: which optimizers])."""
     name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+    if optimizer_class in WHOLE_MATRIX:
+        return
     if optimizer_class in WHOLE_PARAMETER:
         raise ValueError(f"sharded.optimizer: zero.shard stage {stage} cuts every parameter into flat runs spread "
                          f"over the ranks, and torch.optim.{name} {WHOLE_PARAMETER[optimizer_class]}: on runs it "
@@ -116,12 +149,13 @@ def check_optimizer_class(optimizer_class: type[torch.optim.Optimizer], stage: i
 
 
 def state_kinds(optimizer_class: type[torch.optim.Optimizer], settings: dict[str, Any],
-                device: torch.device | str = "cpu") -> dict[str, bool]:
+                device: torch.device | str = "cpu", dim: int = 1) -> dict[str, bool]:
     """The state ``optimizer_class`` keeps per parameter once it has stepped it with ``settings`` (a parameter
     group's hyperparameters): each key, True for a tensor of the parameter's shape (one number per element),
-    False for a scalar (a step count). Found by stepping a probe of two elements once: no table to keep, and
+    False for anything else (a step count; Adafactor's row_var and col_var). Found by stepping a probe of two
+    elements a side once, of ``dim`` dimensions (a 0-dim parameter keeps what a vector does): no table to keep, and
     right for every setting that adds state (amsgrad, momentum, centered)."""
-    probe = torch.zeros(2, device=device, requires_grad=True)
+    probe = torch.zeros((2,) * max(dim, 1), device=device, requires_grad=True)
     probe.grad = torch.ones_like(probe)
     optimizer = optimizer_class([{**{k: v for k, v in settings.items() if k != "params"}, "params": [probe]}])
     optimizer.step()
@@ -130,19 +164,23 @@ def state_kinds(optimizer_class: type[torch.optim.Optimizer], settings: dict[str
 
 
 def missing_optimizer_state(optimizer_class: type[torch.optim.Optimizer], state: dict[str, Any],
-                            every_parameter: bool, kinds: list[dict[str, bool]] | None = None) -> str | None:
+                            every_parameter: bool,
+                            kinds: Callable[[int], dict[str, bool]] | None = None) -> str | None:
     """What ``state`` (torch.optim's ordinary state_dict) lacks that ``optimizer_class`` keeps, in words, or None:
     a parameter whose entry lacks a key its group's settings make the optimizer keep, or, if ``every_parameter``
-    (the run has stepped every parameter), a parameter with no entry at all. ``kinds``: each group's
-    ``state_kinds``, where the caller has them (else probed here, on the CPU)."""
+    (the run has stepped every parameter), a parameter with no entry at all. ``kinds(index)``: that parameter's
+    ``state_kinds``, where the caller knows them (else probed here, on the CPU: where the keys depend on the
+    parameter's dimensions, as Adafactor's do, an entry may hold those of any of them)."""
     saved = {int(index): entry for index, entry in state["state"].items()}
-    if kinds is None:
-        kinds = [state_kinds(optimizer_class, group) for group in state["param_groups"]]
-    for group, group_kinds in zip(state["param_groups"], kinds):
+    for group in state["param_groups"]:
+        candidates = None if kinds is not None else [
+            state_kinds(optimizer_class, group, dim=dim) for dim in PROBE_DIMS.get(optimizer_class, (1,))]
         for index in group["params"]:
             if index not in saved and not every_parameter:
                 continue
-            lacking = [key for key in group_kinds if key not in saved.get(index, {})]
+            entry = saved.get(index, {})
+            lacking = min(([key for key in keys if key not in entry]
+                           for keys in ([kinds(index)] if kinds is not None else candidates)), key=len)
             if lacking:
                 return (f"parameter {index} has no {lacking[0]!r}, which torch.optim.{optimizer_class.__name__} "
                         f"keeps for every parameter it has stepped")
@@ -153,7 +191,7 @@ class ShardedOptimizer:
     """The optimizer side of stages 1-3, a part each stage holds (``stage.shards``) and hands its buckets, its
     weights' and gradients' shards, and what to do after a step. Rank r owns chunk r of every bucket's flat (the
     r-th of W equal slices): ``weights[b]`` is this rank's chunk of bucket b's weights, ``grads[b]`` its averaged,
-    accumulated gradient. The stage calls ``reattach_gradients()`` before each forward; ``optimizer()`` and
+    accumulated gradient. The stage calls ``before_forward()`` before each forward; ``optimizer()`` and
     ``clip_grad_norm_()`` are the stage's own, as zero.shard's contract has them.
 
     [Note: parameter groups] ``optimizer(cls, params_or_groups)`` takes the model's own parameters, grouped as for
@@ -168,17 +206,28 @@ class ShardedOptimizer:
 
     [Note: which optimizers] Known element-wise, so exact on runs (``ELEMENTWISE``): SGD (momentum, Nesterov),
     Adam (amsgrad), AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop (centered, momentum), Rprop, ASGD; a
-    user's own element-wise class is added with ``zero.ELEMENTWISE.add(cls)``. Refused in one line at
-    ``sharded.optimizer`` (``WHOLE_PARAMETER``): Adafactor (row and column statistics of each matrix), Muon (an
-    orthogonalized update of each matrix), LBFGS (dot products over the whole gradient, and a closure), SparseAdam
-    (sparse gradients); so is any class not declared element-wise, since a run would silently give it another
-    algorithm. Why refuse rather than give them whole parameters: the stages' saving in memory and traffic comes
-    from cutting every bucket into W equal chunks, whatever the parameters' boundaries; whole parameters need
-    another placement (each parameter on one rank, as DeepSpeed's ZeRO-1 and torch's ZeroRedundancyOptimizer do,
-    with uneven ranks and a broadcast per parameter instead of one all-gather per bucket), or a gather of each
-    matrix for its update (stage 3's traffic at stage 1). torch's ZeroRedundancyOptimizer already is the first,
-    behind the same interface (references.py; the trainer's ``--grad-sync ddp --zero 1``), and stage 0 keeps
-    whole parameters on every rank: the refusal names both.
+    user's own element-wise class is added with ``zero.ELEMENTWISE.add(cls)``. Whole-matrix, exact on pieces
+    (``WHOLE_MATRIX``, zero/matrix.py): Muon (the element-wise parts on the pieces, each matrix's Newton-Schulz once,
+    on its owner, by torch's own function, the pieces brought there and back by all-to-alls in bf16: to the last
+    bit of torch's) and Adafactor (the row and column statistics and the norms summed over the ranks in two small
+    all-reduces: torch's arithmetic, its sums in another order). Their runs are cut at every parameter's boundary
+    (pieces), the buckets and chunks stay what they are: the stages' memory and traffic are unchanged, and what a
+    matrix needs whole travels on its own. Refused in one line at ``sharded.optimizer`` (``WHOLE_PARAMETER``):
+    LBFGS (dot products over the whole gradient, and a closure), SparseAdam (sparse gradients); so is any class not
+    declared, since a run would silently give it another algorithm. For those, torch's ZeroRedundancyOptimizer
+    (whole parameters placed on ranks; references.py, the trainer's ``--grad-sync ddp --zero 1``) and stage 0
+    (whole parameters on every rank) remain: the refusal names both.
+
+    [Note: several optimizers] ``optimizer()`` may be called once per disjoint set of parameters (Muon's recipe:
+    Muon on the hidden matrices, AdamW on embeddings, head, norms and biases), and the loop steps each:
+    ``opt_a.step(); opt_b.step()``. Their parameters share buckets (a block's matrices and its biases), and a
+    bucket's weights may be gathered (stages 1-2), or its unit prefetched (stage 3), only once every optimizer with a
+    parameter in it has stepped: gathered after the first, it would be gathered again after the second (twice the
+    bytes), and a stage-3 prefetch launched after the first would carry the second's old weights into the next
+    forward. So a step marks its buckets stepped by it, and the stage's after-step runs for the buckets every
+    owner has now stepped, once each (``_stepped``). A bucket some owner did not step (a scaler that skipped one
+    optimizer) is finished before the next forward, the model's state dict and close() (``finish_steps``): the
+    model is whole after both steps, and always before it is used.
 
     [Note: the whole model's state] ``optimizer.state_dict()`` is torch.optim's ordinary form, over the model's
     parameters numbered group by group as an unsharded optimizer built with the same groups numbers them: a hook
@@ -198,6 +247,7 @@ class ShardedOptimizer:
         self.after_step = after_step  # given the buckets a step updated ([Note: after the step])
         self.layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, Layout] = weakref.WeakKeyDictionary()
         self.loading_runs: set[int] = set()  # id() of an optimizer loading its runs' own state (load_run_state)
+        self.stepped: dict[int, set[int]] = {}  # bucket index -> id of each layout that stepped it since its gather
         self.hook = register_optimizer_step_pre_hook(self._refuse_outside_optimizer)  # the stage's close() removes it
 
     def chunk_bounds(self, bucket: Bucket) -> tuple[int, int]:
@@ -207,11 +257,12 @@ class ShardedOptimizer:
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                   **settings: Any) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's runs of ``params`` (the model's parameters, or groups of them:
-        [Note: parameter groups]); step() updates the model ([Note: after the step]). An optimizer that needs whole
-        parameters is refused here ([Note: which optimizers])."""
+        [Note: parameter groups]); step() updates the model ([Note: after the step], [Note: several optimizers]).
+        Muon and Adafactor get this rank's pieces of each parameter, stepped by zero/matrix.py; LBFGS, SparseAdam
+        and undeclared classes are refused here ([Note: which optimizers])."""
         check_optimizer_class(optimizer_class, self.stage)
         groups = as_groups(params)
-        layout = Layout({}, [])
+        layout = Layout({}, [], per_parameter=optimizer_class in WHOLE_MATRIX)
         for g, group in enumerate(groups):
             layout.groups.append([])
             for p in group["params"]:
@@ -230,10 +281,19 @@ class ShardedOptimizer:
             run.param.grad = self._piece(self.grads, run)
         inner = [{**{k: v for k, v in group.items() if k != "params"},
                   "params": [run.param for run in layout.runs if run.group == g]} for g, group in enumerate(groups)]
-        optimizer = optimizer_class(inner, **settings)
+        if layout.per_parameter:
+            ordered = sorted(((p, *layout.index[id(p)]) for group in groups for p in group["params"]),
+                             key=lambda entry: entry[2])
+            pieces = {id(self._params_in(run, layout)[0]): run.param for run in layout.runs}
+            parameters = whole_parameters([(p, g, self.names[id(p)]) for p, g, _ in ordered], self.bucket_of,
+                                          self.world_size, pieces)
+            optimizer = WHOLE_MATRIX[optimizer_class](inner, whole_groups=groups, parameters=parameters,
+                                                      comm=self.comm, master=self.weights[0], **settings)
+        else:
+            optimizer = optimizer_class(inner, **settings)
+        layout.buckets = sorted({self.bucket_of[pid].index for pid in layout.index})
         self.layouts[optimizer] = layout
-        optimizer.register_step_post_hook(
-            lambda *_: self.after_step([self.buckets[b] for b in self._buckets_of(layout)]))
+        optimizer.register_step_post_hook(lambda *_: self._stepped(layout))
         optimizer.register_state_dict_post_hook(self._full_optimizer_state)
         optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
         return optimizer
@@ -245,7 +305,7 @@ class ShardedOptimizer:
 
     def _runs(self, layout: Layout) -> list[ShardRun]:
         """This rank's chunk of every bucket, cut at every change of parameter group (and around parameters in
-        no group, which no optimizer steps)."""
+        no group, which no optimizer steps); for a whole-matrix optimizer at every parameter's boundary."""
         runs: list[ShardRun] = []
         for bucket in self.buckets:
             lo, hi = self.chunk_bounds(bucket)
@@ -254,20 +314,51 @@ class ShardedOptimizer:
                 if first >= last or id(p) not in layout.index:
                     continue
                 g = layout.index[id(p)][0]
-                if runs and runs[-1].bucket is bucket and runs[-1].group == g and runs[-1].end == first:
+                if (runs and runs[-1].bucket is bucket and runs[-1].group == g and runs[-1].end == first
+                        and not layout.per_parameter):
                     runs[-1].end = last
                 else:
                     runs.append(ShardRun(bucket, first, last, g))
         return runs
 
-    def reattach_gradients(self) -> None:
-        """Each run's .grad its view of the gradient shard: put back, zeroed, where zero_grad() set it to None."""
-        for layout in self.layouts.values():
+    def before_forward(self) -> None:
+        """Before each forward: the buckets still waiting for an optimizer's step finished ([Note: several
+        optimizers]), and each run's .grad its view of the gradient shard, put back, zeroed, where zero_grad() set
+        it to None."""
+        self.finish_steps()
+        for optimizer, layout in self.layouts.items():
             for run in layout.runs:
                 if run.param.grad is None:
                     view = self._piece(self.grads, run)
                     view.zero_()
                     run.param.grad = view
+            if isinstance(optimizer, PieceOptimizer):
+                optimizer.gradients_attached = True
+
+    def _stepped(self, layout: Layout) -> None:
+        """After an optimizer's step ([Note: several optimizers]): its buckets marked stepped by it, and the
+        stage's after-step run for those that every optimizer with a parameter in them has now stepped. Every rank
+        runs the same steps over the same layouts, so every rank finds the same buckets."""
+        owners = {b: {id(other) for other in self.layouts.values() if b in other.buckets} for b in layout.buckets}
+        ready = []
+        for b in layout.buckets:
+            self.stepped.setdefault(b, set()).add(id(layout))
+            if owners[b] <= self.stepped[b]:
+                ready.append(b)
+                del self.stepped[b]
+        if ready:
+            self.after_step([self.buckets[b] for b in ready])
+
+    def stepped_by_any(self, bucket: Bucket) -> bool:
+        """Whether any optimizer holds a parameter of ``bucket`` (else no step changes its shards)."""
+        return any(bucket.index in layout.buckets for layout in self.layouts.values())
+
+    def finish_steps(self) -> None:
+        """The stage's after-step for every bucket that some, not all, of its optimizers have stepped since its
+        last one (an optimizer whose step was skipped): before anything reads the model."""
+        if self.stepped:
+            waiting, self.stepped = sorted(self.stepped), {}
+            self.after_step([self.buckets[b] for b in waiting])
 
     def _refuse_outside_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before any optimizer's step: one built over the model's own parameters, not by ``optimizer()``, would
@@ -281,10 +372,6 @@ class ShardedOptimizer:
                     raise RuntimeError(f"zero.shard(stage {self.stage}): this {kind} steps the model's own parameters,"
                                        f" which stage {self.stage} keeps no averaged gradient for; build it with "
                                        f"sharded.optimizer(torch.optim.{kind}, params, ...) instead")
-
-    def _buckets_of(self, layout: Layout) -> list[int]:
-        """The buckets holding any of ``layout``'s parameters (on any rank's chunk)."""
-        return sorted({self.bucket_of[pid].index for pid in layout.index})
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -311,8 +398,9 @@ class ShardedOptimizer:
         """State-dict post-hook: the inner optimizer's state over runs, made torch.optim's ordinary state over the
         model's parameters, on the group's rank 0 (the others get {}). A parameter has an entry when the runs
         covering it have state (whatever that state holds: SGD's momentum alone, AdamW's step and moments, a
-        scalar alone); its scalars are the first such run's (every run of a parameter has the same), its
-        element-wise tensors are gathered one bucket and key at a time."""
+        scalar alone); its scalars, and the tensors it keeps whole (Adafactor's row_var and col_var, held whole by
+        every rank with a piece of the matrix, alike), are the first such run's (every run of a parameter has the
+        same), its element-wise tensors (a run's are 1-D) are gathered one bucket and key at a time."""
         layout = self.layouts[optimizer]
         entries: dict[int, dict[str, Any]] = {}  # parameter index -> {key: scalar value, or its dtype if element-wise}
         for number, run in enumerate(layout.runs):
@@ -322,10 +410,11 @@ class ShardedOptimizer:
             for p in self._params_in(run, layout):
                 entry = entries.setdefault(layout.index[id(p)][1], {})
                 for key, value in values.items():
-                    if torch.is_tensor(value) and value.dim() > 0:  # a run's element-wise state is 1-D
+                    if torch.is_tensor(value) and value.dim() == 1:  # a run's element-wise state is 1-D
                         entry[key] = ElementWise(value.dtype)
-                    elif key not in entry:
-                        entry[key] = _own_copy(value)
+                    elif key not in entry:  # a scalar; or a whole factored statistic (>= 2-D): to the CPU
+                        entry[key] = value.detach().cpu().clone() if torch.is_tensor(value) and value.dim() > 1 \
+                            else _own_copy(value)
         shared: list[Any] = [None] * self.world_size  # every rank's, so all know every entry and key
         dist.all_gather_object(shared, entries, group=self.comm.group)
         for theirs in shared:
@@ -334,7 +423,7 @@ class ShardedOptimizer:
         state = {index: {key: value for key, value in values.items() if not isinstance(value, ElementWise)}
                  for index, values in sorted(entries.items())}
         device = self._comm_device()
-        for b in self._buckets_of(layout):
+        for b in layout.buckets:
             bucket = self.buckets[b]
             lo, hi = self.chunk_bounds(bucket)
             runs = [(number, run) for number, run in enumerate(layout.runs) if run.bucket is bucket]
@@ -368,6 +457,85 @@ class ShardedOptimizer:
             optimizer.load_state_dict(inner)
         finally:
             self.loading_runs.discard(id(optimizer))
+    # ------------------------------------------------------------------------------------------------------
+    # The same state per parameter and key, as this rank holds it: what a sharded checkpoint writes and reads
+    # ------------------------------------------------------------------------------------------------------
+    def held(self, optimizer: torch.optim.Optimizer) -> dict[str, Holding]:
+        """What this rank holds of each of ``optimizer``'s parameters, by name: what a sharded checkpoint's reader
+        asks for, whether the optimizer has state yet or not."""
+        layout, out = self.layouts[optimizer], {}
+        for bucket in self.buckets:
+            lo, hi = self.chunk_bounds(bucket)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                if id(p) in layout.index and max(lo, offset) < min(hi, offset + p.numel()):
+                    out[self.names[id(p)]] = Holding(layout.index[id(p)][1], max(lo, offset) - offset,
+                                                     min(hi, offset + p.numel()) - offset, tuple(p.shape),
+                                                     tuple(bucket.place[id(p)][1]))
+        return out
+
+    def local_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, LocalState]]:
+        """This rank's part of ``optimizer``'s state, by parameter name (the model's FQN) and key, no collective:
+        each parameter this rank holds elements of and that has state. A run crossing parameters is cut at their
+        boundaries (its whole-shaped values sliced, its scalars given to each); a whole-matrix optimizer's run is a
+        piece of one parameter, its factored statistics whole. ``load_local_state`` takes the same form back."""
+        layout, out = self.layouts[optimizer], {}
+        for run in layout.runs:
+            values = optimizer.state.get(run.param, {})
+            if not values:
+                continue
+            for p in self._params_in(run, layout):
+                offset = run.bucket.place[id(p)][0]
+                first, last = max(run.start, offset), min(run.end, offset + p.numel())
+                holders = self._holders(run.bucket, offset, p.numel())
+                entry = out.setdefault(self.names[id(p)], {})
+                for key, value in values.items():
+                    if torch.is_tensor(value) and value.dim() == 1:  # a run's element-wise state
+                        entry[key] = LocalState(value[first - run.start:last - run.start], True, first - offset,
+                                                last - offset)
+                    else:
+                        entry[key] = LocalState(value, False, first=holders[0] == self.rank)
+        return out
+
+    def load_local_state(self, optimizer: torch.optim.Optimizer, local: dict[str, dict[str, LocalState]],
+                         param_groups: list[dict[str, Any]] | None = None) -> None:
+        """Set ``optimizer``'s state from this rank's part of it (``local_state``'s form: for each parameter this
+        rank holds, each whole-shaped key's stretch [start, end) as this rank holds it, each other key whole), and
+        the groups' hyperparameters from ``param_groups`` if given (torch.optim's state_dict form; their "params"
+        are left as they are). Values are cast as torch.optim's load_state_dict casts them (a "step" kept as it
+        is; other floating tensors to the parameter's dtype and device). No collective."""
+        layout = self.layouts[optimizer]
+        if param_groups is not None:
+            for group, saved in zip(optimizer.param_groups, param_groups):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+        optimizer.state.clear()
+        for run in layout.runs:
+            params = self._params_in(run, layout)
+            entries = [local.get(self.names[id(p)]) for p in params]
+            if not any(entries):
+                continue
+            if not all(entries) or any(entry.keys() != entries[0].keys() for entry in entries):
+                names = ", ".join(self.names[id(p)] for p in params)
+                raise ValueError(f"the optimizer state cannot be loaded: {names} are stepped together (in runs across "
+                                 f"their boundaries), and their states hold other keys")
+            state = {}
+            for key, first in entries[0].items():
+                if first.whole_shaped:
+                    value = torch.cat([entry[key].value.reshape(-1) for entry in entries])
+                    if value.numel() != run.end - run.start:
+                        raise ValueError(f"the optimizer state's {key!r} holds {value.numel()} elements where this "
+                                         f"rank holds {run.end - run.start} of {self.names[id(params[0])]} and the "
+                                         f"parameters stepped with it")
+                else:
+                    value = _own_copy(first.value)
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                    value = value.to(dtype=run.param.dtype, device=run.param.device)
+                state[key] = value
+            optimizer.state[run.param] = state
+
+    def _holders(self, bucket: Bucket, offset: int, numel: int) -> list[int]:
+        """The ranks whose chunks hold elements [offset, offset + numel) of ``bucket``."""
+        width = bucket.length // self.world_size
+        return list(range(offset // width, (offset + numel - 1) // width + 1))
 
     def _params_in(self, run: ShardRun, layout: Layout) -> list[nn.Parameter]:
         return [p for p, start in zip(run.bucket.params, run.bucket.offsets)
@@ -377,28 +545,39 @@ class ShardedOptimizer:
                                  full: dict[str, Any]) -> dict[str, Any] | None:
         """Load pre-hook: this rank's runs cut out of a state dict in torch.optim's ordinary form (every rank
         passes the same). Which keys are element-wise is asked of the optimizer itself (``state_kinds``, per
-        group), not guessed from shapes: a 0-dim parameter's moment and a step count look alike. A run steps its
-        parameters together and may cross any boundary within a group, so a group's parameters must agree: all
-        with an entry or none, the same keys and scalars; anything else, or an entry without a key the optimizer
-        keeps, is refused in one line (the same on every rank) rather than loaded as another state."""
+        group, and for a whole-matrix optimizer per parameter dimension), not guessed from shapes: a 0-dim
+        parameter's moment and a step count look alike. A run steps its parameters together and may cross any
+        boundary within a group, so a group's parameters must agree: all with an entry or none, the same keys and
+        scalars (a whole-matrix optimizer's runs are pieces of one parameter: there each entry stands alone);
+        anything else, or an entry without a key the optimizer keeps, is refused in one line (the same on every
+        rank) rather than loaded as another state. Tensors kept whole (Adafactor's row_var, col_var) go whole to
+        every piece of their parameter. The runs' own form (load_run_state) passes as it is."""
         if id(optimizer) in self.loading_runs:
-            return None  # already the runs' own form (load_run_state)
+            return None
         layout = self.layouts[optimizer]
         sizes = [len(group["params"]) for group in full["param_groups"]]
         if sizes != [len(indices) for indices in layout.groups]:
             raise ValueError(f"the optimizer state has parameter groups of {sizes} parameters; this optimizer's "
                              f"are of {[len(indices) for indices in layout.groups]}")
-        kinds = [state_kinds(type(optimizer), {**live, **group}, self.weights[0].device)
-                 for live, group in zip(optimizer.param_groups, full["param_groups"])]
-        problem = missing_optimizer_state(type(optimizer), full, every_parameter=False, kinds=kinds)
+        torch_class = getattr(optimizer, "torch_class", type(optimizer))
+        shapes = {layout.index[id(p)][1]: p.shape for b in self.buckets for p in b.params if id(p) in layout.index}
+        group_of = {index: g for g, index in layout.index.values()}
+        probed: dict[tuple[int, int], dict[str, bool]] = {}
+
+        def kinds(index: int) -> dict[str, bool]:
+            g, dim = group_of[index], max(len(shapes[index]), 1) if layout.per_parameter else 1
+            if (g, dim) not in probed:
+                probed[g, dim] = state_kinds(torch_class, {**optimizer.param_groups[g], **full["param_groups"][g]},
+                                             self.weights[0].device, dim)
+            return probed[g, dim]
+
+        problem = missing_optimizer_state(torch_class, full, every_parameter=False, kinds=kinds)
         if problem:
             raise ValueError(f"the optimizer state cannot be loaded: {problem}")
         saved = {int(index): values for index, values in full["state"].items()}
-        shapes = {layout.index[id(p)][1]: p.shape for b in self.buckets for p in b.params if id(p) in layout.index}
-        group_of = {index: g for g, index in layout.index.values()}
 
         def elementwise(index: int, key: str) -> bool:
-            known = kinds[group_of[index]].get(key)
+            known = kinds(index).get(key)
             if known is not None:
                 return known
             value = saved[index][key]  # a key the probe did not show: by its shape
@@ -407,6 +586,13 @@ class ShardedOptimizer:
         for g, indices in enumerate(layout.groups):  # the same verdict on every rank, whichever runs it holds
             with_state = [index for index in indices if index in saved]
             if not with_state:
+                continue
+            if layout.per_parameter:
+                for index in with_state:
+                    for key, value in saved[index].items():
+                        if elementwise(index, key) and tuple(value.shape) != tuple(shapes[index]):
+                            raise ValueError(f"the optimizer state's {key!r} of parameter {index} is "
+                                             f"{tuple(value.shape)}, the parameter {tuple(shapes[index])}")
                 continue
             first = saved[with_state[0]]
             for index in indices:
@@ -436,8 +622,8 @@ class ShardedOptimizer:
                     entry = saved.get(indices.get(id(p)), {})
                     if key in entry:
                         bucket.view(flat, p).copy_(entry[key])
-                for number, run in runs:
-                    if indices[id(self._params_in(run, layout)[0])] in saved:
+                for number, run in runs:  # (a group's parameters hold the same keys, but a piece is its own)
+                    if key in saved.get(indices[id(self._params_in(run, layout)[0])], {}):
                         state.setdefault(number, {})[key] = flat[run.start:run.end].clone()
             for number, run in runs:  # the scalars: the run's first parameter's (its group's agree)
                 index = indices[id(self._params_in(run, layout)[0])]
