@@ -11,12 +11,14 @@ references every hand-written stage is measured against.
 Each leaves the user's optimizer code as it is and PyTorch's own clipping (torch.nn.utils.clip_grad_norm_, which
 FSDP2's DTensors make global) in place. Their optimizers' state_dict() gives torch.optim's ordinary, unsharded
 form on the group's rank 0 ({} on the others, which must call it too), as zero.shard's do, so a checkpoint of any
-of them loads into any stage.
+of them loads into any stage. FSDPSync also saves and loads sharded checkpoints FSDP2's way (save_checkpoint,
+load_checkpoint: get_state_dict, torch.distributed.checkpoint, set_state_dict), zero.checkpoint's format.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -157,6 +159,7 @@ class FSDPSync:
                 fully_shard(unit, **options)
             fully_shard(model, **options)
         self.module = self.model = model
+        self.whole_state_dicts = True  # the optimizers' state dicts in torch.optim's whole form (False: FSDP2's own)
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                   **settings: Any) -> torch.optim.Optimizer:
@@ -165,17 +168,19 @@ class FSDPSync:
         optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
         return optimizer
 
-    @staticmethod
-    def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    def _full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """Every DTensor in the state made whole (a collective: every rank calls it), kept on rank 0's CPU."""
+        if not self.whole_state_dicts:
+            return state
         full = {index: {key: value.full_tensor().cpu() if hasattr(value, "full_tensor") else value
                         for key, value in values.items()} for index, values in state["state"].items()}
         return {"state": full, "param_groups": state["param_groups"]} if dist.get_rank() == 0 else {}
 
-    @staticmethod
-    def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """Each whole state tensor cut like its parameter (every rank passes the same dict)."""
         from torch.distributed.tensor import DTensor, distribute_tensor
+        if not self.whole_state_dicts:
+            return state
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sharded = {}
         for index, values in state["state"].items():
@@ -214,6 +219,47 @@ class FSDPSync:
         from_rank0 = only_rank0_holds(state, None)
         set_model_state_dict(self.model, state if state else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0))
+
+    @contextlib.contextmanager
+    def _fsdp2_state_dicts(self) -> Iterator[None]:
+        """The optimizers' state dicts in FSDP2's own form (DTensor shards) meanwhile, as get_state_dict and
+        set_state_dict take them, not the whole one the hooks make; every unit sharded first (_reshard)."""
+        self._reshard()
+        self.whole_state_dicts = False
+        try:
+            yield
+        finally:
+            self.whole_state_dicts = True
+
+    def save_checkpoint(self, path: str, optimizers: list[torch.optim.Optimizer], extra: Any = None) -> None:
+        """A torch.distributed.checkpoint folder, FSDP2's way: get_state_dict, then dcp.save, every rank its own
+        shards; ``extra`` as rank 0 has it (zero.checkpoint's encoding). The format zero.checkpoint writes and
+        reads (zero/checkpoint.py), so either resumes the other. Every rank calls it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from zero.checkpoint import encode_extra
+
+        with self._fsdp2_state_dicts():
+            model_state, optimizer_state = get_state_dict(self.model, optimizers)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        if extra is not None and dist.get_rank() == 0:  # DCP's coordinator: one copy, as zero.checkpoint writes it
+            state["extra"] = encode_extra(extra)
+        dcp.save(state, checkpoint_id=path)
+
+    def load_checkpoint(self, path: str, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Such a folder (FSDP2's, or zero.checkpoint's from any stage and world size) read into the model's shards
+        and the optimizers' (none: the model alone), every rank only what its shards overlap: get_state_dict,
+        dcp.load, set_state_dict. get_state_dict steps an optimizer without state once at lr 0 to make its state,
+        which the load then replaces, so a checkpoint lacking any of it is refused (DCP's CheckpointException)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        with self._fsdp2_state_dicts():
+            model_state, optimizer_state = get_state_dict(self.model, optimizers)
+            state = {"model": model_state, **({"optimizer": optimizer_state} if optimizers else {})}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(self.model, optimizers, model_state_dict=state["model"],
+                           optim_state_dict=state.get("optimizer", {}))
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return []

@@ -225,11 +225,14 @@ def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 
 
 def run_with_weights(config: dict, args: argparse.Namespace) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One trainer run; its metrics and its final weights (the checkpoint written at the epoch's end)."""
+    """One trainer run; its metrics and its final weights (the checkpoint written at the epoch's end: last.pt, or
+    the sharded stages' folder read whole)."""
+    from trainer.checkpoint import read_alone
+
     with tempfile.TemporaryDirectory(prefix="zerobench-") as tmp:
         run = dict(config, flags=config["flags"] + ["--checkpoint-dir", tmp])
         metrics = run_trainer(run, args)
-        weights = torch.load(os.path.join(tmp, "last.pt"), map_location="cpu", weights_only=True)["model"]
+        weights = read_alone(tmp)[1]["model"]
     metrics["command"] = metrics["command"].replace(tmp, "DIR")
     return metrics, weights
 

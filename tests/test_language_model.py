@@ -170,7 +170,7 @@ def test_generate_continues_the_prompt_from_the_checkpoint(learned, capsysbinary
 
 @pytest.mark.parametrize("argv, phrase", [
     (["--generate", "5"], "--checkpoint-dir"),
-    (["--generate", "5", "--checkpoint-dir", "/nonexistent"], "no checkpoint at /nonexistent/last.pt"),
+    (["--generate", "5", "--checkpoint-dir", "/nonexistent"], "no checkpoint in /nonexistent"),
     (["--betas", "0.9", "0.95"], "--optimizer adamw"),
     (["--warmup-steps", "5"], "--scheduler cosine"),
     (["--optimizer", "adamw", "--scheduler", "cosine", "--min-lr", "1", "--lr", "0.1"], "above --lr"),

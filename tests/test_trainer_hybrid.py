@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ddp_cifar100 as trainer
+from trainer.checkpoint import read_alone
 from trainer_testing import TINY, max_difference
 from utils import UsageError
 
@@ -53,7 +54,7 @@ def runs_in_group(rank, world_size, variants, checkpoint_root):
         first = next(model.parameters())
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                  for k, v in model.state_dict().items()}
-        saved = torch.load(f"{directory}/last.pt", map_location="cpu", weights_only=True) if rank == 0 else None
+        saved = read_alone(directory)[1] if rank == 0 else None  # last.pt, or a sharded sync's folder read whole
         out[name] = {"state": state, "grad_norms": metrics["grad_norms"],
                      "optimizer_bytes": metrics["state_bytes"]["optimizer"],
                      "sent_by_group": metrics.get("sent_bytes_by_group_per_step"),

@@ -28,6 +28,7 @@ from gradsync import assign_buckets
 from data import MemoryData
 from models import blocks, build_model
 from trainer import build as trainer_build
+from trainer import checkpoint as trainer_checkpoint
 from trainer.build import make_optimizer, make_scaler
 from trainer.evaluation import evaluate
 from trainer_testing import (TINY, collect_all, max_difference, model_and_labelled_set, normalized_batch,
@@ -482,6 +483,19 @@ RESUME = TINY + ["--model", "resnet", "--epochs", "2", "--norm", "custom", "--bu
                  "--grad-accum", "2", "--optimizer", "adamw", "--lr", "0.01"]
 
 
+def saved_as_file(directory):
+    """The run's current checkpoint as last.pt holds it, whichever format it is in: a folder (the sharded stages
+    write them) read whole, its optimizer state numbered as torch.optim numbers the model's parameters (one group)."""
+    found = trainer_checkpoint.current(directory)
+    if not found.folder:
+        return torch.load(found.path, map_location="cpu", weights_only=True)
+    whole = zero.checkpoint.read_whole(found.path, alone=True)
+    model = build_model("resnet", 0.0, "custom")
+    numbered = trainer_checkpoint.numbered_state(whole["optimizer"], model, torch.optim.SGD(model.parameters()),
+                                                 found.path)
+    return {**whole["extra"], "model": whole["model"], "optimizer": numbered}
+
+
 def with_batch_size(argv, batch_size):
     argv = list(argv)
     argv[argv.index("--batch-size") + 1] = str(batch_size)
@@ -529,7 +543,8 @@ def test_stopped_on_2_processes_resumed_on_4_ends_where_the_uninterrupted_run_en
 
 
 def test_checkpoint_holds_the_whole_model_and_a_replicated_optimizers_state(resumed_on_4):
-    state = torch.load(f"{resumed_on_4['dir']}/last.pt", map_location="cpu", weights_only=True)
+    assert trainer_checkpoint.current(resumed_on_4["dir"]).folder  # stage 1 wrote the last: a folder
+    state = saved_as_file(resumed_on_4["dir"])
     model = build_model("resnet", 0.0, "custom")
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     assert {k: v.shape for k, v in state["model"].items()} == shapes
@@ -583,7 +598,7 @@ def test_sgd_stopped_and_resumed_through_every_stage_ends_where_the_uninterrupte
     print(f"\n--optimizer {optimizer}, stopped and resumed ({legs}) vs uninterrupted (--zero 0 on 2), float64: "
           f"max |dw| = {worst:.1e}")
     assert worst < 1e-11  # stage 2's and 3's summation order (module docstring)
-    state = torch.load(f"{run['dir']}/last.pt", map_location="cpu", weights_only=True)["optimizer"]
+    state = saved_as_file(run["dir"])["optimizer"]
     params = list(build_model("resnet", 0.0, "custom").parameters())
     assert sorted(state["state"]) == list(range(len(params)))
     assert all(entry.keys() == {"momentum_buffer"} and entry["momentum_buffer"].shape == p.shape
@@ -596,7 +611,7 @@ def test_a_checkpoint_without_sgds_momentum_is_refused_in_one_line(sgd_resumed, 
     """What the sharded stages once wrote (no entry at all), or one parameter's buffer gone: refused on load,
     naming the key, at every stage, instead of training on from another state."""
     run = sgd_resumed["sgd"]
-    state = torch.load(f"{run['dir']}/last.pt", map_location="cpu", weights_only=True)
+    state = saved_as_file(run["dir"])  # last.pt's form, of the folder the last leg (stage 1) wrote
     if loss == "every entry":
         state["optimizer"]["state"] = {}
     else:

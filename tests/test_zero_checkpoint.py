@@ -508,10 +508,14 @@ def refusals(rank, world_size, root) -> dict:
     before = cloned(model.state_dict())
 
     def load(path, **changes):
-        return attempt(lambda: zero.checkpoint.load(path, sharded, changes.get("optimizer", optimizer)))
+        return attempt(lambda: zero.checkpoint.load(path, sharded, changes.get("optimizer", optimizer),
+                                                    stepped=changes.get("stepped", False)))
 
     for name, path in bad.items():
         out[name] = load(path)
+    unstepped = os.path.join(root, "unstepped")  # saved before any step: no state, which stepped=True refuses
+    zero.checkpoint.save(unstepped, sharded, optimizer)
+    out["stepped"] = load(unstepped, stepped=True)
     out["no folder"] = load(os.path.join(root, "nowhere"))
     out["a file"] = load(os.path.join(ours, ".metadata"))
     out["one rank's folder"] = load(bad["empty"] if rank == 0 else ours)  # only rank 0 sees a problem
@@ -801,7 +805,9 @@ REFUSALS = {"empty": "not a torch.distributed.checkpoint folder", "no metadata":
             "unexpected keys": "another model: it holds blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, "
                                "blocks.1.attn.qkv.bias and 9 more, which this model has not",
             "shape": "another model: pos_emb.weight is (8, 16) there, (9, 16) here",
-            "one rank's folder": "not a torch.distributed.checkpoint folder"}
+            "one rank's folder": "not a torch.distributed.checkpoint folder",
+            "stepped": "its optimizer state is incomplete: blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, "
+                       "blocks.0.attn.qkv.bias and"}
 
 
 @pytest.mark.parametrize("case", REFUSALS)

@@ -58,6 +58,7 @@ class Parts:
     replica: int  # which replica this rank belongs to (diloco, localsgd) ...
     replica_size: int  # ... and how many ranks each replica has
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
+    checkpoint_folders: bool = False  # what checkpoint.save writes: DCP folders, or last.pt (checkpoint.restore says)
 
     @property
     def device(self) -> torch.device:

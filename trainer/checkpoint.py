@@ -1,18 +1,44 @@
 """Checkpoints and exact resume: ``save`` writes one, ``restore`` resumes from one; both on every rank.
 
-Rank 0 writes DIR/last.pt atomically (temporary file, flush, fsync, os.replace) at epoch ends, every
---checkpoint-every steps and when --max-steps stops the run. Nothing random is carried from step to step: the data
-order comes from (seed, epoch), each sample's augmentation (in memory or from an image folder) from (seed, epoch,
-sample index) and dropout from a reseed with (seed, rank, optimizer step) before every step, so the checkpoint
-(model, optimizer, scheduler, scaler, position in the epoch) is all a resumed run needs to continue bit for bit; a
-resumed image-folder run decodes none of the samples it skips. On resume rank 0 reads the file and broadcasts it,
-so other nodes need no shared file system.
+Two formats of one content: the model, the optimizer's state, and the run's state beside them (RUN_STATE: the
+position in the epoch, the finished epochs, every rank's sums of the current one, the run's record and fingerprint,
+the scheduler, the scaler, the world size and the seed). Written at epoch ends, every --checkpoint-every steps and
+when --max-steps stops the run, in the one ``restore`` chose at the start (``writes_folders``):
 
-"model" is the bare model's full state_dict and "optimizer" torch.optim's state_dict over the model's trainable
-parameters numbered group by group, whatever --zero or --grad-sync (the sharded stages gather their shards to rank
-0's CPU one bucket or unit at a time; FSDP2's DTensors are made whole), so any stage at any world size loads it.
-diloco and localsgd keep each replica's weights, optimizer and outer state under "replicas" ("model": the shared
-point).
+- Folders of torch.distributed.checkpoint (DCP; zero.checkpoint's format, which FSDP2 and torch's tools read), at
+  --grad-sync custom --zero 1-3 and fsdp when every rank sees the same --checkpoint-dir (checked once: rank 0 leaves
+  a marker, the others look for it). Every rank writes its own shards and nothing is gathered: AdamW's 12 Psi bytes
+  leave as 12 Psi / W per rank, where a file would gather all of them on rank 0 (9.3 GB for GPT-2 large's shape).
+  A save is a complete folder DIR/step-N (N optimizer steps), written as DIR/step-N.partial and renamed once every
+  rank's part and DCP's .metadata are in; then DIR/latest, a one-line file naming it (written atomically: DeepSpeed's
+  pointer), makes it current, and what it supersedes is removed (older folders, a last.pt). A run killed mid-save
+  resumes from the folder that was current; its unfinished one is removed at the next start. The run state is the
+  folder's extra.
+- DIR/last.pt, one file that rank 0 writes atomically (temporary file, flush, fsync, os.replace), at the syncs that
+  keep the whole model on every rank (custom --zero 0, ddp, diloco, localsgd), and at the sharded ones when the
+  nodes share no folder: the model and the optimizer gathered to rank 0 (below).
+
+Resume. Rank 0 finds the current checkpoint (the folder DIR/latest names, or last.pt; the newer, should a run have
+stopped between making one current and removing the other), reads its run state (a folder's extra alone: a few kB)
+and broadcasts it, and every rank checks it (the global batch and the fingerprint: ``check_compatible``) before a
+tensor is read. A folder is then read by every rank at any --zero, --grad-sync and world size: zero.shard's stages
+0-3 (zero.checkpoint.load) and FSDP2 (dcp.load, set_state_dict) read only what their shards overlap; ddp and its
+--zero 1 (ZeroRedundancyOptimizer), which hold the whole model, read it whole (``load_whole``); diloco and localsgd
+refuse it (their replicas' own weights and outer state are not in it). last.pt is read by rank 0 and broadcast
+whole, so other nodes need no shared file system, and every sync resumes it. A checkpoint that is torn,
+incomplete, of another model or another configuration stops every rank with one line naming it (UsageError),
+never a silent fresh start.
+
+Nothing random is carried from step to step: the data order comes from (seed, epoch), each sample's augmentation (in
+memory or from an image folder) from (seed, epoch, sample index) and dropout from a reseed with (seed, rank,
+optimizer step) before every step, so the checkpoint (model, optimizer, scheduler, scaler, position in the epoch) is
+all a resumed run needs to continue bit for bit; a resumed image-folder run decodes none of the samples it skips.
+
+last.pt's "model" is the bare model's full state_dict and "optimizer" torch.optim's state_dict over the model's
+trainable parameters numbered group by group, whatever --zero or --grad-sync (the sharded stages gather their shards
+to rank 0's CPU one bucket or unit at a time; FSDP2's DTensors are made whole), so any stage at any world size loads
+it. diloco and localsgd keep each replica's weights, optimizer and outer state under "replicas" ("model": the shared
+point). A folder holds get_state_dict's form: every tensor by name in its global shape (zero/checkpoint.py).
 
 A run is identified by its global batch (batch size x grad-accum x processes), not by its number of processes:
 micro-batch j of an epoch holds the same B x W samples (the sampler's order, rank r taking every W-th) and
@@ -28,11 +54,15 @@ pick nondeterministic algorithms unless asked: --deterministic (build.make_deter
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,8 +74,12 @@ from trainer.build import OPTIMIZERS, Parts
 from trainer.config import DILOCO_FLAGS, OUTER_SYNCS, Config
 from utils import UsageError
 
-REQUIRED = ("model", "optimizer", "scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps",
-            "micro_batches_total", "fingerprint", "config", "history", "epoch_sums")
+RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "micro_batches_total", "fingerprint",
+             "config", "history", "epoch_sums")  # what a resume reads beside the model and the optimizer
+REQUIRED = ("model", "optimizer", *RUN_STATE)  # last.pt's keys a resume needs
+FILE, LATEST = "last.pt", "latest"  # DIR/last.pt; DIR/latest names the current folder
+FOLDER, PARTIAL = "step-", ".partial"  # DIR/step-N, written as DIR/step-N.partial
+MARKER_WAIT_S = 2.0  # how long a rank looks for rank 0's marker (a network file system may show it late)
 NO_SUMS = [0.0, 0.0, 0.0]  # a rank's [loss, correct, seen] at an epoch's start
 
 
@@ -59,8 +93,10 @@ class Position:
     micro_batches: int = 0
 
 
-def path_of(config: Config) -> str | None:
-    return os.path.join(config.checkpoint_dir, "last.pt") if config.checkpoint_dir else None
+class Found(NamedTuple):
+    """A checkpoint in --checkpoint-dir: its path, and whether it is a DCP folder (else last.pt)."""
+    path: str
+    folder: bool
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -131,14 +167,104 @@ def check_compatible(state: dict[str, Any], record: dict[str, Any], path: str, c
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The file
+# Which format, and where the current checkpoint is
 # ----------------------------------------------------------------------------------------------------------
-def write_atomically(path: str, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically: a crash leaves the old file or the new one, never half of one."""
-    with utils.atomic_write(path, "wb") as f:
-        torch.save(state, f)
+def sharded_sync(config: Config) -> bool:
+    """The syncs with master shards, whose checkpoints are folders: custom --zero 1-3 and fsdp."""
+    return (config.grad_sync == "custom" and config.zero > 0) or config.grad_sync == "fsdp"
 
 
+def writes_folders(parts: Parts) -> bool:
+    """Whether this run saves DCP folders (module docstring): a sharded sync, and every rank sees the folder rank 0
+    sees (else last.pt, said once). Rank 0 first removes what a save cut short left (DIR/step-N.partial), before
+    any rank can write a folder of that name."""
+    config = parts.config
+    if config.eval_only or not sharded_sync(config):
+        return False
+    if parts.ctx.rank == 0 and os.path.isdir(config.checkpoint_dir):
+        remove_folders(config.checkpoint_dir, lambda name: name.endswith(PARTIAL))
+    if seen_by_every_rank(config.checkpoint_dir, parts.comm_device):
+        return True
+    utils.print0(f"note: not every rank sees --checkpoint-dir {config.checkpoint_dir} (no shared file system): rank "
+                 f"0 writes {FILE} there, the model and the optimizer gathered to it")
+    return False
+
+
+def seen_by_every_rank(directory: str, device: torch.device) -> bool:
+    """Whether every rank sees ``directory`` as rank 0 does (one machine, or a shared file system): rank 0 leaves a
+    marker of a name of its own there, the others look for it, and all agree (one broadcast, one all-reduce)."""
+    if dist.get_world_size() == 1:
+        return True
+    rank, message = dist.get_rank(), [None]
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            descriptor, marker = tempfile.mkstemp(dir=directory, prefix=".seen-by-every-rank-")
+            os.close(descriptor)
+            message[0] = ("ok", os.path.basename(marker))
+        except OSError as exc:
+            message[0] = ("error", f"cannot write in --checkpoint-dir {directory}: {exc.strerror or exc}")
+    dist.broadcast_object_list(message, src=0)
+    status, text = message[0]
+    if status == "error":
+        raise UsageError(text)
+    marker = os.path.join(directory, text)
+    deadline = time.monotonic() + MARKER_WAIT_S
+    while rank != 0 and not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = torch.tensor([int(os.path.exists(marker))], device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+    if rank == 0:
+        os.remove(marker)
+    return bool(seen.item())
+
+
+def current(directory: str) -> Found | None:
+    """The checkpoint a run in ``directory`` resumes from: the folder DIR/latest names, or DIR/last.pt. Both are
+    there only when a run stopped between making one current and removing the other: the newer then."""
+    pointer, file = os.path.join(directory, LATEST), os.path.join(directory, FILE)
+    if not os.path.exists(pointer):
+        return Found(file, folder=False) if os.path.exists(file) else None
+    if os.path.exists(file) and os.path.getmtime(file) > os.path.getmtime(pointer):
+        return Found(file, folder=False)
+    with open(pointer) as f:
+        return Found(os.path.join(directory, f.read().strip()), folder=True)
+
+
+def remove_folders(directory: str, chosen: Any) -> None:
+    """Rank 0: the step folders (finished or not) whose names ``chosen`` picks."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(FOLDER) and chosen(name) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def make_current(directory: str, name: str) -> None:
+    """Rank 0, once every rank has written its part of DIR/name.partial: the folder renamed and the rename made
+    durable, DIR/latest pointed at it (atomically), and what it supersedes removed (older folders, last.pt)."""
+    os.rename(os.path.join(directory, name + PARTIAL), os.path.join(directory, name))
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:  # the rename on disk before the pointer names it
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+    with utils.atomic_write(os.path.join(directory, LATEST)) as f:
+        f.write(name + "\n")
+    remove_folders(directory, lambda other: other != name)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, FILE))
+
+
+def forget_folders(directory: str) -> None:
+    """Rank 0, once last.pt is written: DIR/latest and the folders, which it supersedes."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, LATEST))
+    remove_folders(directory, lambda name: True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------------------
 def read_checkpoint(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -151,33 +277,108 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     return state
 
 
-def load_on_rank0(path: str) -> dict[str, Any] | None:
-    """Rank 0 reads ``path`` (if it exists) and broadcasts it, so other nodes need not see the file."""
+def read_state(found: Found) -> dict[str, Any]:
+    """What is read first: last.pt whole, or a folder's run state alone (its extra: a few kB)."""
+    if not found.folder:
+        return read_checkpoint(found.path)
+    try:
+        state = zero.checkpoint.read_extra(found.path)
+    except zero.checkpoint.CheckpointError as exc:
+        raise usage_error(exc, found.path) from None
+    if not isinstance(state, dict) or any(key not in state for key in (*RUN_STATE, "world_size")):
+        raise UsageError(f"cannot read checkpoint {found.path}: a torch.distributed.checkpoint folder, but not one "
+                         f"of this script (no run state in its extra); delete it to start afresh")
+    return state
+
+
+def usage_error(exc: Exception, path: str) -> UsageError:
+    """zero.checkpoint's refusal ("zero.checkpoint.load: checkpoint DIR: why") or DCP's failure, in one line."""
+    if isinstance(exc, zero.checkpoint.CheckpointError):
+        return UsageError(str(exc).split(": ", 1)[-1])
+    return UsageError(f"checkpoint {path} cannot be read: {zero.checkpoint.one_line(exc)}")
+
+
+def load_on_rank0(directory: str) -> tuple[Found, dict[str, Any]] | None:
+    """Rank 0 finds the current checkpoint, reads its run state (read_state) and broadcasts both, so that every rank
+    checks the same thing, and other nodes need not see last.pt."""
     message: list[Any] = [None]
-    if dist.get_rank() == 0 and os.path.exists(path):
+    if dist.get_rank() == 0:
         try:
-            message[0] = ("ok", read_checkpoint(path))
+            found = current(directory)
+            message[0] = ("ok", found, read_state(found)) if found else None
         except UsageError as exc:
             message[0] = ("error", str(exc))
     dist.broadcast_object_list(message, src=0)
     if message[0] is None:
         return None
-    status, payload = message[0]
-    if status == "error":
-        raise UsageError(payload)
-    return payload
+    if message[0][0] == "error":
+        raise UsageError(message[0][1])
+    return message[0][1], message[0][2]
+
+
+def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
+    """This process alone, no process group: the current checkpoint of ``directory`` with its whole model (last.pt's
+    dict, or a folder's run state and "model"), for --generate and for tools; None where there is none."""
+    found = current(directory)
+    if found is None:
+        return None
+    state = read_state(found)
+    if found.folder:
+        try:
+            state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
+        except zero.checkpoint.CheckpointError as exc:
+            raise usage_error(exc, found.path) from None
+    return found, state
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Save and restore
+# Save
 # ----------------------------------------------------------------------------------------------------------
 def save(parts: Parts, position: Position, history: list[dict[str, Any]], sums: list[list[float]]) -> None:
-    """Rank 0 writes the run's state at ``position`` (every rank's epoch sums ``sums`` included) to DIR/last.pt;
-    the optimizer's state in the form every --zero and world size loads (the sharded stages gather it first, so
-    every rank calls this)."""
-    path = path_of(parts.config)
-    if path is None:
+    """The run's state at ``position`` (every rank's epoch sums ``sums`` included) to --checkpoint-dir, in the
+    format restore chose (module docstring). Every rank calls it."""
+    if parts.config.checkpoint_dir is None:
         return
+    state = run_state(parts, position, history, sums)
+    if parts.checkpoint_folders:
+        save_folder(parts, state)
+    else:
+        save_file(parts, state)
+
+
+def run_state(parts: Parts, position: Position, history: list[dict[str, Any]],
+              sums: list[list[float]]) -> dict[str, Any]:
+    """What a resume needs beside the model and the optimizer: last.pt's other keys, a folder's extra."""
+    record = trajectory(parts)
+    return {"world_size": parts.ctx.world_size,
+            "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+            "scaler": parts.scaler.state_dict(), "epoch": position.epoch, "micro_batch": position.micro_batch,
+            "optimizer_steps": position.optimizer_steps, "micro_batches_total": position.micro_batches,
+            "history": history, "epoch_sums": sums, "fingerprint": fingerprint(record), "config": record,
+            "rng_seed": parts.config.seed}  # every random draw derives from it and the position (module docstring)
+
+
+def optimizers(parts: Parts) -> list[torch.optim.Optimizer]:
+    """The run's optimizers, as the folders' functions take them (a list: a model may be stepped by several)."""
+    return [parts.optimizer]
+
+
+def save_folder(parts: Parts, state: dict[str, Any]) -> None:
+    """DIR/step-N: every rank writes its own shards into DIR/step-N.partial (zero.checkpoint.save for zero.shard's
+    stages; FSDP2's get_state_dict and dcp.save), ``state`` as rank 0's extra; then rank 0 makes it current."""
+    directory, name = parts.config.checkpoint_dir, f"{FOLDER}{state['optimizer_steps']}"
+    partial = os.path.join(directory, name + PARTIAL)
+    if parts.config.grad_sync == "fsdp":
+        parts.sync.save_checkpoint(partial, optimizers(parts), state)
+    else:
+        zero.checkpoint.save(partial, parts.sync, optimizers(parts), state)
+    if parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are written
+        make_current(directory, name)
+
+
+def save_file(parts: Parts, state: dict[str, Any]) -> None:
+    """Rank 0 writes DIR/last.pt: the model and the optimizer's state in the form every --zero and world size loads
+    (the sharded stages gather them first, so every rank calls this), and ``state``."""
     optimizer_state = parts.optimizer.state_dict()  # the sharded stages gather it to rank 0, every rank calls it
     model_state = parts.sync.model_state_dict()  # --zero 3, fsdp: gathered one unit at a time
     replicas = None
@@ -188,16 +389,16 @@ def save(parts: Parts, position: Position, history: list[dict[str, Any]], sums: 
                            {key: value.clone() for key, value in parts.model.state_dict().items()})
     if parts.ctx.rank != 0:
         return
-    record = trajectory(parts)
-    write_atomically(path, {
+    write_atomically(os.path.join(parts.config.checkpoint_dir, FILE), {
         "model": model_state, **({"replicas": replicas} if replicas is not None else {}),
-        "optimizer": optimizer_state, "world_size": parts.ctx.world_size,
-        "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
-        "scaler": parts.scaler.state_dict(), "epoch": position.epoch, "micro_batch": position.micro_batch,
-        "optimizer_steps": position.optimizer_steps, "micro_batches_total": position.micro_batches,
-        "history": history, "epoch_sums": sums, "fingerprint": fingerprint(record), "config": record,
-        "rng_seed": parts.config.seed,  # every random draw derives from it and the position (module docstring)
-    })
+        "optimizer": optimizer_state, **state})
+    forget_folders(parts.config.checkpoint_dir)
+
+
+def write_atomically(path: str, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically: a crash leaves the old file or the new one, never half of one."""
+    with utils.atomic_write(path, "wb") as f:
+        torch.save(state, f)
 
 
 def gather_replicas(parts: Parts, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> list[Any] | None:
@@ -219,6 +420,132 @@ def gather_replicas(parts: Parts, model_state: dict[str, Any], optimizer_state: 
     return [state for state in gathered if state is not None]
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Restore
+# ----------------------------------------------------------------------------------------------------------
+def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
+    """Position, finished epochs and this rank's sums of the current epoch, from --checkpoint-dir's current
+    checkpoint if there is one (with --eval-only: its weights alone); and which format this run saves."""
+    config = parts.config
+    if config.checkpoint_dir is None:
+        return Position(), [], list(NO_SUMS)
+    parts.checkpoint_folders = writes_folders(parts)
+    loaded = load_on_rank0(config.checkpoint_dir)
+    if loaded is None:
+        return Position(), [], list(NO_SUMS)
+    found, state = loaded
+    if found.folder and parts.outer is not None:
+        raise UsageError(f"checkpoint {found.path} is a folder of --grad-sync custom --zero 1-3 or fsdp; "
+                         f"--grad-sync {config.grad_sync} keeps each replica's own weights and outer state, which it "
+                         f"does not hold: resume it with one of those, or start in an empty --checkpoint-dir")
+    position = Position(optimizer_steps=state["optimizer_steps"], micro_batches=state["micro_batches_total"])
+    if not config.eval_only:
+        check_compatible(state, trajectory(parts), found.path, config, parts.ctx.world_size)
+    if found.folder:
+        load_folder(parts, found.path, position, weights_only=config.eval_only)
+    else:
+        load_file(parts, found.path, state, position, weights_only=config.eval_only)
+    if config.eval_only:
+        return position, list(state["history"]), list(NO_SUMS)
+    if parts.scheduler is not None:
+        parts.scheduler.load_state_dict(state["scheduler"])
+    parts.scaler.load_state_dict(state["scaler"])
+    position.epoch, position.micro_batch = state["epoch"], state["micro_batch"]
+    utils.print0(f"resuming from {found.path}: epoch {position.epoch + 1}, micro-batch {position.micro_batch}, "
+                 f"optimizer step {position.optimizer_steps}")
+    return position, list(state["history"]), sums_carried_on(parts, state)
+
+
+def sums_carried_on(parts: Parts, state: dict[str, Any]) -> list[float]:
+    """This rank's sums of the epoch under way. On another number of processes with the same global batch, the
+    same samples in the same micro-batches, split differently: the epoch's figures are sums over ranks, so rank 0
+    carries them all on."""
+    config, world_size = parts.config, parts.ctx.world_size
+    saved_sums = state["epoch_sums"] if state["micro_batch"] else [NO_SUMS] * state["world_size"]
+    if state["world_size"] == world_size:
+        return list(saved_sums[parts.ctx.rank])
+    reasons = split_dependent(config)
+    if reasons:
+        utils.print0(f"note: resuming a run of {state['world_size']} processes on {world_size}: with "
+                     f"{' and '.join(reasons)} the weights depend on the split, so they will differ from an "
+                     f"uninterrupted run's")
+    totals = [sum(column) for column in zip(*saved_sums)]
+    return totals if parts.ctx.rank == 0 else list(NO_SUMS)
+
+
+def load_file(parts: Parts, path: str, state: dict[str, Any], position: Position, weights_only: bool) -> None:
+    """last.pt's model and optimizer state (with diloco, localsgd: this replica's own, and its outer state)."""
+    config = parts.config
+    if weights_only:
+        try:
+            if parts.outer is not None and "replicas" in state:  # the shared point is what validation evaluates
+                parts.outer.load_state_dict(outer_state(parts, state["replicas"][parts.replica]))
+            parts.sync.load_model_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise UsageError(f"checkpoint {path} does not fit --model {config.model}: "
+                             f"{str(exc).splitlines()[0]}") from None
+        return
+    replica = state["replicas"][parts.replica] if parts.outer is not None else state  # its own weights, optimizer
+    parts.sync.load_model_state_dict(replica["model"])
+    check_optimizer_state(replica["optimizer"], path, config, position)
+    parts.optimizer.load_state_dict(replica["optimizer"])
+    if parts.outer is not None:
+        parts.outer.load_state_dict(outer_state(parts, replica))
+
+
+def load_folder(parts: Parts, folder: str, position: Position, weights_only: bool) -> None:
+    """A folder's model and optimizer state: zero.shard's stages (zero.checkpoint.load) and FSDP2 (its dcp.load)
+    read only what their shards overlap; ddp and ZeroRedundancyOptimizer read it whole (load_whole). Refused in one
+    line, before anything is changed, where it is torn, incomplete or of another model."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    config, chosen = parts.config, [] if weights_only else optimizers(parts)
+    try:
+        if config.grad_sync == "fsdp":
+            parts.sync.load_checkpoint(folder, chosen)
+        elif config.grad_sync == "ddp":
+            load_whole(parts, folder, chosen, position)
+        else:  # fp16: the scaler may have skipped every step, and left some parameters without state
+            stepped = position.optimizer_steps > 0 and config.amp != "fp16"
+            zero.checkpoint.load(folder, parts.sync, chosen, stepped=stepped)
+    except (zero.checkpoint.CheckpointError, CheckpointException) as exc:
+        raise usage_error(exc, folder) from None
+
+
+def load_whole(parts: Parts, folder: str, chosen: list[torch.optim.Optimizer], position: Position) -> None:
+    """ddp (and its --zero 1, ZeroRedundancyOptimizer) from a folder: every rank reads the whole model and optimizer
+    state, as it holds them, and loads them as last.pt's; the optimizer's numbered as torch.optim numbers it."""
+    whole = zero.checkpoint.read_whole(folder, ("model", "optimizer") if chosen else ("model",))
+    numbered = [numbered_state(whole.get("optimizer", {}), parts.model, optimizer, folder) for optimizer in chosen]
+    for state in numbered:
+        check_optimizer_state(state, folder, parts.config, position)
+    try:
+        parts.sync.load_model_state_dict(whole["model"])
+    except RuntimeError as exc:
+        raise UsageError(f"checkpoint {folder} does not fit --model {parts.config.model}: "
+                         f"{str(exc).splitlines()[0]}") from None
+    for optimizer, state in zip(chosen, numbered):
+        optimizer.load_state_dict(state)
+
+
+def numbered_state(saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   folder: str) -> dict[str, Any]:
+    """A folder's optimizer state (get_state_dict's form: by parameter name, the groups' "params" names) as
+    ``optimizer``'s state_dict numbers it: its parameters group by group, each group matched by its names."""
+    names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter under its first name
+    number: dict[str, int] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        members = [names[id(p)] for p in group["params"]]
+        saved_group = next((g for g in saved.get("param_groups", []) if set(g["params"]) == set(members)), None)
+        if saved_group is None:
+            raise UsageError(f"checkpoint {folder} cannot resume this run: none of its optimizer's parameter groups "
+                             f"holds {members[0]} and the {len(members) - 1} others of a group of this run")
+        groups.append({**saved_group, "params": [number.setdefault(name, len(number)) for name in members]})
+    state = {number[name]: entry for name, entry in saved.get("state", {}).items() if name in number}
+    return {"state": state, "param_groups": groups}
+
+
 def outer_state(parts: Parts, replica: dict[str, Any]) -> dict[str, Any]:
     """This rank's outer state in its replica's entry (--zero 3: its place's shard's)."""
     return replica["outer"][parts.ctx.rank % parts.replica_size] if parts.config.zero == 3 else replica["outer"]
@@ -234,48 +561,3 @@ def check_optimizer_state(state: dict[str, Any], path: str, config: Config, posi
     if problem:
         raise UsageError(f"checkpoint {path} cannot resume this run: its optimizer state is incomplete ({problem}); "
                          f"resume from another checkpoint, or start afresh in an empty --checkpoint-dir")
-
-
-def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
-    """Position, finished epochs and this rank's sums of the current epoch, from DIR/last.pt if there is one (with
-    --eval-only: its weights alone)."""
-    config, path = parts.config, path_of(parts.config)
-    state = load_on_rank0(path) if path else None
-    if state is None:
-        return Position(), [], list(NO_SUMS)
-    position = Position(optimizer_steps=state["optimizer_steps"], micro_batches=state["micro_batches_total"])
-    if config.eval_only:
-        try:
-            if parts.outer is not None and "replicas" in state:  # the shared point is what validation evaluates
-                parts.outer.load_state_dict(outer_state(parts, state["replicas"][parts.replica]))
-            parts.sync.load_model_state_dict(state["model"])
-        except RuntimeError as exc:
-            raise UsageError(f"checkpoint {path} does not fit --model {config.model}: "
-                             f"{str(exc).splitlines()[0]}") from None
-        return position, list(state["history"]), list(NO_SUMS)
-    world_size = parts.ctx.world_size
-    check_compatible(state, trajectory(parts), path, config, world_size)
-    replica = state["replicas"][parts.replica] if parts.outer is not None else state  # its own weights, optimizer
-    parts.sync.load_model_state_dict(replica["model"])
-    check_optimizer_state(replica["optimizer"], path, config, position)
-    parts.optimizer.load_state_dict(replica["optimizer"])
-    if parts.outer is not None:
-        parts.outer.load_state_dict(outer_state(parts, replica))
-    if parts.scheduler is not None:
-        parts.scheduler.load_state_dict(state["scheduler"])
-    parts.scaler.load_state_dict(state["scaler"])
-    position.epoch, position.micro_batch = state["epoch"], state["micro_batch"]
-    utils.print0(f"resuming from {path}: epoch {position.epoch + 1}, micro-batch {position.micro_batch}, "
-                 f"optimizer step {position.optimizer_steps}")
-    saved_sums = state["epoch_sums"] if position.micro_batch else [NO_SUMS] * state["world_size"]
-    if state["world_size"] == world_size:
-        return position, list(state["history"]), list(saved_sums[parts.ctx.rank])
-    # Another number of processes, the same global batch: the same samples in the same micro-batches, split
-    # differently. The epoch's figures are sums over ranks, so rank 0 carries them all on.
-    reasons = split_dependent(config)
-    if reasons:
-        utils.print0(f"note: resuming a run of {state['world_size']} processes on {world_size}: with "
-                     f"{' and '.join(reasons)} the weights depend on the split, so they will differ from an "
-                     f"uninterrupted run's")
-    totals = [sum(column) for column in zip(*saved_sums)]
-    return position, list(state["history"]), totals if parts.ctx.rank == 0 else list(NO_SUMS)

@@ -193,12 +193,18 @@ class Config:
     seed: int = flag(0, type=int, help="every random draw derives from it (and the position in the run)")
     deterministic: bool = flag(False, help="deterministic CUDA kernels, so that bit-for-bit resume holds on a GPU "
                                            "too (slower)")
-    checkpoint_dir: str | None = flag(None, help="DIR/last.pt is written by rank 0 and resumed from when present")
+    checkpoint_dir: str | None = flag(None, metavar="DIR",
+                                      help="checkpoints, resumed from when present (either format, at any --zero, "
+                                           "--grad-sync and number of processes that keeps the global batch): at "
+                                           "custom --zero 1-3 and fsdp, when every rank sees DIR, sharded "
+                                           "torch.distributed.checkpoint folders DIR/step-N (each rank writes its "
+                                           "own shards; DIR/latest names the current one); otherwise DIR/last.pt, "
+                                           "written by rank 0 (the model and optimizer gathered to it)")
     checkpoint_every: int = flag(0, type=int, help="also checkpoint every N optimizer steps (0: epoch ends)")
-    eval_only: bool = flag(False, help="evaluate DIR/last.pt (or the fresh model) and exit")
+    eval_only: bool = flag(False, help="evaluate --checkpoint-dir's checkpoint (or the fresh model) and exit")
     generate: int | None = flag(None, type=int, metavar="N",
-                                help="print N bytes sampled from the GPT in --checkpoint-dir's last.pt after --prompt, "
-                                     "and exit")
+                                help="print N bytes sampled from the GPT of --checkpoint-dir's checkpoint after "
+                                     "--prompt, and exit")
     prompt: str = flag("", help="--generate: the text to continue (default: the start of a file)")
     temperature: float = flag(0.8, type=float, help="--generate: logits are divided by it before sampling")
     top_k: int | None = flag(None, type=int, help="--generate: sample among the K likeliest bytes only")
@@ -310,7 +316,7 @@ def check_recipe_flags(given: argparse.Namespace) -> None:
         raise UsageError(f"--min-lr {given.min_lr} is above --lr {given.lr}")
     if given.generate is not None:
         if given.generate < 1 or given.checkpoint_dir is None:
-            raise UsageError("--generate N takes N >= 1 and --checkpoint-dir (the run whose last.pt to sample)")
+            raise UsageError("--generate N takes N >= 1 and --checkpoint-dir (the run whose checkpoint to sample)")
         if not given.temperature > 0 or (given.top_k is not None and given.top_k < 1):
             raise UsageError(f"--temperature must be positive and --top-k at least 1, got {given.temperature} and "
                              f"{given.top_k}")

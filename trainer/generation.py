@@ -1,29 +1,28 @@
 """A sample from a trained GPT: --generate N continues --prompt by N bytes with the GPT of --checkpoint-dir's
-last.pt (no process group: rank 0 samples alone)."""
+checkpoint, last.pt or a sharded run's folder (no process group: rank 0 samples alone)."""
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import torch
 from tqdm import tqdm
 
 from models import GPT, LANGUAGE_MODELS
-from trainer.checkpoint import read_checkpoint
+from trainer.checkpoint import read_alone
 from trainer.config import Config
 from utils import UsageError
 
 
 @torch.no_grad()
 def generate(config: Config) -> bytes:
-    """--generate N: the GPT of --checkpoint-dir's last.pt continues --prompt by N bytes, each drawn from its
+    """--generate N: the GPT of --checkpoint-dir's checkpoint continues --prompt by N bytes, each drawn from its
     softmax(logits / --temperature) (among the --top-k likeliest), on the CPU with a generator seeded by --seed.
     The text set ends every file with a 0 byte, so an empty prompt starts from that: the beginning of a file."""
-    path = os.path.join(config.checkpoint_dir, "last.pt")
-    if not os.path.exists(path):
-        raise UsageError(f"--generate: no checkpoint at {path}")
-    state = read_checkpoint(path)
+    found = read_alone(config.checkpoint_dir)
+    if found is None:
+        raise UsageError(f"--generate: no checkpoint in {config.checkpoint_dir} (neither last.pt nor latest)")
+    path, state = found[0].path, found[1]
     record = state["config"]  # the run's trajectory: its GPT's shape included
     if record.get("model") not in LANGUAGE_MODELS:
         raise UsageError(f"--generate: {path} holds a {record.get('model')}, not a GPT trained on --dataset text")

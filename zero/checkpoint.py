@@ -3,6 +3,8 @@ own shards and reads only what its shards overlap, and FSDP2 reads ours as we re
 
     zero.checkpoint.save(path, sharded, optimizer, extra=None)   # every rank of the group; optimizer: one, a list, None
     extra = zero.checkpoint.load(path, sharded, optimizer)        # every rank; any stage 0-3, W, replicate_group
+    extra = zero.checkpoint.read_extra(path)                      # one process: the extra alone, before a load
+    whole = zero.checkpoint.read_whole(path, ("model",))          # whole tensors: for programs that keep them whole
 
 Why: the whole state dicts (``sharded.model_state_dict()``, ``optimizer.state_dict()``) gather 12 Psi bytes (AdamW)
 on rank 0 and hand the whole of them to every rank on resume; this writes 12 Psi / W per rank and reads as much.
@@ -61,6 +63,12 @@ verdict] says how no rank is left in a collective another has left. A save write
 .metadata last (DCP's coordinator, after every rank's data): one cut short leaves a torn folder, which load
 refuses; save each checkpoint to a fresh folder and rename it, for one that is always whole.
 
+Two readers serve what is not a zero.shard stage. ``read_extra`` reads the extra alone, in this process (no
+collective): a trainer looks at its position and configuration before it decides to load. ``read_whole`` reads
+parts of the state dict whole, every tensor in its global shape (what ``dcp_to_torch_save`` gives, in memory), for
+programs that keep the whole model on every rank anyway (DDP, ZeroRedundancyOptimizer, a sampler), by every rank
+of a group together or by one process alone.
+
 Two of DCP's helpers come from private modules (``_nested_dict.flatten_state_dict``, ``_traverse.set_element``):
 they are the flattening DCP's own planners and ``dcp_to_torch_save`` use, so the keys and the rebuilt structure are
 DCP's by construction.
@@ -69,6 +77,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, NamedTuple
@@ -93,8 +102,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from gradsync import Bucket, GradientSync
 from zero.optimizer import state_kinds
 
-__all__ = ["save", "load", "CheckpointError", "Piece", "Shards", "flat_pieces", "memory_order", "range_boxes",
-           "layout_boxes", "ShardSavePlanner", "ShardLoadPlanner"]
+__all__ = ["save", "load", "read_extra", "read_whole", "encode_extra", "one_line", "CheckpointError", "Piece", "Shards",
+           "flat_pieces", "memory_order", "range_boxes", "layout_boxes", "ShardSavePlanner", "ShardLoadPlanner"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes), one per dimension
 
@@ -524,6 +533,7 @@ def agree(problem: str | None, group: dist.ProcessGroup | None) -> str | None:
 
 
 def one_line(error: BaseException) -> str:
+    """An exception in one line: DCP's CheckpointException (every failed rank's traceback) as its first failure."""
     if isinstance(error, CheckpointException):  # DCP's, with every failed rank's traceback
         failures = list(error.failures.values())
         if failures:
@@ -615,10 +625,11 @@ def group_kinds(slots_: list[Slot]) -> dict[tuple[int, int], dict[str, bool]]:
 
 
 def optimizer_problem(metadata: Metadata, slots_: list[Slot], kinds: dict[tuple[int, int], dict[str, bool]],
-                      group_count: int, sharded_optimizer: bool) -> str | None:
+                      group_count: int, sharded_optimizer: bool, stepped: bool = False) -> str | None:
     """An optimizer state of another kind, from the metadata: keys not the ones the optimizer keeps, element-wise
     state of another shape, state of parameters it does not step, another number of parameter groups; at stages
-    1-3 also a group with state for some parameters and not others (a run steps a group's parameters together)."""
+    1-3 also a group with state for some parameters and not others (a run steps a group's parameters together);
+    with ``stepped``, a parameter without state."""
     state, groups, odd = saved_optimizer(metadata)
     if not state and not groups:
         return "it holds no optimizer state (saved without an optimizer)"
@@ -628,6 +639,10 @@ def optimizer_problem(metadata: Metadata, slots_: list[Slot], kinds: dict[tuple[
     strangers = set(state) - set(ours)
     if strangers:
         return f"its optimizer state holds {listed(strangers)}, which these optimizers do not step"
+    stateless = [slot.name for slot in slots_ if slot.name not in state]
+    if stepped and stateless:
+        return (f"its optimizer state is incomplete: {listed(stateless)} ({len(stateless)} of {len(slots_)} "
+                f"parameters) have none, and the run that saved it had stepped every parameter")
     for slot in slots_:
         saved = state.get(slot.name)
         if saved is None:
@@ -735,13 +750,15 @@ def save(path: str | os.PathLike, sharded: Any, optimizer: Any, extra: Any = Non
         raise CheckpointError(f"zero.checkpoint.save: checkpoint {path}: {one_line(error)}") from None
 
 
-def load(path: str | os.PathLike, sharded: Any, optimizer: Any) -> Any:
+def load(path: str | os.PathLike, sharded: Any, optimizer: Any, stepped: bool = False) -> Any:
     """Read a checkpoint of this format (ours from any stage 0-3, world size and replicate_group, or FSDP2's) into
     ``sharded``'s model and ``optimizer``'s state (one, a list, or None: the model alone), every rank only what
     its shards overlap; return the saved extra (None if absent). Every rank of the group calls it. After it the
     model is ready to train: stages 1-2 gather the weights whole again, stage 3 holds no unit gathered before, and
     the optimizer has the checkpoint's state and hyperparameters (as torch.optim's load_state_dict restores them),
-    whether or not it had stepped.
+    whether or not it had stepped. ``stepped``: the caller knows that the saved optimizers had stepped every
+    parameter (a trainer, from its position), so a parameter without state is refused too (a checkpoint cut short
+    of its state), where by default it is taken as not stepped yet.
 
     [Note: two reads] The checks that need only the metadata run first, on every rank, and their verdict is
     agreed; then DCP reads the small things (param_groups, step counts, extra), which the parameter groups and
@@ -758,7 +775,7 @@ def load(path: str | os.PathLike, sharded: Any, optimizer: Any) -> Any:
     if metadata is not None:
         problem = model_problem(metadata, sharded.model)
         if problem is None and optimizers:
-            problem = optimizer_problem(metadata, slots_, kinds, group_count, sharded_optimizer)
+            problem = optimizer_problem(metadata, slots_, kinds, group_count, sharded_optimizer, stepped)
     problem = agree(f"checkpoint {path}: {problem}" if problem else None, group)
     if problem:
         raise CheckpointError(f"zero.checkpoint.load: {problem}")
@@ -812,6 +829,50 @@ def small_entries(metadata: Metadata, with_optimizer: bool) -> dict[str, Any]:
         if path[0] == "extra" or (with_optimizer and path[0] == "optimizer" and (not tensor or len(md.size) == 0)):
             set_element(small, path, torch.empty(md.size, dtype=md.properties.dtype) if tensor else None)
     return small
+
+
+def read_extra(path: str | os.PathLike) -> Any:
+    """The saved extra alone (None if absent), read by this process alone, with no collective: what a caller looks
+    at (its position, its configuration) before it decides to load. A folder that is not a checkpoint or is torn is
+    refused in one line naming it (CheckpointError), as load refuses it."""
+    return read_whole(path, ("extra",), alone=True).get("extra")
+
+
+def read_whole(path: str | os.PathLike, parts: Iterable[str] = ("model", "optimizer", "extra"),
+               group: dist.ProcessGroup | None = None, alone: bool = False) -> dict[str, Any]:
+    """The saved state dict's ``parts`` ("model", "optimizer", "extra"), each tensor whole, in its global shape, on
+    the CPU: {"model": {name: tensor}, "optimizer": {"state": {name: {key: value}}, "param_groups": [...]},
+    "extra": ...}, what dcp_to_torch_save would write (the parts the checkpoint lacks are left out). For programs
+    that hold the whole model on every rank anyway (DDP, ZeroRedundancyOptimizer, a sampler), so every tensor of
+    those parts is read by every rank. Every rank of ``group`` calls it, and a folder one of them cannot read is
+    refused on all alike ([Note: the same verdict]); ``alone``: this process alone, with no collective (no process
+    group needed)."""
+    path, parts = os.fspath(path), tuple(parts)
+    metadata, problem = read_folder(path)
+    if not alone:
+        problem = agree(f"checkpoint {path}: {problem}" if problem else None, group)
+    elif problem:
+        problem = f"checkpoint {path}: {problem}"
+    if problem:
+        raise CheckpointError(f"zero.checkpoint.read_whole: {problem}")
+    state: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        where = metadata.planner_data.get(key, (key,))
+        if where[0] in parts:
+            tensor = isinstance(md, TensorStorageMetadata)
+            set_element(state, where, torch.empty(md.size, dtype=md.properties.dtype) if tensor else None)
+    if state:
+        try:
+            with warnings.catch_warnings():  # dcp.load warns that it reads in one process: what alone asks for
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(state, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(),
+                         process_group=group, no_dist=alone)
+        except CheckpointException as error:
+            raise CheckpointError(f"zero.checkpoint.read_whole: checkpoint {path} cannot be read: "
+                                  f"{one_line(error)}") from None
+    if "extra" in state:
+        state["extra"] = decode_extra(state["extra"])
+    return state
 
 
 def sharded_destinations(sharded: Any, optimizer: torch.optim.Optimizer, layout: dict[str, dict[str, Any]],

@@ -1,0 +1,164 @@
+"""The trainer's sharded checkpoints (trainer/checkpoint.py), on the tiny GPT in float64: saved at --zero 3 on 4
+processes as a torch.distributed.checkpoint folder (every rank its own shards), resumed at --zero 1, by FSDP2 and by
+DDP on 2 processes with --batch-size doubled (the same global batch), each ending where an uninterrupted run ends;
+last.pt still resuming at a sharded sync (which then writes folders); --eval-only and --generate reading a folder;
+a torn folder and a changed configuration refused in one line on every rank.
+
+Why 1e-10 in float64 (test_language_model.py's argument): the legs differ from the uninterrupted run (--zero 0 on
+2 processes) only in the order of their sums (stage 3 averages each micro-batch over 4 ranks, stage 0 adds 2 ranks'
+windows), a few units of 2^-53 (1e-16) relative per step, which AdamW carries at the same relative size into an
+update of about lr = 1e-2: after 4 steps some 1e-15 to 1e-13. A real error (a shard read into another's place, a
+moment or a step count lost, a step at the wrong learning rate, the sums of the epoch under way dropped) moves the
+weights at first order, by about lr x O(0.1) = 1e-3, seven orders above the bound.
+"""
+import os
+import random
+import shutil
+
+import pytest
+
+import ddp_cifar100 as trainer
+from trainer_testing import collect_all, main_in_group, max_difference, train_in_group
+
+WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
+
+
+def runs_in_group(rank, world_size, variants):
+    """Trainer runs in turn in one call of the group, {name: result}: "train" (train_in_group in float64: the
+    weights and metrics) or "main" (main_in_group: the exit code and what was printed). "{rank}" in an argument
+    becomes the rank's number (a folder of each rank's own: nodes that share none)."""
+    out = {}
+    for name, how, argv in variants:
+        argv = [argument.replace("{rank}", str(rank)) for argument in argv]
+        out[name] = train_in_group(rank, world_size, argv, "float64") if how == "train" else main_in_group(
+            rank, world_size, argv)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Ten files of whole words, 400-800 bytes each: both splits hold several."""
+    root, rng = tmp_path_factory.mktemp("corpus"), random.Random(7)
+    for i in range(10):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160)))
+        (root / f"doc{i}.py").write_text(text)
+    return root
+
+
+def argv_of(corpus, batch_size, *flags):
+    """4 steps of AdamW on 16 windows of 16 bytes (--batch-size x 2 micro-batches x processes)."""
+    return ["--device", "cpu", "--dataset", "text", "--model", "gpt-tiny", "--context", "16", "--val-fraction",
+            "0.3", "--data-dir", str(corpus), "--batch-size", str(batch_size), "--grad-accum", "2", "--epochs", "1",
+            "--seed", "5", "--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--timeout", "120",
+            *flags]
+
+
+@pytest.fixture(scope="module")
+def runs(local_group, corpus, tmp_path_factory):
+    """Saved at --zero 3 on 4 processes after 2 steps (and, meanwhile on 2, the uninterrupted run and a last.pt
+    after 2 steps); then each resume on 2 processes in its own copy of the folder, in one call."""
+    root = tmp_path_factory.mktemp("dcp")
+    saved, file = root / "saved", root / "file"
+    pending = {
+        "saved": local_group(4).submit(train_in_group, argv_of(corpus, 2, "--zero", "3", "--max-steps", "2",
+                                                               "--checkpoint-dir", str(saved)), "float64"),
+        "two": local_group(2).submit(runs_in_group, [
+            ("uninterrupted", "train", argv_of(corpus, 4, "--max-steps", "4")),
+            ("file", "train", argv_of(corpus, 4, "--max-steps", "2", "--checkpoint-dir", str(file)))])}
+    first = collect_all(pending)
+    listing = {"saved": sorted(os.listdir(saved)), "folder": sorted(os.listdir(saved / "step-2")),
+               "file": sorted(os.listdir(file))}
+    for name in ("zero 1", "fsdp", "ddp", "eval", "torn", "changed"):
+        shutil.copytree(saved, root / name)
+    (root / "zero 1" / "step-4.partial").mkdir()  # a save cut short, of 4 ranks: removed when the next run starts
+    (root / "zero 1" / "step-4.partial" / "__3_0.distcp").write_bytes(b"half")
+    os.remove(root / "torn" / "step-2" / "__1_0.distcp")
+    resumed = {name: argv_of(corpus, 4, *flags, "--max-steps", "4", "--checkpoint-dir", str(root / directory))
+               for name, directory, flags in (("zero 1", "zero 1", ["--zero", "1"]),
+                                              ("fsdp", "fsdp", ["--grad-sync", "fsdp", "--zero", "3"]),
+                                              ("ddp", "ddp", ["--grad-sync", "ddp"]),
+                                              ("zero 3 from last.pt", "file", ["--zero", "3"]),
+                                              ("eval", "eval", ["--eval-only"]),
+                                              ("torn", "torn", ["--zero", "1"]),
+                                              ("changed", "changed", ["--zero", "1", "--lr", "0.02"]))}
+    refusals = {name: resumed.pop(name) for name in ("torn", "changed")}
+    resumed["not shared"] = argv_of(corpus, 4, "--zero", "3", "--max-steps", "1", "--checkpoint-dir",
+                                    str(root / "not shared {rank}"))
+    second = local_group(2).run(runs_in_group, [(name, "train", argv) for name, argv in resumed.items()])
+    refused = local_group(2).run(runs_in_group, [(name, "main", argv) for name, argv in refusals.items()])
+    return {"saved": first["saved"], "two": first["two"], "resumed": second, "refused": refused, "root": root,
+            "listing": listing}
+
+
+@pytest.mark.parametrize("name", ["zero 1", "fsdp", "ddp", "zero 3 from last.pt"])
+def test_resumed_on_2_processes_ends_where_the_uninterrupted_run_ends(runs, name):
+    reference = runs["two"][0]["uninterrupted"]
+    ranks = runs["resumed"]
+    run = ranks[0][name]
+    assert run["metrics"]["optimizer_steps"] == reference["metrics"]["optimizer_steps"] == 4
+    assert max_difference(run["state"], ranks[1][name]["state"]) == 0  # whole on both ranks alike
+    worst = max_difference(reference["state"], run["state"])
+    saved_at = "by --zero 0 as last.pt" if name.endswith("last.pt") else "at --zero 3 on 4"
+    print(f"\nsaved {saved_at} after 2 steps, resumed {name} on 2 to step 4, vs uninterrupted (float64): max |dw| = "
+          f"{worst:.1e}")
+    assert worst < 1e-10
+    assert run["metrics"]["fingerprint"] == reference["metrics"]["fingerprint"]  # the run's record, kept
+    assert run["metrics"]["val_loss"] == pytest.approx(reference["metrics"]["val_loss"], rel=1e-10)
+    assert run["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-10)
+
+
+def test_every_rank_writes_its_own_shards_into_a_folder_made_current_by_latest(runs):
+    """The folder of the save at --zero 3 on 4: a data file per rank, each about a quarter of the bytes (no rank
+    gathered the model), beside DCP's .metadata; DIR/latest names it; no last.pt, no marker left."""
+    listing, root = runs["listing"], runs["root"]
+    assert listing["saved"] == ["latest", "step-2"]
+    assert (root / "saved" / "latest").read_text() == "step-2\n"
+    assert listing["folder"] == [".metadata"] + [f"__{rank}_0.distcp" for rank in range(4)]
+    sizes = [os.path.getsize(root / "saved" / "step-2" / f"__{rank}_0.distcp") for rank in range(4)]
+    assert max(sizes) < 0.35 * sum(sizes), sizes
+    assert listing["file"] == ["last.pt"]  # --zero 0 keeps the single file
+
+
+def test_nodes_that_share_no_folder_keep_the_single_file(runs):
+    """Each rank given a folder of its own (two nodes without a shared file system): rank 0 writes last.pt in its
+    own, the model and the optimizer gathered to it, and rank 1 writes nothing."""
+    assert sorted(os.listdir(runs["root"] / "not shared 0")) == ["last.pt"]
+    assert not os.path.exists(runs["root"] / "not shared 1")
+
+
+def test_what_a_save_supersedes_is_removed(runs):
+    """After the resumes: the new folder alone (the older one, a last.pt removed), with nothing of a save cut short
+    under its name."""
+    root = runs["root"]
+    for directory in ("zero 1", "fsdp", "file"):
+        assert sorted(os.listdir(root / directory)) == ["latest", "step-4"], directory
+        assert sorted(os.listdir(root / directory / "step-4")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(root / "ddp")) == ["last.pt"]  # ddp writes the file, and removes the folders
+
+
+def test_eval_only_evaluates_the_folder_at_zero_0(runs):
+    """--eval-only at --zero 0 (zero.shard's stage 0 reading the folder) gives the saved run's last validation."""
+    evaluated, saved = runs["resumed"][0]["eval"], runs["saved"][0]
+    assert max_difference(evaluated["state"], saved["state"]) == 0
+    assert evaluated["metrics"]["val_loss"] == pytest.approx(saved["metrics"]["val_loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize("name,phrase", [
+    ("torn", "step-2: torn: data file __1_0.distcp named by its .metadata is missing"),
+    ("changed", "step-2 is from another configuration (lr 0.01 != 0.02)"),
+])
+def test_a_torn_folder_and_another_configuration_are_refused_in_one_line_on_every_rank(runs, name, phrase):
+    results = [rank[name] for rank in runs["refused"]]
+    assert [result["code"] for result in results] == [2, 2]
+    err = results[0]["stderr"]
+    assert err.startswith("ddp_cifar100.py: error: checkpoint ") and err.count("\n") == 1, err
+    assert str(runs["root"] / name / phrase) in err, err
+    assert results[1]["stderr"] == ""  # rank 0 speaks for all
+
+
+def test_generate_samples_from_a_folder(runs, capsysbinary):
+    """--generate (one process, no group) rebuilds the GPT from the folder's record and whole weights."""
+    argv = ["--checkpoint-dir", str(runs["root"] / "saved"), "--generate", "12", "--prompt", "def ", "--top-k", "1"]
+    assert trainer.main(argv) == 0
+    out = capsysbinary.readouterr().out
+    assert out.startswith(b"def ") and len(out) == 4 + 12 + 1, out
