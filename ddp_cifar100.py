@@ -67,7 +67,7 @@ def train(config: Config) -> dict[str, Any]:
     parts = build(config)  # process group, data, model, sync, optimizer, schedule, scaler
     meter = Meter(parts)  # step times, --log-every's window, TensorBoard
     try:
-        # resume from DIR/last.pt when there is one; say what runs; start --profile's window
+        # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpoint.restore(parts)
         meter.start(position)
         epoch, final = None, None

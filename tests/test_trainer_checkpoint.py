@@ -2,7 +2,8 @@
 processes as a torch.distributed.checkpoint folder (every rank its own shards), resumed at --zero 1, by FSDP2 and by
 DDP on 2 processes with --batch-size doubled (the same global batch), each ending where an uninterrupted run ends;
 last.pt still resuming at a sharded sync (which then writes folders); --eval-only and --generate reading a folder;
-a torn folder and a changed configuration refused in one line on every rank.
+nodes that share no folder keeping last.pt; a torn folder, a changed configuration and diloco (whose replicas' state
+a folder lacks) refused in one line on every rank.
 
 Why 1e-10 in float64 (test_language_model.py's argument): the legs differ from the uninterrupted run (--zero 0 on
 2 processes) only in the order of their sums (stage 3 averages each micro-batch over 4 ranks, stage 0 adds 2 ranks'
@@ -68,7 +69,7 @@ def runs(local_group, corpus, tmp_path_factory):
     first = collect_all(pending)
     listing = {"saved": sorted(os.listdir(saved)), "folder": sorted(os.listdir(saved / "step-2")),
                "file": sorted(os.listdir(file))}
-    for name in ("zero 1", "fsdp", "ddp", "eval", "torn", "changed"):
+    for name in ("zero 1", "fsdp", "ddp", "eval", "torn", "changed", "diloco"):
         shutil.copytree(saved, root / name)
     (root / "zero 1" / "step-4.partial").mkdir()  # a save cut short, of 4 ranks: removed when the next run starts
     (root / "zero 1" / "step-4.partial" / "__3_0.distcp").write_bytes(b"half")
@@ -80,8 +81,9 @@ def runs(local_group, corpus, tmp_path_factory):
                                               ("zero 3 from last.pt", "file", ["--zero", "3"]),
                                               ("eval", "eval", ["--eval-only"]),
                                               ("torn", "torn", ["--zero", "1"]),
-                                              ("changed", "changed", ["--zero", "1", "--lr", "0.02"]))}
-    refusals = {name: resumed.pop(name) for name in ("torn", "changed")}
+                                              ("changed", "changed", ["--zero", "1", "--lr", "0.02"]),
+                                              ("diloco", "diloco", ["--grad-sync", "diloco"]))}
+    refusals = {name: resumed.pop(name) for name in ("torn", "changed", "diloco")}
     resumed["not shared"] = argv_of(corpus, 4, "--zero", "3", "--max-steps", "1", "--checkpoint-dir",
                                     str(root / "not shared {rank}"))
     second = local_group(2).run(runs_in_group, [(name, "train", argv) for name, argv in resumed.items()])
@@ -146,8 +148,10 @@ def test_eval_only_evaluates_the_folder_at_zero_0(runs):
 @pytest.mark.parametrize("name,phrase", [
     ("torn", "step-2: torn: data file __1_0.distcp named by its .metadata is missing"),
     ("changed", "step-2 is from another configuration (lr 0.01 != 0.02)"),
+    ("diloco", "step-2 is a folder of --grad-sync custom --zero 1-3 or fsdp; --grad-sync diloco keeps each "
+               "replica's own weights and outer state, which it does not hold"),
 ])
-def test_a_torn_folder_and_another_configuration_are_refused_in_one_line_on_every_rank(runs, name, phrase):
+def test_a_torn_folder_another_configuration_and_diloco_are_refused_in_one_line_on_every_rank(runs, name, phrase):
     results = [rank[name] for rank in runs["refused"]]
     assert [result["code"] for result in results] == [2, 2]
     err = results[0]["stderr"]
