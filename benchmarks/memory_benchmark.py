@@ -92,8 +92,10 @@ def build(row: str, model_name: str, context: int) -> tuple[Any, Any, Any]:
         else:
             sync = zero.shard(model, int(row[-1]), models.blocks(model) if row == "stage3" else None,
                               init=models.initializer(model))
-    optimizer = sync.optimizer(torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    return model, sync, optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    if row == "fsdp3":  # a plain one over the DTensors, as FSDP2's users build it (get_state_dict reads its state)
+        return model, sync, torch.optim.AdamW(params, lr=1e-4)
+    return model, sync, sync.optimizer(torch.optim.AdamW, params, lr=1e-4)
 
 
 def step(model: Any, optimizer: Any, tokens: torch.Tensor) -> None:
@@ -193,11 +195,13 @@ def run_row(row: str, world_size: int, pinned: bool, args: argparse.Namespace) -
             p.start()
         out: list[Any] = [None] * world_size
         deadline = time.monotonic() + args.timeout
-        for _ in range(world_size):
+        while any(figures is None for figures in out) and time.monotonic() < deadline:
             try:
-                rank, figures = results.get(timeout=max(1.0, deadline - time.monotonic()))
+                rank, figures = results.get(timeout=1.0)
             except queue.Empty:
-                break
+                if any(p.exitcode not in (None, 0) for p in procs):  # a rank died: its peers wait in vain
+                    break
+                continue
             out[rank] = figures
         for p in procs:
             p.join(timeout=30)
