@@ -294,11 +294,15 @@ class ZeroStage2(ShardedStage, BucketedSync):
         super().__init__(model, bucketed, comm, chunks=comm.size)
         self.precision, self.replicas = precision, replicas
         self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, self.own_shards, deferred)
-        self.grads = [torch.zeros(b.length // comm.size, dtype=precision.master, device=b.device)
-                      for b in self.buckets]
+        # [Note: gradient shards] grads[b], this rank's accumulated gradient of bucket b: made by the first
+        # reduce-scatter of a window to land, and dropped at the next forward once zero_grad() has let go of it
+        # (as FSDP2's sharded gradients are), so no rank holds the 4 Psi / W of gradients from the step to the
+        # next backward's end; the buckets that hold no parameter keep their empty one
+        self.grads: list[torch.Tensor | None] = [torch.zeros(b.length // comm.size, dtype=precision.master,
+                                                             device=b.device) for b in self.buckets]
         self._start_sharded()
         self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
-                                       self._after_step)
+                                       self._after_step, lazy_gradients=True)
         self.hooks.append(self.shards.hook)
         self.optimizer, self.clip_grad_norm_ = self.shards.optimizer, self.shards.clip_grad_norm_  # the part's
         for p in self.params:
@@ -350,7 +354,12 @@ class ZeroStage2(ShardedStage, BucketedSync):
     def _land_oldest(self) -> None:
         bucket, buffer = self.in_flight.pop(0)
         self._wait([bucket], f"{self.collective} wait")
-        self.grads[bucket.index].add_(self.comm.chunk(buffer[:bucket.length]))
+        chunk = self.comm.chunk(buffer[:bucket.length])
+        if self.grads[bucket.index] is None:  # the window's first ([Note: gradient shards])
+            self.grads[bucket.index] = chunk.to(self.precision.master, copy=True)
+            self.shards.attach_gradients(bucket)
+        else:
+            self.grads[bucket.index].add_(chunk)
         self._release(buffer)
 
     def _release(self, buffer: torch.Tensor) -> None:
@@ -369,7 +378,8 @@ class ZeroStage2(ShardedStage, BucketedSync):
             self._average_over_replicas(self.grads)
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
-        return self.grads + self.pool + list(self.filling.values()) + [buffer for _, buffer in self.in_flight]
+        return ([g for g in self.grads if g is not None] + self.pool + list(self.filling.values())
+                + [buffer for _, buffer in self.in_flight])
 
 
 class UnitState(enum.Enum):

@@ -238,12 +238,13 @@ class ShardedOptimizer:
     """
 
     def __init__(self, stage: int, buckets: list[Bucket], names: dict[int, str], comm: Collectives,
-                 weights: list[torch.Tensor], grads: list[torch.Tensor],
-                 after_step: Callable[[list[Bucket]], None]):
+                 weights: list[torch.Tensor], grads: list[torch.Tensor | None],
+                 after_step: Callable[[list[Bucket]], None], lazy_gradients: bool = False):
         self.stage, self.buckets, self.names, self.comm = stage, buckets, names, comm
         self.rank, self.world_size = comm.rank, comm.size
         self.bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
-        self.weights, self.grads = weights, grads
+        self.weights, self.grads = weights, grads  # grads: the stage's list; None where a shard is dropped
+        self.lazy_gradients = lazy_gradients  # stages 2-3 ([Note: gradient shards]); stage 1's are the flats
         self.after_step = after_step  # given the buckets a step updated ([Note: after the step])
         self.layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, Layout] = weakref.WeakKeyDictionary()
         self.loading_runs: set[int] = set()  # id() of an optimizer loading its runs' own state (load_run_state)
@@ -323,17 +324,30 @@ class ShardedOptimizer:
 
     def before_forward(self) -> None:
         """Before each forward: the buckets still waiting for an optimizer's step finished ([Note: several
-        optimizers]), and each run's .grad its view of the gradient shard, put back, zeroed, where zero_grad() set
-        it to None."""
+        optimizers]); with ``lazy_gradients``, each gradient shard whose runs all had their .grad set to None by
+        zero_grad() dropped (the next backward makes it anew: [Note: gradient shards]); and each run's .grad its
+        view of the gradient shard, put back, zeroed, where zero_grad() set it to None and the shard stays."""
         self.finish_steps()
+        if self.lazy_gradients:
+            for bucket in self.buckets:
+                runs = [run for layout in self.layouts.values() for run in layout.runs if run.bucket is bucket]
+                if runs and self.grads[bucket.index] is not None and all(run.param.grad is None for run in runs):
+                    self.grads[bucket.index] = None
         for optimizer, layout in self.layouts.items():
             for run in layout.runs:
-                if run.param.grad is None:
+                if run.param.grad is None and self.grads[run.bucket.index] is not None:
                     view = self._piece(self.grads, run)
                     view.zero_()
                     run.param.grad = view
             if isinstance(optimizer, PieceOptimizer):
                 optimizer.gradients_attached = True
+
+    def attach_gradients(self, bucket: Bucket) -> None:
+        """A gradient shard just made (lazy_gradients): the .grad of each run in it that has none, its view."""
+        for layout in self.layouts.values():
+            for run in layout.runs:
+                if run.bucket is bucket and run.param.grad is None:
+                    run.param.grad = self._piece(self.grads, run)
 
     def _stepped(self, layout: Layout) -> None:
         """After an optimizer's step ([Note: several optimizers]): its buckets marked stepped by it, and the
@@ -380,12 +394,13 @@ class ShardedOptimizer:
         max_norm / (norm + 1e-6), clamped to 1 (torch's formula). After the last backward of a window; under fp16
         after the scaler's unscale_(optimizer). Returns the total norm."""
         norm_type = float(norm_type)
-        total = total_norm(self.grads, norm_type, self.comm.group)
+        grads = [g for g in self.grads if g is not None]  # (lazy_gradients: a bucket no backward has reached)
+        total = total_norm(grads, norm_type, self.comm.group)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
                                f"clipped (error_if_nonfinite=True)")
         clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(self.grads, clip)
+        torch._foreach_mul_(grads, clip)
         return total
 
     # ------------------------------------------------------------------------------------------------------
