@@ -26,8 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "testdata", "trainer-checkpoint", "last.pt")
 
 # 40 images, micro-batches of 4, 2 per step: 5 steps an epoch; the fixture stopped at step 7 (epoch 2, micro-batch 4)
-FIXTURE_FLAGS = ["--device", "cpu", "--dataset", "imagefolder", "--image-size", "10", "--batch-size", "4",
-                 "--grad-accum", "2", "--epochs", "2", "--momentum", "0", "--seed", "0"]
+FIXTURE_FLAGS = ["--device", "--dataset", "--image-size", "--batch-size", "--grad-accum", "--epochs", "--momentum",
+         "--seed"]
 
 
 def fixture_argv(folder, checkpoint_dir, *extra):
@@ -106,7 +106,7 @@ FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--b
          "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--compile", "--compile-backend", "--context",
          "--data-dir", "--dataset", "--decay-steps", "--deterministic", "--device", "--dropout", "--epochs",
          "--eval-every", "--eval-only", "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help",
-         "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr", "--max-steps", "--metrics-out",
+         "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr", "--malloc-mmap-threshold", "--max-steps", "--metrics-out",
          "--min-lr", "--model", "--momentum", "--norm", "--norm-weight-decay", "--optimizer", "--outer-compress",
          "--outer-delay", "--outer-lr", "--outer-momentum", "--outer-optimizer", "--param-dtype", "--profile",
          "--profile-steps", "--prompt", "--reduce-dtype", "--replicas", "--scheduler", "--seed", "--sync-mode",
@@ -127,7 +127,8 @@ DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "min_lr": None, "decay_steps": None, "amp": "off", "device": "auto", "backend": "auto", "seed": 0,
     "deterministic": False, "checkpoint_dir": None, "checkpoint_every": 0, "eval_only": False, "generate": None,
     "prompt": "", "temperature": 0.8, "top_k": None, "log_dir": None, "log_every": 10, "profile": None,
-    "profile_steps": (3, 6), "metrics_out": None, "eval_every": 0, "timeout": 1800.0}
+    "profile_steps": (3, 6), "metrics_out": None, "eval_every": 0, "timeout": 1800.0,
+    "malloc_mmap_threshold": 128}
 DILOCO_DEFAULTS = {"local_steps": 50, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
                    "outer_compress": "none", "fragments": 1, "outer_delay": 0}
 PARSED = [  # argv, what differs from DEFAULTS after parsing

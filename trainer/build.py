@@ -70,6 +70,8 @@ class Parts:
 
 def build(config: Config) -> Parts:
     """Process group, data, model (same weights everywhere), gradient sync, optimizer, schedule and scaler."""
+    if config.malloc_mmap_threshold:  # before anything large is allocated (utils.pin_mmap_threshold)
+        utils.pin_mmap_threshold(config.malloc_mmap_threshold * 1024)
     try:
         ctx = utils.init_distributed(config.device, config.backend, config.timeout)
     except ValueError as exc:  # e.g. --device cuda on a machine without a GPU: before any collective
