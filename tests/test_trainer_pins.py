@@ -102,15 +102,15 @@ def test_a_checkpoint_written_before_the_rooms_resumes_exactly(image_folder, tmp
 # ----------------------------------------------------------------------------------------------------------
 # Every flag of --help, and what parsing makes of it
 # ----------------------------------------------------------------------------------------------------------
-FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--betas", "--bucket-mb", "--channels-last",
-         "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--compile", "--compile-backend", "--context",
-         "--data-dir", "--dataset", "--decay-steps", "--deterministic", "--device", "--dropout", "--epochs",
-         "--eval-every", "--eval-only", "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help",
-         "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr", "--malloc-mmap-threshold", "--max-steps", "--metrics-out",
-         "--min-lr", "--model", "--momentum", "--norm", "--norm-weight-decay", "--optimizer", "--outer-compress",
-         "--outer-delay", "--outer-lr", "--outer-momentum", "--outer-optimizer", "--param-dtype", "--profile",
-         "--profile-steps", "--prompt", "--reduce-dtype", "--replicas", "--scheduler", "--seed", "--sync-mode",
-         "--temperature", "--timeout", "--top-k",
+FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--betas",
+         "--bucket-mb", "--channels-last", "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--compile",
+         "--compile-backend", "--context", "--data-dir", "--dataset", "--decay-steps", "--deterministic", "--device",
+         "--dropout", "--epochs", "--eval-every", "--eval-only", "--fragments", "--generate", "--grad-accum",
+         "--grad-sync", "--help", "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr",
+         "--malloc-mmap-threshold", "--max-steps", "--metrics-out", "--min-lr", "--model", "--momentum", "--norm",
+         "--norm-weight-decay", "--optimizer", "--outer-compress", "--outer-delay", "--outer-lr", "--outer-momentum",
+         "--outer-optimizer", "--param-dtype", "--profile", "--profile-steps", "--prompt", "--reduce-dtype",
+         "--replicas", "--scheduler", "--seed", "--sync-mode", "--temperature", "--timeout", "--top-k",
          "--train-size", "--val-fraction", "--val-size", "--warmup-steps", "--weight-decay", "--workers", "--zero",
          "--zero3-accumulate"]
 
