@@ -26,8 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "testdata", "trainer-checkpoint", "last.pt")
 
 # 40 images, micro-batches of 4, 2 per step: 5 steps an epoch; the fixture stopped at step 7 (epoch 2, micro-batch 4)
-FIXTURE_FLAGS = ["--device", "--dataset", "--image-size", "--batch-size", "--grad-accum", "--epochs", "--momentum",
-         "--seed"]
+FIXTURE_FLAGS = ["--device", "cpu", "--dataset", "imagefolder", "--image-size", "10", "--batch-size", "4",
+                 "--grad-accum", "2", "--epochs", "2", "--momentum", "0", "--seed", "0"]
 
 
 def fixture_argv(folder, checkpoint_dir, *extra):
