@@ -117,7 +117,8 @@ FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--b
 DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "dataset": "cifar100", "data_dir": "data", "train_size": 10000, "val_size": 2000, "image_size": 32,
     "augment": "cifar", "workers": 0, "context": None, "val_fraction": 0.1, "model": "net", "channels_last": False,
-    "activation_checkpointing": False, "compile": None, "compile_backend": "inductor", "dropout": 0.5, "grad_sync": "custom", "replicas": None,
+    "activation_checkpointing": False, "compile": None, "compile_backend": "inductor", "dropout": 0.5,
+    "grad_sync": "custom", "replicas": None,
     "local_steps": None, "outer_optimizer": None, "outer_lr": None, "outer_momentum": None, "outer_compress": None,
     "fragments": None, "outer_delay": None, "zero": 0, "zero3_accumulate": "sharded", "param_dtype": None,
     "reduce_dtype": None, "optimizer": "sgd",
