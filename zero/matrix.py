@@ -116,6 +116,14 @@ class PieceOptimizer:
         return [p for p in self.whole_parameters if p.piece is not None]
 
 
+def closure_loss(closure: Any) -> Any:
+    """The loss a step's closure re-evaluates, with gradients on (torch.optim's convention), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def newton_schulz_cost(shape: torch.Size) -> int:
     """Multiply-adds of one Newton-Schulz iteration on an m x n matrix (m <= n after torch's transpose): X X^T
     (m m n), the Gram matrix squared (m^3), its product with X (m m n)."""
@@ -212,10 +220,7 @@ class ShardedMuon(PieceOptimizer, torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if not self.gradients_attached:
             return loss
         # the momentum and Nesterov's mix on this rank's pieces (torch's _single_tensor_muon, line for line)
@@ -320,10 +325,7 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if not self.gradients_attached or not self.whole_parameters:
             return loss
         held = self._held()
