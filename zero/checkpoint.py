@@ -95,7 +95,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from gradsync import Bucket, GradientSync
 from zero.matrix import PROBE_DIMS
-from zero.optimizer import state_kinds
+from zero.optimizer import as_optimizers, state_kinds
 
 __all__ = ["save", "load", "CheckpointError", "Piece", "Shards", "flat_pieces", "memory_order", "range_boxes",
            "layout_boxes", "ShardSavePlanner", "ShardLoadPlanner"]
@@ -350,16 +350,6 @@ def process_group(sharded: Any) -> dist.ProcessGroup | None:
                          f"for FSDP2 use torch.distributed.checkpoint with get_state_dict, which reads and writes "
                          f"this format")
     return None if getattr(sharded, "replicas", None) is not None else sharded.comm.group
-
-
-def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """One optimizer, a list or tuple of them, an object that holds several as ``.optimizers`` (the trainer's
-    --optimizer muon: Muon and AdamW stepped as one), or None."""
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, (list, tuple)):
-        return list(optimizer)
-    return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
 def model_entries(sharded: Any) -> dict[str, Any]:

@@ -64,6 +64,16 @@ def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
 
 
+def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """One optimizer, a list or tuple of them, an object that holds several as ``.optimizers`` (the trainer's
+    --optimizer muon: AdamW and Muon stepped as one), or None: as a list (zero.checkpoint, zero.state_bytes)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, (list, tuple)):
+        return list(optimizer)
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     """torch.optim's two ways of giving parameters: an iterable of tensors, or of dicts (parameter groups)."""
     params = list(params)
