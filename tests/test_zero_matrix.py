@@ -12,11 +12,12 @@ matrices in two groups (one with ``adjust_lr_fn="match_rms_adamw"``), AdamW the 
 Gradient accumulation (2 micro-batches) and a clip that bites on every step.
 
 For each configuration: 3 processes train STEPS steps from scratch, then 2 processes load their state at the NEXT
-stage (3 -> 1) and train MORE steps: with torch's collectives from the whole state dicts, with the ring's from a
-sharded checkpoint (zero.checkpoint, whose single-file form is checked against the state dicts too). Checked: the weights, and each optimizer's ``state_dict()`` (torch.optim's
-own form: Muon's momentum_buffer, Adafactor's step, row_var / col_var in torch's shapes, and variance), against the
-reference; a plain torch.optim optimizer loads the sharded one's state dict; the bytes a step sends with Muon against
-AdamW's at the same stage; the Newton-Schulz work per rank.
+stage (3 -> 1) and train MORE steps: from the whole state dicts, and the ring's at stage 3 from a sharded checkpoint
+of stage 1's (zero.checkpoint, whose single-file form is checked against the state dicts too). Checked: the
+weights, and each optimizer's ``state_dict()`` (torch.optim's own form: Muon's momentum_buffer, Adafactor's step,
+row_var / col_var in torch's shapes, and variance), against the reference; a plain torch.optim optimizer loads the
+sharded one's state dict; the bytes a step sends with Muon against AdamW's at the same stage; the Newton-Schulz work
+per rank.
 
 Tolerances. Muon + AdamW: 1e-12, as for any element-wise optimizer (test_zero_optimizers' argument: float64, the
 same terms summed in another order, ~1e-14 after a few steps). Muon adds one thing an error could hide in: its
@@ -215,29 +216,33 @@ BYTE_RUNS = [("adamw", stage, "torch") for stage in STAGES]  # AdamW alone over 
 SKIP_RUNS = [("muon", stage, "torch") for stage in (1, 3)]  # AdamW's step skipped once: a gather, a prefetch
 
 
-def folder_of(root: str, recipe: str, stage: int, collectives: str) -> str:
-    return os.path.join(root, f"{recipe} stage {stage} {collectives}")
+SAVED_STAGE = 1  # the ring's runs of this stage are saved as sharded checkpoints; the ring's at stage 3 load them
+
+
+def folder_of(root: str, recipe: str) -> str:
+    return os.path.join(root, recipe)
 
 
 def train_configs(rank, world_size, configs, root):
-    """Every config from scratch for STEPS steps (the ring's saved as sharded checkpoints under ``root``); AdamW
-    alone at each stage (bytes); Muon + AdamW with a skip."""
-    out = {config: sharded_run(*config, range(STEPS),
-                               save=folder_of(root, *config) if config[2] == "ring" else None)
-           for config in configs}
+    """Every config from scratch for STEPS steps (the ring's at SAVED_STAGE saved by zero.checkpoint under
+    ``root``); AdamW alone at each stage (bytes); Muon + AdamW with a skip."""
+    out = {(recipe, stage, collectives): sharded_run(
+        recipe, stage, collectives, range(STEPS),
+        save=folder_of(root, recipe) if (stage, collectives) == (SAVED_STAGE, "ring") else None)
+        for recipe, stage, collectives in configs}
     out.update({config: sharded_run(*config, range(STEPS)) for config in BYTE_RUNS})
     out.update({("skip",) + config: sharded_run(*config, range(STEPS), skip=0) for config in SKIP_RUNS})
     return out
 
 
 def resume_configs(rank, world_size, configs, saved, torch_states, root):
-    """Each config loaded from the 3 processes' state at the NEXT stage (3 -> 1), then MORE steps: torch's
-    collectives from the state dicts ``saved``, the ring's from the sharded checkpoint (zero.checkpoint) under
+    """Each config loaded from the 3 processes' state at the NEXT stage (3 -> 1), then MORE steps: from the state
+    dicts ``saved``, and the ring's at stage 3 from the sharded checkpoint (zero.checkpoint) of SAVED_STAGE under
     ``root``; and at stage 3 from torch's own state dicts (``torch_states``: recipe -> weights and states of one
     process); AdamW alone (bytes); the refusals."""
     out = {("resumed", recipe, stage, collectives):
            sharded_run(recipe, stage, collectives, range(STEPS, STEPS + MORE),
-                       folder_of(root, recipe, stage % 3 + 1, collectives) if collectives == "ring"
+                       folder_of(root, recipe) if stage % 3 + 1 == SAVED_STAGE and collectives == "ring"
                        else saved[recipe, stage % 3 + 1, collectives])
            for recipe, stage, collectives in configs}
     out.update({("from torch", recipe): sharded_run(recipe, 3, "torch", range(STEPS, STEPS + MORE), load)
@@ -491,33 +496,32 @@ def test_what_torch_refuses_is_refused_as_torch_does(runs):
 
 
 def test_a_sharded_checkpoint_is_the_state_dicts_by_name(runs, root):
-    """The ring's runs on 3 processes, saved by zero.checkpoint at every stage and made one file by
-    torch.distributed.checkpoint's dcp_to_torch_save: exactly the model's and the optimizers' state dicts (rank 0's,
-    gathered), under the parameters' names and merged as get_state_dict merges several optimizers: Muon's
-    momentum_buffer in each matrix's shape (the transposed one too), Adafactor's row_var and col_var whole in
-    torch's shapes (the 3-D parameter's per matrix), a 0-dim parameter's variance 0-dim. (Loading them at another
-    stage on 2 processes is what the ring's resumed runs do.)"""
+    """The ring's runs at stage 1 on 3 processes (a matrix across three ranks), saved by zero.checkpoint and made
+    one file by torch.distributed.checkpoint's dcp_to_torch_save: exactly the model's and the optimizers' state
+    dicts (rank 0's, gathered), under the parameters' names and merged as get_state_dict merges several
+    optimizers: Muon's momentum_buffer in each matrix's shape (the transposed one too), Adafactor's row_var and
+    col_var whole in torch's shapes (the 3-D parameter's per matrix), a 0-dim parameter's variance 0-dim. (Loading
+    them at stage 3 on 2 processes is what the ring's resumed runs at stage 3 do.)"""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     for recipe in RECIPES:
         model = make_model()
         names = {id(p): name for name, p in model.named_parameters()}
         optimizers = build_optimizers(lambda cls, groups, **s: cls(groups, **s), recipe, model)
         numbered = [[names[id(p)] for group in o.param_groups for p in group["params"]] for o in optimizers]
-        for stage in STAGES:
-            run = runs[3][0][recipe, stage, "ring"]
-            folder = folder_of(root, recipe, stage, "ring")
-            dcp_to_torch_save(folder, folder + ".pt")
-            whole = torch.load(folder + ".pt", weights_only=True)
-            merged = {"state": {}, "param_groups": []}
-            for state, order in zip(run["states"], numbered):
-                merged["state"].update({order[int(i)]: entry for i, entry in state["state"].items()})
-                merged["param_groups"] += [{**g, "params": [order[i] for i in g["params"]]}
-                                           for g in state["param_groups"]]
-            assert identical(whole["model"], run["weights"]), (recipe, stage)
-            assert identical(whole["optimizer"], merged), (recipe, stage)
-            if recipe == "adafactor":
-                assert whole["optimizer"]["state"]["blocks.0.mix"]["row_var"].shape == (2, 8, 1)
-                assert whole["optimizer"]["state"]["temperature"]["variance"].shape == ()
+        run = runs[3][0][recipe, SAVED_STAGE, "ring"]
+        folder = folder_of(root, recipe)
+        dcp_to_torch_save(folder, folder + ".pt")
+        whole = torch.load(folder + ".pt", weights_only=True)
+        merged = {"state": {}, "param_groups": []}
+        for state, order in zip(run["states"], numbered):
+            merged["state"].update({order[int(i)]: entry for i, entry in state["state"].items()})
+            merged["param_groups"] += [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
+        assert identical(whole["model"], run["weights"]), recipe
+        assert identical(whole["optimizer"], merged), recipe
+        assert any(len(holders) == 3 for holders in run["placement"][0]["holders"].values())
+        if recipe == "adafactor":
+            assert whole["optimizer"]["state"]["blocks.0.mix"]["row_var"].shape == (2, 8, 1)
+            assert whole["optimizer"]["state"]["temperature"]["variance"].shape == ()
 
 
 def cuda_configs(rank, world_size):
