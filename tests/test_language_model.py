@@ -18,6 +18,7 @@ import torch
 
 import ddp_cifar100 as trainer
 import models
+import zero
 from trainer.build import make_optimizer, make_scheduler
 from trainer_testing import max_difference
 
@@ -294,14 +295,24 @@ def test_muon_steps_the_blocks_matrices_and_adamw_the_rest_as_one_optimizer():
     loop's lr is --lr's): AdamW over the embeddings (the tied head once), norms and biases, split by
     --norm-weight-decay as AdamW alone is, with --betas; Muon over exactly the blocks' 2-D matrices with its flags
     and Nesterov. The cosine schedule gives both rates the same factor; a gradient scaler that finds an inf in
-    one Muon gradient skips both steps, and steps both otherwise; state_dict() holds both."""
+    one Muon gradient skips both steps, and steps both otherwise; state_dict() holds both, and zero.checkpoint
+    takes the two."""
     from trainer.build import Optimizers
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this process's small matmuls; two threads wait on each other on a busy 2-core VM
+    try:
+        check_muon_and_adamw_as_one_optimizer(Optimizers)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_muon_and_adamw_as_one_optimizer(Optimizers):
     args = trainer.parse_args(["--dataset", "text", "--model", "gpt", "--optimizer", "muon", "--lr", "0.01",
                                "--betas", "0.8", "0.95", "--weight-decay", "0.1", "--norm-weight-decay", "0",
                                "--muon-momentum", "0.9", "--scheduler", "cosine", "--warmup-steps", "1",
                                "--min-lr", "0.001", "--decay-steps", "4"])
-    model = models.build_model("gpt", 0.0, "local", 256)
+    model = models.GPT(vocab_size=256, **TINY_GPT)  # small: Newton-Schulz in bf16 is slow on a CPU
 
     class Replicated:  # the sync's optimizer builder at stage 0: the optimizer class over the groups, as given
         @staticmethod
@@ -343,3 +354,4 @@ def test_muon_steps_the_blocks_matrices_and_adamw_the_rest_as_one_optimizer():
         optimizer.zero_grad()
     state = optimizer.state_dict()
     assert sorted(state) == ["adamw", "muon"] and "momentum_buffer" in state["muon"]["state"][0]
+    assert zero.optimizer.as_optimizers(optimizer) == [adamw, muon]  # what zero.checkpoint saves and loads
