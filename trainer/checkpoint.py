@@ -40,7 +40,7 @@ import torch.distributed as dist
 import utils
 import zero
 from models import GPT_SIZES
-from trainer.build import OPTIMIZERS, Parts
+from trainer.build import Parts, optimizer_states
 from trainer.config import DILOCO_FLAGS, OUTER_SYNCS, Config
 from utils import UsageError
 
@@ -75,7 +75,8 @@ def trajectory(parts: Parts) -> dict[str, Any]:
                "scheduler", "amp", "seed", "augment", "image_size")}
     # named only when given, so that a checkpoint from before these flags existed still resumes without them
     record.update({key: getattr(config, key) for key in ("norm_weight_decay", "clip_grad_norm", "betas",
-                                                         "warmup_steps", "min_lr", "param_dtype", "reduce_dtype")
+                                                         "warmup_steps", "min_lr", "param_dtype", "reduce_dtype",
+                                                         "muon_lr", "muon_momentum", "muon_weight_decay")
                    if getattr(config, key) is not None})
     if config.dataset == "text":  # the GPT's shape too, so that --generate can rebuild it from the checkpoint
         record.update(context=config.context, val_fraction=config.val_fraction,
@@ -229,8 +230,10 @@ def check_optimizer_state(state: dict[str, Any], path: str, config: Config, posi
     has stepped (SGD's momentum, AdamW's moments and step), rather than train on from another state: the sharded
     stages once wrote SGD's without its momentum. Under --amp fp16 the scaler may have skipped every step so far,
     so there a state with no entry at all is accepted."""
-    stepped = position.optimizer_steps > 0 and (config.amp != "fp16" or bool(state["state"]))
-    problem = zero.missing_optimizer_state(OPTIMIZERS[config.optimizer], state, every_parameter=stepped)
+    parts = optimizer_states(config, state)  # --optimizer muon: AdamW's and Muon's
+    stepped = position.optimizer_steps > 0 and (config.amp != "fp16" or any(part["state"] for _, part in parts))
+    problem = next(filter(None, (zero.missing_optimizer_state(kind, part, every_parameter=stepped)
+                                 for kind, part in parts)), None)
     if problem:
         raise UsageError(f"checkpoint {path} cannot resume this run: its optimizer state is incomplete ({problem}); "
                          f"resume from another checkpoint, or start afresh in an empty --checkpoint-dir")

@@ -84,8 +84,8 @@ from collectives import Collectives
 from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadcast_state, check_keys_on_rank0
 from zero import init as init_module
 from zero.hybrid import Replicas, check_grid
-from zero.optimizer import (ELEMENTWISE, WHOLE_PARAMETER, ShardedOptimizer, ShardRun, check_optimizer_class,
-                            missing_optimizer_state, state_kinds)
+from zero.optimizer import (ELEMENTWISE, WHOLE_PARAMETER, ShardedOptimizer, ShardRun, as_optimizers,
+                            check_optimizer_class, missing_optimizer_state, state_kinds)
 from zero.precision import (Precision, cast_forward_inputs, gather_full, gathered_state_dict, load_masters,
                             master_state_dict, resolve, scatter_masters, shard_weights)
 
@@ -919,12 +919,12 @@ def stage_3_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Mod
     return ([model] if root_owns else []) + list(units), owner
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Any) -> dict[str, int]:
+def state_bytes(model: nn.Module, optimizer: Any, sync: Any) -> dict[str, int]:
     """Bytes this rank holds for the weights, the gradients and the optimizer state: the storages behind the
-    model's parameters and the optimizer's, behind every .grad they have and the sync's gradient buffers, and
-    behind the optimizer's state tensors (ZeroRedundancyOptimizer: its local optimizer's), each storage counted
-    once. Taken just before a step: the gradients averaged, stage 3's units all freed (the step's prefetch of the
-    next forward's first units is not yet launched)."""
+    model's parameters and the optimizer's (one or several: zero.optimizer.as_optimizers), behind every .grad they
+    have and the sync's gradient buffers, and behind the optimizer's state tensors (ZeroRedundancyOptimizer: its
+    local optimizer's), each storage counted once. Taken just before a step: the gradients averaged, stage 3's
+    units all freed (the step's prefetch of the next forward's first units is not yet launched)."""
     def held(tensors: Iterable[torch.Tensor | None]) -> int:
         storages = {}
         for t in tensors:
@@ -933,9 +933,11 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Any) -
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())
 
-    optimized = [p for group in optimizer.param_groups for p in group["params"]]
-    local = getattr(optimizer, "optim", optimizer)
+    optimizers = as_optimizers(optimizer)
+    optimized = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+    states = [getattr(o, "optim", o).state for o in optimizers]
     grads = [p.grad for p in list(model.parameters()) + optimized] + sync.held_gradient_buffers()
     frozen = sync.frozen_shards() if hasattr(sync, "frozen_shards") else []  # stage 3's, beside the model's views
     return {"params": held(list(model.parameters()) + optimized + frozen), "grads": held(grads),
-            "optimizer": held(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))}
+            "optimizer": held(v for state in states for values in state.values() for v in values.values()
+                              if torch.is_tensor(v))}
