@@ -296,10 +296,10 @@ class ZeroStage2(ShardedStage, BucketedSync):
         self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, self.own_shards, deferred)
         # [Note: gradient shards] grads[b], this rank's accumulated gradient of bucket b: made by the first
         # reduce-scatter of a window to land, and dropped at the next forward once zero_grad() has let go of it
-        # (as FSDP2's sharded gradients are), so no rank holds the 4 Psi / W of gradients from the step to the
-        # next backward's end; the buckets that hold no parameter keep their empty one
-        self.grads: list[torch.Tensor | None] = [torch.zeros(b.length // comm.size, dtype=precision.master,
-                                                             device=b.device) for b in self.buckets]
+        # (as FSDP2's sharded gradients are), so no rank holds the 4 Psi / W of gradients from the step (or the
+        # build) to the next backward's end; the buckets that hold no parameter keep an empty one
+        self.grads: list[torch.Tensor | None] = [
+            None if b.length else torch.zeros(0, dtype=precision.master, device=b.device) for b in self.buckets]
         self._start_sharded()
         self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
                                        self._after_step, lazy_gradients=True)

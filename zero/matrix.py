@@ -105,7 +105,7 @@ class PieceOptimizer:
         self.whole_parameters, self.comm = parameters, comm
         # the masters' dtype and device: what every rank's messages are made of, pieces or none
         self.dtype, self.device = master.dtype, master.device
-        self.gradients_attached = True
+        self.gradients_attached = False  # until the first forward (the stage's before_forward)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         torch.optim.Optimizer.zero_grad(self, set_to_none)  # type: ignore[arg-type]

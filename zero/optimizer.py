@@ -262,7 +262,8 @@ class ShardedOptimizer:
         layout.runs = [run for g in range(len(groups)) for run in runs if run.group == g]  # inner numbering
         for run in layout.runs:
             run.param = nn.Parameter(self._piece(self.weights, run))
-            run.param.grad = self._piece(self.grads, run)
+            if self.grads[run.bucket.index] is not None:  # (else made by the first backward: attach_gradients)
+                run.param.grad = self._piece(self.grads, run)
         inner = [{**{k: v for k, v in group.items() if k != "params"},
                   "params": [run.param for run in layout.runs if run.group == g]} for g, group in enumerate(groups)]
         if layout.per_parameter:
