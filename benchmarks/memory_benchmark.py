@@ -15,7 +15,7 @@ training models.py's GPT (``--model``: GPT-2 small's shape by default, 86M param
     steps   --steps optimizer steps (forward, backward, step)
     save    a sharded checkpoint: zero.checkpoint.save, or FSDP2's get_state_dict + torch.distributed.checkpoint.save
     load    the resume: the model and optimizer dropped, built again as in build, and the checkpoint loaded
-            (zero.checkpoint.load; FSDP2's dcp.load + set_state_dict), then one more step
+            (zero.checkpoint.load; FSDP2's dcp.load + set_state_dict; timed alone too), then one more step
 
 and per phase each rank's peak resident set above the start (VmHWM, reset at each phase's start by writing 5 to
 /proc/self/clear_refs), the phase's seconds, and the formula's bytes for what ZeRO says a rank holds (zero's module
@@ -171,7 +171,11 @@ def worker(rank: int, world_size: int, store_path: str, settings: dict, results:
         model = sync = optimizer = None
         gc.collect()
         model, sync, optimizer = build(row, settings["model"], context)
+        dist.barrier()
+        began = time.perf_counter()
         load(row, path, model, sync, optimizer)
+        dist.barrier()
+        out["load_call_seconds"] = time.perf_counter() - began
         step(model, optimizer, tokens[steps])
 
     phase("load", resume)
@@ -275,9 +279,10 @@ def print_table(records: list[dict]) -> None:
     for r in records:
         peaks = " ".join(f"{r['peak_mb'][p]:9.0f}" for p in PHASES)
         print(f"{r['row']:8} {r['world_size']:>2} {r['allocator']:9} {r['formula_mb']:8.0f} {peaks} "
-              f"{r['seconds']['save']:7.2f} {r['seconds']['load']:7.2f}")
+              f"{r['seconds']['save']:7.2f} {r['load_call_seconds']:7.2f}")
     print("(MB above each process's start, the largest rank's peak; formula: what ZeRO says a rank holds between "
-          "steps, at stage 3 with the root and two units gathered)")
+          "steps, at stage 3 with the root and two units gathered; save s: the checkpoint's save, load s: its load "
+          "alone, the slowest rank's)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -297,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "peak_mb": {p: max(r[p]["peak_mb"] for r in ranks) for p in PHASES},
                     "peak_mb_per_rank": {p: [r[p]["peak_mb"] for r in ranks] for p in PHASES},
                     "seconds": {p: max(r[p]["seconds"] for r in ranks) for p in PHASES},
+                    "load_call_seconds": max(r["load_call_seconds"] for r in ranks),
                 })
                 print(f"{row} W={world_size} {allocator}: " + ", ".join(
                     f"{p} {records[-1]['peak_mb'][p]:.0f} MB" for p in PHASES), flush=True)
