@@ -18,6 +18,7 @@ import torch
 
 import ddp_cifar100 as trainer
 import models
+import zero
 from trainer.build import make_optimizer, make_scheduler
 from trainer_testing import max_difference
 
@@ -224,3 +225,133 @@ def test_activation_checkpointing_keeps_only_the_blocks_inputs_for_backward():
     checkpointed, gradients = saved_bytes_and_gradients(True)
     assert checkpointed < plain / 2, (checkpointed, plain)
     assert all(torch.equal(a, b) for a, b in zip(gradients, plain_gradients))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --optimizer muon: Muon on the blocks' matrices, AdamW on the rest, through every sync
+# ----------------------------------------------------------------------------------------------------------
+MUON = ["--optimizer", "muon", "--muon-lr", "0.02", "--muon-weight-decay", "0.1"]  # AdamW's flags: RECIPE's
+
+
+@pytest.fixture(scope="module")
+def muon_runs(local_group, corpus, tmp_path_factory):
+    """2 processes, the recipe with --optimizer muon, float64: stage 0, stage 3, ddp, fsdp 3, and stage 3 stopped
+    after 2 of the 4 steps and resumed from its checkpoint, in one call."""
+    directory = str(tmp_path_factory.mktemp("muon"))
+    variants = [("stage 0", ["--zero", "0"]), ("stage 3", ["--zero", "3"]), ("ddp", ["--grad-sync", "ddp"]),
+                ("fsdp 3", ["--grad-sync", "fsdp", "--zero", "3"]),
+                ("stage 3 stopped", ["--zero", "3", "--max-steps", "2", "--checkpoint-dir", directory]),
+                ("stage 3 resumed", ["--zero", "3", "--checkpoint-dir", directory])]
+    argv = RECIPE + MUON + ["--data-dir", str(corpus)]
+    return local_group(2).run(train_gpt, argv, variants, TINY_GPT, torch.float64)
+
+
+def test_muon_takes_stage_0s_steps_at_stage_3_and_with_ddp(muon_runs):
+    """--optimizer muon at --zero 3 (sharded.optimizer once per optimizer: Newton-Schulz on whole matrices, moved
+    by two all-to-alls) and with DDP (torch.optim.Muon on whole parameters) ends within 1e-10 of stage 0 in
+    float64: the module docstring's argument for AdamW, which steps the embeddings, head, norms and biases here.
+    Muon adds no error of its own: it casts its momentum update to bf16 before Newton-Schulz, and a difference of
+    1e-16 relative changes that cast only for a value within 1e-16 of a bf16 rounding boundary (~1e-14 of the
+    elements: none of these 25k), so the orthogonalized updates are bit for bit stage 0's. Newton-Schulz on a
+    rank's slice instead, or a schedule not applied to Muon's rate, is off by ~lr = 1e-2."""
+    reference = muon_runs[0]["stage 0"]
+    assert reference["metrics"]["optimizer_steps"] == 4
+    for name in ("stage 3", "ddp"):
+        run = muon_runs[0][name]
+        assert all(max_difference(run["state"], r[name]["state"]) == 0 for r in muon_runs), name
+        worst = max_difference(reference["state"], run["state"])
+        print(f"\n2 processes, GPT, --optimizer muon: {name} vs stage 0 (float64): max |dw| = {worst:.1e}")
+        assert worst <= 1e-10, name
+
+
+def test_muon_under_fsdp_is_muon_to_bf16s_rounding(muon_runs):
+    """--grad-sync fsdp: torch.optim.Muon over FSDP2's DTensors. It runs, and its Newton-Schulz is torch's over the
+    DTensors: their matmuls run on the shards and their partial products are summed in bf16, another rounding of
+    the same bf16 iteration (3e-2 of the largest entry of one orthogonalized 12 x 6 matrix, where bf16 against fp32
+    is 1.5e-2), not stage 0's bits. So its weights part from stage 0's at bf16's rounding of the updates: well
+    under what the matrices move, where Newton-Schulz on a shard's slice would be off by as much as they move."""
+    reference, run = muon_runs[0]["stage 0"]["state"], muon_runs[0]["fsdp 3"]["state"]
+    torch.manual_seed(2)  # the trainer's first weights (--seed 2, stage 0's eager build)
+    start = models.GPT(vocab_size=256, **TINY_GPT).double().state_dict()
+    matrices = [name for name, value in start.items() if name.startswith("blocks.") and value.dim() == 2]
+    moved = max((reference[n] - start[n]).abs().max().item() for n in matrices)
+    worst = max((reference[n] - run[n]).abs().max().item() for n in matrices)
+    print(f"\n2 processes, GPT, --optimizer muon, fsdp 3 vs stage 0: matrices max |dw| = {worst:.1e}, they moved "
+          f"{moved:.1e}")
+    assert worst < 0.1 * moved
+
+
+def test_muon_resumes_exactly(muon_runs):
+    """Stopped after 2 steps at --zero 3 (its checkpoint a folder: AdamW's and Muon's state, each rank its shards)
+    and resumed: the weights bit for bit those of the run that was not stopped."""
+    resumed, uninterrupted = muon_runs[0]["stage 3 resumed"], muon_runs[0]["stage 3"]
+    assert muon_runs[0]["stage 3 stopped"]["metrics"]["optimizer_steps"] == 2
+    assert resumed["metrics"]["optimizer_steps"] == 4
+    assert max_difference(resumed["state"], uninterrupted["state"]) == 0
+
+
+def test_muon_steps_the_blocks_matrices_and_adamw_the_rest_as_one_optimizer():
+    """--optimizer muon (trainer.build.make_optimizer): the loop gets one optimizer, AdamW's groups first (the
+    loop's lr is --lr's): AdamW over the embeddings (the tied head once), norms and biases, split by
+    --norm-weight-decay as AdamW alone is, with --betas; Muon over exactly the blocks' 2-D matrices with its flags
+    and Nesterov. The cosine schedule gives both rates the same factor; a gradient scaler that finds an inf in
+    one Muon gradient skips both steps, and steps both otherwise; state_dict() holds both, and zero.checkpoint
+    takes the two."""
+    from trainer.build import Optimizers
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this process's small matmuls; two threads wait on each other on a busy 2-core VM
+    try:
+        check_muon_and_adamw_as_one_optimizer(Optimizers)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_muon_and_adamw_as_one_optimizer(Optimizers):
+    args = trainer.parse_args(["--dataset", "text", "--model", "gpt", "--optimizer", "muon", "--lr", "0.01",
+                               "--betas", "0.8", "0.95", "--weight-decay", "0.1", "--norm-weight-decay", "0",
+                               "--muon-momentum", "0.9", "--scheduler", "cosine", "--warmup-steps", "1",
+                               "--min-lr", "0.001", "--decay-steps", "4"])
+    model = models.GPT(vocab_size=256, **TINY_GPT)  # small: Newton-Schulz in bf16 is slow on a CPU
+
+    class Replicated:  # the sync's optimizer builder at stage 0: the optimizer class over the groups, as given
+        @staticmethod
+        def optimizer(kind, params, **settings):
+            return kind(params, **settings)
+
+    optimizer = make_optimizer(args, model, Replicated())
+    assert isinstance(optimizer, Optimizers) and list(optimizer.named) == ["adamw", "muon"]
+    adamw, muon = optimizer.optimizers
+    assert type(adamw) is torch.optim.AdamW and type(muon) is torch.optim.Muon
+    matrices = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
+    assert [id(p) for p in muon.param_groups[0]["params"]] == [id(p) for p in matrices]
+    assert {k: muon.param_groups[0][k] for k in ("lr", "momentum", "weight_decay", "nesterov")} == {
+        "lr": 0.02, "momentum": 0.9, "weight_decay": 0.01, "nesterov": True}
+    decayed, plain = adamw.param_groups
+    assert [p is model.token_embedding.weight for p in decayed["params"]].count(True) == 1
+    assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {id(p) for p in model.parameters()}
+    assert adamw.defaults["betas"] == (0.8, 0.95) and (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0)
+    assert optimizer.param_groups[0] is decayed  # the very dicts: what a scheduler writes reaches the optimizers
+
+    scheduler = make_scheduler(args, optimizer, total_steps=4)
+    for _ in range(4):
+        assert muon.param_groups[0]["lr"] / 0.02 == pytest.approx(adamw.param_groups[0]["lr"] / 0.01, rel=1e-12)
+        optimizer.step()
+        scheduler.step()
+    assert adamw.param_groups[0]["lr"] == pytest.approx(0.001) and muon.param_groups[0]["lr"] == pytest.approx(0.002)
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for overflow in (True, False):
+        scaler.scale(model(torch.randint(0, 256, (2, 8))).logsumexp(-1).mean()).backward()
+        if overflow:
+            matrices[0].grad[0, 0] = float("inf")
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+        assert not any(moved) if overflow else all(moved)
+        optimizer.zero_grad()
+    state = optimizer.state_dict()
+    assert sorted(state) == ["adamw", "muon"] and "momentum_buffer" in state["muon"]["state"][0]
+    assert zero.optimizer.as_optimizers(optimizer) == [adamw, muon]  # what zero.checkpoint saves and loads

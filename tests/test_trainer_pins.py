@@ -102,12 +102,13 @@ def test_a_checkpoint_written_before_the_rooms_resumes_exactly(image_folder, tmp
 # ----------------------------------------------------------------------------------------------------------
 # Every flag of --help, and what parsing makes of it
 # ----------------------------------------------------------------------------------------------------------
-FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--betas", "--bucket-mb", "--channels-last",
-         "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--compile", "--compile-backend", "--context",
-         "--data-dir", "--dataset", "--decay-steps", "--deterministic", "--device", "--dropout", "--epochs",
-         "--eval-every", "--eval-only", "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help",
-         "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr", "--max-steps", "--metrics-out",
-         "--min-lr", "--model", "--momentum", "--norm", "--norm-weight-decay", "--optimizer", "--outer-compress",
+FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--betas",
+         "--bucket-mb", "--channels-last", "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--compile",
+         "--compile-backend", "--context", "--data-dir", "--dataset", "--decay-steps", "--deterministic", "--device",
+         "--dropout", "--epochs", "--eval-every", "--eval-only", "--fragments", "--generate", "--grad-accum",
+         "--grad-sync", "--help", "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr",
+         "--malloc-mmap-threshold", "--max-steps", "--metrics-out", "--min-lr", "--model", "--momentum", "--muon-lr",
+         "--muon-momentum", "--muon-weight-decay", "--norm", "--norm-weight-decay", "--optimizer", "--outer-compress",
          "--outer-delay", "--outer-lr", "--outer-momentum", "--outer-optimizer", "--param-dtype", "--profile",
          "--profile-steps", "--prompt", "--reduce-dtype", "--replicas", "--scheduler", "--seed", "--sync-mode",
          "--temperature", "--timeout", "--top-k",
@@ -117,17 +118,20 @@ FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--b
 DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "dataset": "cifar100", "data_dir": "data", "train_size": 10000, "val_size": 2000, "image_size": 32,
     "augment": "cifar", "workers": 0, "context": None, "val_fraction": 0.1, "model": "net", "channels_last": False,
-    "activation_checkpointing": False, "compile": None, "compile_backend": "inductor", "dropout": 0.5, "grad_sync": "custom", "replicas": None,
+    "activation_checkpointing": False, "compile": None, "compile_backend": "inductor", "dropout": 0.5,
+    "grad_sync": "custom", "replicas": None,
     "local_steps": None, "outer_optimizer": None, "outer_lr": None, "outer_momentum": None, "outer_compress": None,
     "fragments": None, "outer_delay": None, "zero": 0, "zero3_accumulate": "sharded", "param_dtype": None,
     "reduce_dtype": None, "optimizer": "sgd",
     "allreduce": "torch", "sync_mode": "overlap", "bucket_mb": 25.0, "norm": "custom", "grad_accum": 1,
     "batch_size": 128, "epochs": 10, "max_steps": 0, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0005,
-    "betas": None, "norm_weight_decay": None, "clip_grad_norm": None, "scheduler": "none", "warmup_steps": None,
+    "betas": None, "muon_lr": None, "muon_momentum": None, "muon_weight_decay": None,
+    "norm_weight_decay": None, "clip_grad_norm": None, "scheduler": "none", "warmup_steps": None,
     "min_lr": None, "decay_steps": None, "amp": "off", "device": "auto", "backend": "auto", "seed": 0,
     "deterministic": False, "checkpoint_dir": None, "checkpoint_every": 0, "eval_only": False, "generate": None,
     "prompt": "", "temperature": 0.8, "top_k": None, "log_dir": None, "log_every": 10, "profile": None,
-    "profile_steps": (3, 6), "metrics_out": None, "eval_every": 0, "timeout": 1800.0}
+    "profile_steps": (3, 6), "metrics_out": None, "eval_every": 0, "timeout": 1800.0,
+    "malloc_mmap_threshold": 128}
 DILOCO_DEFAULTS = {"local_steps": 50, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
                    "outer_compress": "none", "fragments": 1, "outer_delay": 0}
 PARSED = [  # argv, what differs from DEFAULTS after parsing
@@ -150,6 +154,11 @@ PARSED = [  # argv, what differs from DEFAULTS after parsing
      dict(zero=2, replicas=2, param_dtype="bf16", reduce_dtype="fp32")),
     (["--grad-sync", "fsdp", "--zero", "3", "--replicas", "2", "--param-dtype", "bf16"],
      dict(grad_sync="fsdp", zero=3, replicas=2, param_dtype="bf16")),
+    (["--dataset", "text", "--model", "gpt", "--optimizer", "muon", "--betas", "0.9", "0.95"],  # Muon's defaults
+     dict(dataset="text", model="gpt", data_dir="TEXT", image_size=None, augment="none", context=128,
+          optimizer="muon", betas=[0.9, 0.95], muon_lr=0.02, muon_momentum=0.95, muon_weight_decay=0.01)),
+    (["--model", "vit", "--optimizer", "muon", "--muon-lr", "0.05", "--muon-momentum", "0.9", "--muon-weight-decay",
+      "0"], dict(model="vit", optimizer="muon", muon_lr=0.05, muon_momentum=0.9, muon_weight_decay=0.0)),
 ]
 
 
@@ -191,9 +200,21 @@ ERRORS = [
     (["--weight-decay", "-1"], "--weight-decay must not be negative, got -1.0"),
     (["--norm-weight-decay", "-1"], "--norm-weight-decay must not be negative, got -1.0"),
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive, got 0.0"),
-    (["--betas", "0.9", "0.95"], "--betas is AdamW's (--optimizer adamw), two numbers in [0, 1), got [0.9, 0.95]"),
+    (["--betas", "0.9", "0.95"],
+     "--betas is AdamW's (--optimizer adamw, or muon's AdamW), two numbers in [0, 1), got [0.9, 0.95]"),
     (["--optimizer", "adamw", "--betas", "1", "0.9"],
-     "--betas is AdamW's (--optimizer adamw), two numbers in [0, 1), got [1.0, 0.9]"),
+     "--betas is AdamW's (--optimizer adamw, or muon's AdamW), two numbers in [0, 1), got [1.0, 0.9]"),
+    (["--muon-lr", "0.02"], "--muon-lr is for --optimizer muon"),
+    (["--optimizer", "adamw", "--muon-weight-decay", "0"], "--muon-weight-decay is for --optimizer muon"),
+    (["--optimizer", "muon"], "--optimizer muon is for the transformers (--model gpt..., vit...): Muon takes the 2-D "
+                              "matrices inside their blocks, and --model net has none (its blocks are convolutions, "
+                              "4-D, or it has no blocks)"),
+    (["--model", "vit", "--optimizer", "muon", "--scheduler", "onecycle"],
+     "--scheduler onecycle takes one maximal rate and cycles one kind of momentum; --optimizer muon's Muon and AdamW "
+     "take --scheduler cosine or none (the same factor on both rates)"),
+    (["--model", "vit", "--optimizer", "muon", "--muon-momentum", "1"],
+     "--muon-lr must be positive, --muon-momentum in [0, 1) and --muon-weight-decay not negative, got 0.02, 1.0 and "
+     "0.01"),
     (["--warmup-steps", "3"], "--warmup-steps is for --scheduler cosine"),
     (["--min-lr", "0.1"], "--min-lr is for --scheduler cosine"),
     (["--decay-steps", "5"], "--decay-steps is for --scheduler cosine"),

@@ -12,8 +12,11 @@ on the global batch and against FSDP2, in the session's reusable gloo workers (o
   at stage 3: the state dicts as saved, bit for bit. The same both ways with FSDP2: fully_shard + get_state_dict +
   dcp.load + set_state_dict goes on from ours, and ours from what that FSDP2 program saved by dcp.save. float32
   weights over float64 masters: loaded at stage 3 and at stage 1, the next step as the run that went on. A frozen
-  parameter (sharded at stage 3: written as each rank's boxes) and a buffer (written once, whole), loaded. On a GPU
-  (skipped without one), two ranks share it over gloo: saved at stage 3, loaded at stage 1, bit for bit.
+  parameter (sharded at stage 3: written as each rank's boxes) and a buffer (written once, whole), loaded. Muon +
+  AdamW (saved at stage 3) and Adafactor + AdamW (stage 1, ring) on 3 processes, loaded on 2 at two other stages each
+  (0 among them: torch's own optimizers), the state as saved and MORE steps within 1e-12 of one process; FSDP2 with
+  torch's Muon and AdamW reads the Muon checkpoint. On a GPU (skipped without one), two ranks share it over gloo:
+  saved at stage 3, loaded at stage 1, bit for bit.
 - The format: ``dcp_to_torch_save`` of ours is exactly the gathered state dicts (sharded.model_state_dict(),
   optimizer.state_dict() by parameter name) at stage 3 on 3 processes, stage 0 on 2, hybrid, and under
   param_dtype (the masters); two optimizers are merged as get_state_dict merges them; each rank's file holds
@@ -296,6 +299,114 @@ def two_optimizers(model, factory):
             factory(torch.optim.AdamW, [p for p in params if p.dim() < 2], lr=5e-3, weight_decay=0.0)]
 
 
+# Muon and Adafactor beside AdamW (zero/matrix.py): saved at one stage on 3 processes, loaded at others on 2
+MATRIX_SAVED = {"muon": (3, "torch"), "adafactor": (1, "ring")}  # recipe -> the stage and collectives it is saved at
+MATRIX_LOADED = [("muon", 2, "ring"), ("muon", 0, "torch"), ("adafactor", 3, "torch"), ("adafactor", 0, "torch")]
+MATRIX_TOL = 1e-12
+
+
+def matrix_optimizers(model, factory, recipe: str) -> list:
+    """``factory(cls, groups, **settings)``: sharded.optimizer, or torch.optim's own. "muon": Muon's recipe, Muon on
+    the blocks' matrices, AdamW (decay on the matrices) on the rest: the embeddings, the tied head, biases and
+    LayerNorms. "adafactor": Adafactor on every matrix (row_var and col_var), AdamW on the vectors. Not Adafactor
+    on the vectors here: the key third of the qkv bias has a true gradient of 0 (a constant added to every key
+    leaves the softmax as it is), and Adafactor's eps1 (float64's 2.2e-16) makes the rounding noise it gets into
+    steps that depend on the order of the sums: torch's own Adafactor over every parameter, on the global batch
+    against the same gradient summed as 2 ranks' micro-batches, ends 2.7e-11 apart there (measured), torch against
+    itself as much as ours against torch (test_zero_matrix has Adafactor on vectors, on a model without such a
+    parameter)."""
+    params = list(model.parameters())
+    if recipe == "muon":
+        matrices = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
+        rest = [p for p in params if all(p is not m for m in matrices)]
+        return [factory(torch.optim.Muon, matrices, lr=0.02, momentum=0.95, weight_decay=0.1),
+                factory(torch.optim.AdamW, [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
+                                            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                        lr=1e-2, betas=(0.9, 0.95))]
+    return [factory(torch.optim.Adafactor, [p for p in params if p.dim() >= 2], lr=1e-2, weight_decay=0.01),
+            factory(torch.optim.AdamW, [p for p in params if p.dim() < 2], lr=1e-2, weight_decay=0.0)]
+
+
+def train_matrix(model, sync, optimizers, data, steps, rank, world_size):
+    """K micro-batches per step, the whole model's clip, every optimizer's step."""
+    for step in steps:
+        for k in range(K):
+            sync.set_requires_gradient_sync(k == K - 1)
+            tokens = micro_batch(data, step, rank, world_size, k)
+            (loss_sum(model, tokens) / (GLOBAL // world_size * CONTEXT)).backward()
+        sync.clip_grad_norm_(MAX_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def matrix_reference(recipe: str) -> dict:
+    """One process, the global batch, torch's optimizers: the weights after STEPS + MORE steps."""
+    data = make_data()
+    model = make_model(SEED)
+    optimizers = matrix_optimizers(model, plain_optimizer, recipe)
+    for step in range(STEPS + MORE):
+        tokens = data[step]
+        F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return cloned(model.state_dict())
+
+
+def matrix_recipes_on_three(rank, world_size, root, data) -> dict:
+    """Each recipe STEPS steps at its MATRIX_SAVED stage, saved; the whole state dicts (rank 0's)."""
+    out = {}
+    for recipe, (stage, collectives) in MATRIX_SAVED.items():
+        model = make_model(SEED)
+        sharded = zero.shard(model, stage, collectives=collectives)
+        optimizers = matrix_optimizers(model, sharded.optimizer, recipe)
+        train_matrix(model, sharded, optimizers, data, range(STEPS), rank, world_size)
+        zero.checkpoint.save(os.path.join(root, recipe), sharded, optimizers)
+        out[recipe] = gathered(sharded, optimizers, model)
+        sharded.close()
+    return out
+
+
+def matrix_recipes_on_two(rank, world_size, root, data) -> dict:
+    """Each MATRIX_LOADED case: a model of other weights loads its recipe's checkpoint (stage 0: torch's own
+    optimizers over whole parameters), its whole state dicts right after, then MORE steps; FSDP2 with torch's Muon
+    and AdamW over DTensors loads the Muon recipe's (get_state_dict, dcp.load, set_state_dict): its state by name,
+    whole, and the paths its get_state_dict gives."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    out = {}
+    for recipe, stage, collectives in MATRIX_LOADED:
+        model = make_model(SEED + 1000)
+        sharded = zero.shard(model, stage, collectives=collectives)
+        optimizers = matrix_optimizers(model, sharded.optimizer, recipe)
+        zero.checkpoint.load(os.path.join(root, recipe), sharded, optimizers)
+        loaded_state = gathered(sharded, optimizers, model)
+        train_matrix(model, sharded, optimizers, data, range(STEPS, STEPS + MORE), rank, world_size)
+        out[recipe, stage] = {"loaded": loaded_state, "weights": cloned(sharded.model_state_dict())}
+        sharded.close()
+
+    model = make_model(SEED + 1000)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizers = matrix_optimizers(model, plain_optimizer, "muon")
+    model_state, optimizer_state = get_state_dict(model, optimizers)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(root, "muon"))
+    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    model_state, optimizer_state = get_state_dict(model, optimizers)
+    whole = lambda tree: {k: whole(v) for k, v in tree.items()} if isinstance(tree, dict) else (  # noqa: E731
+        tree.full_tensor() if hasattr(tree, "full_tensor") else tree)
+    out["fsdp2 muon"] = {"state": cloned(whole(optimizer_state["state"])),
+                         "param_groups": cloned(optimizer_state["param_groups"]),
+                         "paths": set(flatten_state_dict({"model": model_state, "optimizer": optimizer_state})[1]
+                                      .values())}
+    return out
+
+
 def fsdp2_weights(model) -> dict:
     """The whole weights, under every name (the tied head too)."""
     return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
@@ -323,6 +434,7 @@ def save_on_three(rank, world_size, root):
     out["gathered"] = gathered(sharded, [optimizer], model)
     out["scheduler"] = scheduler.state_dict()
     sharded.close()
+    out["matrix"] = matrix_recipes_on_three(rank, world_size, root, data)
     return out
 
 
@@ -401,6 +513,7 @@ def resume_on_two(rank, world_size, root, saved):
     out.update(mixed_precision(rank, world_size, root, data))
     out.update(frozen_and_buffers(rank, world_size, root, data))
     out.update(refusals(rank, world_size, root))
+    out["matrix"] = matrix_recipes_on_two(rank, world_size, root, data)
     return out
 
 
@@ -602,7 +715,8 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved(local_group, root):
     results = local_group(3).submit(save_on_three, root, timeout_s=120)
-    return results, reference()  # the reference here, while the 3 processes train
+    references = {"adamw": reference(), **{recipe: matrix_reference(recipe) for recipe in MATRIX_SAVED}}
+    return results, references  # the references here, while the 3 processes train
 
 
 @pytest.fixture(scope="module")
@@ -612,6 +726,11 @@ def three(saved):
 
 @pytest.fixture(scope="module")
 def ref(saved):
+    return saved[1]["adamw"]
+
+
+@pytest.fixture(scope="module")
+def matrix_refs(saved):
     return saved[1]
 
 
@@ -770,6 +889,72 @@ def test_several_optimizers_are_merged_as_get_state_dict_merges_them(two, root):
     ours_groups = [{k: v for k, v in g.items()} for g in whole["optimizer"]["param_groups"]]
     assert ours_groups == fsdp2["param_groups"]
     assert identical(two[0]["two loaded"], two[0]["two saved"])
+
+
+def merged_by_name(states: list[dict], model: nn.Module, recipe: str) -> dict:
+    """Several optimizers' torch.optim state dicts as get_state_dict merges them: the state under the parameters'
+    (first) names, the groups one optimizer after another, their parameters named."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    optimizers = matrix_optimizers(model, plain_optimizer, recipe)
+    merged = {"state": {}, "param_groups": []}
+    for state, optimizer in zip(states, optimizers):
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        merged["state"].update({order[int(i)]: entry for i, entry in state["state"].items()})
+        merged["param_groups"] += [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
+    return merged
+
+
+@pytest.mark.parametrize("recipe, stage, collectives", MATRIX_LOADED)
+def test_muon_and_adafactor_resume_at_another_stage_and_world_size(three, two, matrix_refs, recipe, stage,
+                                                                   collectives):
+    """Muon + AdamW saved at stage 3 on 3 processes, Adafactor + AdamW at stage 1 (ring), loaded on 2 at another
+    stage (stage 0: torch.optim's own, over whole parameters): both optimizers' state dicts right after the load
+    are the ones saved, bit for bit, and MORE steps later the weights are within MATRIX_TOL of one process's
+    STEPS + MORE steps with torch's optimizers on the global batch.
+
+    Why 1e-12 holds: everything is float64 and the sharded runs sum the same gradient terms in another order
+    (~1e-16 relative), which the AdamW part carries into its steps as test_zero_contract argues (~1e-15 measured
+    here). Muon casts its momentum update to bf16 before Newton-Schulz: a rounding-level difference changes that
+    cast only where a value lies within 1e-16 relative of a bf16 rounding boundary (about 1e-13 of the elements, so
+    in practice none): the bf16 matrices and so the orthogonalized updates are torch's bit for bit, and the
+    weights differ by the float64 rounding of the momentum and the decay. Adafactor's update is scale-free in its
+    sums (test_zero_matrix's argument). A checkpoint that lost or misplaced anything moves weights at first order:
+    a momentum_buffer box at the wrong offset, a row_var read into the wrong matrix or not at all (Adafactor's
+    first steps move by ~lr = 1e-2), a Muon matrix left without its momentum (its next update's direction)."""
+    run = two[0]["matrix"][recipe, stage]
+    saved = three[0]["matrix"][recipe]
+    assert identical(run["loaded"], saved)
+    error = max_difference(matrix_refs[recipe], run["weights"])
+    print(f"\n{recipe} + AdamW saved at stage {MATRIX_SAVED[recipe][0]} on 3 processes, loaded at stage {stage} "
+          f"({collectives}) on 2, {MORE} more steps: max |dw| = {error:.1e}")
+    assert error < MATRIX_TOL
+
+
+def test_muon_and_adafactor_are_written_as_get_state_dict_lays_them_out(three, two, root):
+    """dcp_to_torch_save of each recipe's checkpoint: the gathered state dicts by name, merged as get_state_dict
+    merges several optimizers (Muon's momentum_buffer in each matrix's shape; Adafactor's row_var and col_var whole,
+    in torch's shapes, written once); FSDP2 with torch.optim.Muon and AdamW over its DTensors reads the Muon
+    recipe's (get_state_dict, dcp.load, set_state_dict): its state is the saved one, by name, bit for bit, and its
+    get_state_dict's paths are ours. (FSDP2 with Adafactor does not step in torch 2.15: DTensor refuses its in-place
+    square of a norm's partial result; the row_var and col_var it makes are DTensors of Replicate placement in
+    these shapes, which this layout matches.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+    model = make_model(SEED)
+    for recipe in MATRIX_SAVED:
+        saved = three[0]["matrix"][recipe]
+        whole = converted(os.path.join(root, recipe))
+        assert identical(whole["model"], saved["model"])
+        assert identical(whole["optimizer"], merged_by_name(saved["optimizer"], model, recipe))
+        if recipe == "adafactor":
+            assert whole["optimizer"]["state"]["blocks.0.mlp.0.weight"]["row_var"].shape == (4 * 16, 1)
+            metadata = FileSystemReader(os.path.join(root, recipe)).read_metadata()
+            assert len(metadata.state_dict_metadata["optimizer.state.blocks.0.mlp.0.weight.col_var"].chunks) == 1
+    fsdp2 = two[0]["matrix"]["fsdp2 muon"]
+    merged = merged_by_name(three[0]["matrix"]["muon"]["optimizer"], model, "muon")
+    assert identical(fsdp2["state"], merged["state"])
+    assert fsdp2["param_groups"] == merged["param_groups"]
+    metadata = FileSystemReader(os.path.join(root, "muon")).read_metadata()
+    assert set(metadata.planner_data.values()) == fsdp2["paths"]
 
 
 def test_param_dtype_resumes_from_the_masters(two):

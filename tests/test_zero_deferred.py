@@ -308,6 +308,7 @@ def test_frozen_parameters_train_as_one_process(deferred_runs, world_size, case)
     expected = trained_reference(world_size)
     got = deferred_runs[world_size][f"train {case}"]
     worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    print(f"\n{case}, {world_size} processes: worst |w - one process| = {worst:.1e}")
     assert worst < TOL, worst
     frozen_names = ["tok.weight"] + [f"blocks.{i}.{n}" for i in range(DEPTH) for n in
                                      ("ln.weight", "ln.bias", "mix.base.weight", "mix.base.bias")]

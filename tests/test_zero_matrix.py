@@ -11,11 +11,13 @@ at 3 processes some matrix spans three ranks (the harness checks each case is th
 matrices in two groups (one with ``adjust_lr_fn="match_rms_adamw"``), AdamW the rest in two (decay on matrices).
 Gradient accumulation (2 micro-batches) and a clip that bites on every step.
 
-For each configuration: 3 processes train STEPS steps from scratch, then 2 processes load their state dicts at the
-NEXT stage (3 -> 1) and train MORE steps. Checked: the weights, and each optimizer's ``state_dict()`` (torch.optim's
-own form: Muon's momentum_buffer, Adafactor's step, row_var / col_var in torch's shapes, and variance), against the
-reference; a plain torch.optim optimizer loads the sharded one's state dict; the bytes a step sends with Muon against
-AdamW's at the same stage; the Newton-Schulz work per rank.
+For each configuration: 3 processes train STEPS steps from scratch, then 2 processes load their state at the NEXT
+stage (3 -> 1) and train MORE steps: from the whole state dicts, and the ring's at stage 3 from a sharded checkpoint
+of stage 1's (zero.checkpoint, whose single-file form is checked against the state dicts too). Checked: the
+weights, and each optimizer's ``state_dict()`` (torch.optim's own form: Muon's momentum_buffer, Adafactor's step,
+row_var / col_var in torch's shapes, and variance), against the reference; a plain torch.optim optimizer loads the
+sharded one's state dict; the bytes a step sends with Muon against AdamW's at the same stage; the Newton-Schulz work
+per rank.
 
 Tolerances. Muon + AdamW: 1e-12, as for any element-wise optimizer (test_zero_optimizers' argument: float64, the
 same terms summed in another order, ~1e-14 after a few steps). Muon adds one thing an error could hide in: its
@@ -27,6 +29,7 @@ norm and Gram matrix are the slice's). Adafactor: ADAFACTOR_TOL, argued at ``tes
 import contextlib
 import functools
 import math
+import os
 
 import pytest
 import torch
@@ -35,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
+from test_zero_checkpoint import identical
 from test_zero_contract import attempt, cloned
 from test_zero_optimizers import state_difference, weight_difference
 
@@ -154,24 +158,23 @@ def reference(recipe: str, skip: int | None = None, summed_over: int | None = No
 # ----------------------------------------------------------------------------------------------------------
 # In the workers
 # ----------------------------------------------------------------------------------------------------------
-def sharded_run(recipe: str, stage: int, collectives: str, steps: range, load: dict | None = None,
-                skip: int | None = None, device: str = "cpu") -> dict:
-    """A fresh model, shard and optimizers (loaded from ``load`` if given), ``steps`` steps (at step ``skip`` the
-    last optimizer's step is skipped, as a gradient scaler skips one whose gradients overflowed); rank 0 gets the
-    state dicts, the others check they got {}."""
+def sharded_run(recipe: str, stage: int, collectives: str, steps: range, load: dict | str | None = None,
+                skip: int | None = None, device: str = "cpu", save: str | None = None) -> dict:
+    """A fresh model, shard and optimizers, loaded from ``load`` if given (the whole state dicts, or the folder of a
+    sharded checkpoint: zero.checkpoint), ``steps`` steps (at step ``skip`` the last optimizer's step is skipped,
+    as a gradient scaler skips one whose gradients overflowed), saved to the folder ``save`` if given; rank 0 gets
+    the state dicts, the others check they got {}."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = make_model().to(device)
     kwargs = {"bucket_mb": BUCKET_MB} if stage < 3 else {}
     sharded = zero.shard(model, stage, collectives=collectives, **kwargs)
     optimizers = build_optimizers(sharded.optimizer, recipe, model)
-    if load is not None:
+    if isinstance(load, str):  # each rank reads what its shards hold, the factored statistics whole
+        zero.checkpoint.load(load, sharded, optimizers)
+    elif load is not None:
         sharded.load_model_state_dict(load["weights"])
         for optimizer, state in zip(optimizers, load["states"]):
-            if collectives == "ring":  # as a sharded checkpoint loads it: this rank's pieces, cut from the whole
-                sharded.shards.load_local_state(optimizer, local_from_full(sharded.shards, optimizer, state),
-                                                state["param_groups"])
-            else:
-                optimizer.load_state_dict(state)
+            optimizer.load_state_dict(state)
     sent = sharded.sent_bytes()
     for step in steps:
         for k in range(K):
@@ -183,52 +186,20 @@ def sharded_run(recipe: str, stage: int, collectives: str, steps: range, load: d
             if not (step == skip and i == len(optimizers) - 1):
                 optimizer.step()
             optimizer.zero_grad()
+    if save is not None:
+        zero.checkpoint.save(save, sharded, optimizers)
     if stage == 3:  # the step edge's prefetch lands (on the ring's thread it may still be sending)
         sharded.drop_gathered()
     out = {"sent": sharded.sent_bytes() - sent,
            "exchange": sum(o.exchange_bytes() for o in optimizers if hasattr(o, "exchange_bytes")),
            "placement": [placement(o) for o in optimizers if hasattr(o, "whole_parameters")],
-           "local": [local_values(sharded.shards, optimizer) for optimizer in optimizers],
            "states": [optimizer.state_dict() for optimizer in optimizers],
            "weights": sharded.model_state_dict()}
     sharded.close()
     if rank != 0:
         return {"empty elsewhere": out["weights"] == {} and all(state == {} for state in out["states"]),
-                "sent": out["sent"], "exchange": out["exchange"], "local": out["local"]}
+                "sent": out["sent"], "exchange": out["exchange"]}
     return cloned(out)
-
-
-def local_values(shards, optimizer) -> dict:
-    """``local_state`` with each parameter's Holding: what a sharded checkpoint would write from this rank."""
-    held = shards.held(optimizer)
-    return {name: (held[name], {key: (local.value.clone() if torch.is_tensor(local.value) else local.value,
-                                      local.whole_shaped, local.start, local.end, local.first)
-                                for key, local in entry.items()})
-            for name, entry in shards.local_state(optimizer).items()}
-
-
-def in_layout_order(value: torch.Tensor, holding) -> torch.Tensor:
-    """A whole-shaped tensor's elements in its parameter's layout order (its memory order in the flat)."""
-    flat = torch.empty(value.numel(), dtype=value.dtype)
-    flat.as_strided(holding.shape, holding.strides).copy_(value)
-    return flat
-
-
-def local_from_full(shards, optimizer, full: dict) -> dict:
-    """What a sharded checkpoint's reader hands this rank (``ShardedOptimizer.held`` says what to read): each
-    held parameter's state, its whole-shaped keys cut to this rank's stretch, the others whole."""
-    out = {}
-    for name, holding in shards.held(optimizer).items():
-        entry = full["state"].get(holding.index)
-        if entry is not None:
-            out[name] = {key: zero.optimizer.LocalState(in_layout_order(value, holding)[holding.start:holding.end],
-                                                        True, holding.start, holding.end)
-                         if key not in WHOLE_KEYS else zero.optimizer.LocalState(value, False)
-                         for key, value in entry.items()}
-    return out
-
-
-WHOLE_KEYS = ("step", "row_var", "col_var")  # the others, of these optimizers, are one number per element
 
 
 def placement(optimizer) -> dict:
@@ -245,21 +216,34 @@ BYTE_RUNS = [("adamw", stage, "torch") for stage in STAGES]  # AdamW alone over 
 SKIP_RUNS = [("muon", stage, "torch") for stage in (1, 3)]  # AdamW's step skipped once: a gather, a prefetch
 
 
-def train_configs(rank, world_size, configs):
-    """Every config from scratch for STEPS steps; AdamW alone at each stage (bytes); Muon + AdamW with a skip."""
-    out = {config: sharded_run(*config, range(STEPS)) for config in configs + BYTE_RUNS}
+SAVED_STAGE = 1  # the ring's runs of this stage are saved as sharded checkpoints; the ring's at stage 3 load them
+
+
+def folder_of(root: str, recipe: str) -> str:
+    return os.path.join(root, recipe)
+
+
+def train_configs(rank, world_size, configs, root):
+    """Every config from scratch for STEPS steps (the ring's at SAVED_STAGE saved by zero.checkpoint under
+    ``root``); AdamW alone at each stage (bytes); Muon + AdamW with a skip."""
+    out = {(recipe, stage, collectives): sharded_run(
+        recipe, stage, collectives, range(STEPS),
+        save=folder_of(root, recipe) if (stage, collectives) == (SAVED_STAGE, "ring") else None)
+        for recipe, stage, collectives in configs}
+    out.update({config: sharded_run(*config, range(STEPS)) for config in BYTE_RUNS})
     out.update({("skip",) + config: sharded_run(*config, range(STEPS), skip=0) for config in SKIP_RUNS})
     return out
 
 
-def resume_configs(rank, world_size, configs, saved, torch_states):
-    """Each config loaded from the state ``saved`` at the NEXT stage (3 -> 1), then MORE steps (with the ring's
-    collectives through ``load_local_state``, as a sharded checkpoint loads it); and at stage 3 from
-    torch's own state dicts (``torch_states``: recipe -> weights and states of one process); AdamW alone (bytes);
-    the refusals."""
+def resume_configs(rank, world_size, configs, saved, torch_states, root):
+    """Each config loaded from the 3 processes' state at the NEXT stage (3 -> 1), then MORE steps: from the state
+    dicts ``saved``, and the ring's at stage 3 from the sharded checkpoint (zero.checkpoint) of SAVED_STAGE under
+    ``root``; and at stage 3 from torch's own state dicts (``torch_states``: recipe -> weights and states of one
+    process); AdamW alone (bytes); the refusals."""
     out = {("resumed", recipe, stage, collectives):
            sharded_run(recipe, stage, collectives, range(STEPS, STEPS + MORE),
-                       saved[recipe, stage % 3 + 1, collectives])
+                       folder_of(root, recipe) if stage % 3 + 1 == SAVED_STAGE and collectives == "ring"
+                       else saved[recipe, stage % 3 + 1, collectives])
            for recipe, stage, collectives in configs}
     out.update({("from torch", recipe): sharded_run(recipe, 3, "torch", range(STEPS, STEPS + MORE), load)
                 for recipe, load in torch_states.items()})
@@ -272,9 +256,15 @@ def resume_configs(rank, world_size, configs, saved, torch_states):
 # The runs: one call of the group per world size
 # ----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def three_started(local_group):
+def root(tmp_path_factory):
+    """The sharded checkpoints' folders."""
+    return str(tmp_path_factory.mktemp("matrix checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def three_started(local_group, root):
     """3 processes from scratch, started: calling it waits for the results (once)."""
-    results = functools.cache(local_group(3).submit(train_configs, CONFIGS, timeout_s=240))
+    results = functools.cache(local_group(3).submit(train_configs, CONFIGS, root, timeout_s=240))
     yield results
     results()  # if no test of the module did, so that the group takes calls again
 
@@ -304,13 +294,13 @@ def references(three_started):
 
 
 @pytest.fixture(scope="module")
-def runs(local_group, three_started, references):
+def runs(local_group, three_started, references, root):
     """{world size: every rank's runs}: 3 processes from scratch, then 2 resumed from 3's state at the next stage,
     and from torch's own."""
     three = three_started()
     torch_states = {recipe: {"weights": references[recipe]["weights at STEPS"], "states": references[recipe]["states"]}
                     for recipe in RECIPES}
-    two = local_group(2).run(resume_configs, CONFIGS, three[0], torch_states, timeout_s=240)
+    two = local_group(2).run(resume_configs, CONFIGS, three[0], torch_states, root, timeout_s=240)
     return {2: two, 3: three}
 
 
@@ -505,35 +495,33 @@ def test_what_torch_refuses_is_refused_as_torch_does(runs):
         assert kind == "ValueError" and "torch.optim.LBFGS" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_local_state_is_the_state_dict_cut_by_parameter(runs, world_size):
-    """``local_state`` (what a sharded checkpoint writes from each rank, per parameter name and key): the ranks'
-    stretches of every whole-shaped key tile the parameter and, put in place, are the state dict's tensor bit for
-    bit; the whole values (step, row_var, col_var) are the state dict's on every rank holding the parameter, one of
-    them marked first. (Loading from such pieces, ``load_local_state``, is what the ring's resumed runs do.)"""
+def test_a_sharded_checkpoint_is_the_state_dicts_by_name(runs, root):
+    """The ring's runs at stage 1 on 3 processes (a matrix across three ranks), saved by zero.checkpoint and made
+    one file by torch.distributed.checkpoint's dcp_to_torch_save: exactly the model's and the optimizers' state
+    dicts (rank 0's, gathered), under the parameters' names and merged as get_state_dict merges several
+    optimizers: Muon's momentum_buffer in each matrix's shape (the transposed one too), Adafactor's row_var and
+    col_var whole in torch's shapes (the 3-D parameter's per matrix), a 0-dim parameter's variance 0-dim. (Loading
+    them at stage 3 on 2 processes is what the ring's resumed runs at stage 3 do.)"""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     for recipe in RECIPES:
-        for stage in STAGES:
-            key = key_of(world_size, recipe, stage, "torch")
-            states = runs[world_size][0][key]["states"]
-            for o, state in enumerate(states):
-                names = {}
-                for rank in range(world_size):
-                    for name, (holding, entry) in runs[world_size][rank][key]["local"][o].items():
-                        names.setdefault(name, []).append((rank, holding, entry))
-                assert len(names) == len(state["state"])
-                for name, held in names.items():
-                    index = held[0][1].index
-                    for state_key, expected in state["state"][index].items():
-                        if state_key in WHOLE_KEYS:
-                            assert all(torch.equal(entry[state_key][0], expected) for _, _, entry in held), name
-                            assert [entry[state_key][4] for _, _, entry in held].count(True) == 1, name
-                            continue
-                        flat = in_layout_order(expected, held[0][1])
-                        stretches = sorted((entry[state_key][2], entry[state_key][3], entry[state_key][0])
-                                           for _, _, entry in held)
-                        assert stretches[0][0] == 0 and stretches[-1][1] == flat.numel(), name
-                        assert all(a[1] == b[0] for a, b in zip(stretches, stretches[1:])), name
-                        assert torch.equal(torch.cat([value for _, _, value in stretches]), flat), (name, state_key)
+        model = make_model()
+        names = {id(p): name for name, p in model.named_parameters()}
+        optimizers = build_optimizers(lambda cls, groups, **s: cls(groups, **s), recipe, model)
+        numbered = [[names[id(p)] for group in o.param_groups for p in group["params"]] for o in optimizers]
+        run = runs[3][0][recipe, SAVED_STAGE, "ring"]
+        folder = folder_of(root, recipe)
+        dcp_to_torch_save(folder, folder + ".pt")
+        whole = torch.load(folder + ".pt", weights_only=True)
+        merged = {"state": {}, "param_groups": []}
+        for state, order in zip(run["states"], numbered):
+            merged["state"].update({order[int(i)]: entry for i, entry in state["state"].items()})
+            merged["param_groups"] += [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
+        assert identical(whole["model"], run["weights"]), recipe
+        assert identical(whole["optimizer"], merged), recipe
+        assert any(len(holders) == 3 for holders in run["placement"][0]["holders"].values())
+        if recipe == "adafactor":
+            assert whole["optimizer"]["state"]["blocks.0.mix"]["row_var"].shape == (2, 8, 1)
+            assert whole["optimizer"]["state"]["temperature"]["variance"].shape == ()
 
 
 def cuda_configs(rank, world_size):

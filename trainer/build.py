@@ -71,6 +71,8 @@ class Parts:
 
 def build(config: Config) -> Parts:
     """Process group, data, model (same weights everywhere), gradient sync, optimizer, schedule and scaler."""
+    if config.malloc_mmap_threshold:  # before anything large is allocated (utils.pin_mmap_threshold)
+        utils.pin_mmap_threshold(config.malloc_mmap_threshold * 1024)
     try:
         ctx = utils.init_distributed(config.device, config.backend, config.timeout)
     except ValueError as exc:  # e.g. --device cuda on a machine without a GPU: before any collective
@@ -262,25 +264,97 @@ def compile_forward(config: Config, model: nn.Module) -> dict[str, int] | None:
 
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "sgd_nesterov": torch.optim.SGD, "adamw": torch.optim.AdamW}  # --optimizer
+MUON_PARTS = {"adamw": torch.optim.AdamW, "muon": torch.optim.Muon}  # --optimizer muon's, in Optimizers' order
+
+
+class Optimizers(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters, as one: --optimizer muon's AdamW and Muon (``optimizers``, in
+    that order; ``named`` by MUON_PARTS' names). step() and zero_grad() run each; ``param_groups`` is every one's
+    groups in turn, the very dicts, so an LR scheduler sets every group's rate by its own factor of its own base
+    (LambdaLR: the same factor on --lr and --muon-lr), a gradient scaler unscales every gradient and steps all or
+    none, and the loop's lr (param_groups[0]) is AdamW's, --lr's; state_dict() is {name: each one's state_dict()}.
+
+    [Note: two optimizers as one] The loop, the scheduler, the scaler, the clipping and the checkpoints each take
+    one optimizer; a class that is one keeps every one of them as it is (the other way, lists, would reach into
+    each). It is a torch.optim.Optimizer because LRScheduler requires one, and it holds no parameters of its own:
+    torch.optim.Optimizer's __init__ is not run, its param_groups is a property (an optimizer's load_state_dict
+    makes new group dicts: a list kept here would go stale), and the sharded stages see the optimizers that
+    sync.optimizer built, each stepping its own shards ([Note: several optimizers] in zero/optimizer.py).
+    zero.checkpoint and zero.state_bytes take it as the list ``optimizers``."""
+
+    def __init__(self, **named: torch.optim.Optimizer):  # torch.optim.Optimizer.__init__ is not run (the Note)
+        self.named = named
+        self.optimizers = list(named.values())
+        self.defaults: dict[str, Any] = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("Optimizers.step takes no closure: it steps several optimizers")
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {name: optimizer.state_dict() for name, optimizer in self.named.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        held = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        if held != sorted(self.named):
+            raise ValueError(f"the optimizer state holds {held}, not the state dicts of {sorted(self.named)}")
+        for name, optimizer in self.named.items():
+            optimizer.load_state_dict(state_dict[name])
+
+    def __repr__(self) -> str:
+        return f"Optimizers({', '.join(f'{name}={type(o).__name__}' for name, o in self.named.items())})"
+
+
+def optimizer_states(config: Config, state: dict[str, Any]) -> list[tuple[type[torch.optim.Optimizer], dict[str, Any]]]:
+    """A checkpoint's optimizer state as (torch.optim class, its state_dict) per optimizer of --optimizer: one, or
+    muon's two."""
+    if config.optimizer == "muon":
+        return [(kind, state.get(name, {"state": {}, "param_groups": []})) for name, kind in MUON_PARTS.items()]
+    return [(OPTIMIZERS[config.optimizer], state)]
+
+
+def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable 2-D parameters inside the model's blocks (models.blocks: a transformer's attention and MLP
+    matrices; not the embeddings, the head, norms or biases): what --optimizer muon's Muon steps."""
+    return [p for block in blocks(model) for p in block.parameters() if p.requires_grad and p.dim() == 2]
 
 
 def make_optimizer(config: Config, model: nn.Module, sync: DataParallel) -> torch.optim.Optimizer:
     """--optimizer over the model's trainable parameters, through the sync (which shards it, or not). With
     --norm-weight-decay, two parameter groups: the matrices and tensors of higher rank (--weight-decay), and the
     vectors, biases and normalization weights (--norm-weight-decay), as torchvision's reference scripts split
-    them (and nanoGPT, by the same test on p.dim())."""
+    them (and nanoGPT, by the same test on p.dim()). muon: Muon over the blocks' hidden matrices and AdamW over the
+    rest (split so as AdamW is), as one (Optimizers), each built by the sync (at --zero 1-3, sharded.optimizer once
+    per optimizer; ddp and fsdp: torch's over whole parameters or DTensors)."""
     sgd = {"lr": config.lr, "momentum": config.momentum, "weight_decay": config.weight_decay}
-    settings = {"sgd": sgd, "sgd_nesterov": {**sgd, "nesterov": True},
-                "adamw": {"lr": config.lr, "weight_decay": config.weight_decay,
-                          **({"betas": tuple(config.betas)} if config.betas else {})}}[config.optimizer]
-    kind = OPTIMIZERS[config.optimizer]
+    adamw = {"lr": config.lr, "weight_decay": config.weight_decay,
+             **({"betas": tuple(config.betas)} if config.betas else {})}
     trainable = [p for p in model.parameters() if p.requires_grad]
-    params: list[Any] = trainable
+    matrices = hidden_matrices(model) if config.optimizer == "muon" else []
+    muons = {id(p) for p in matrices}
+    rest = [p for p in trainable if id(p) not in muons]
+    params: list[Any] = rest
     if config.norm_weight_decay is not None:
-        params = [{"params": [p for p in trainable if p.dim() >= 2]},
-                  {"params": [p for p in trainable if p.dim() < 2], "weight_decay": config.norm_weight_decay}]
+        params = [{"params": [p for p in rest if p.dim() >= 2]},
+                  {"params": [p for p in rest if p.dim() < 2], "weight_decay": config.norm_weight_decay}]
         params = [group for group in params if group["params"]]
-    return sync.optimizer(kind, params, **settings)
+    if config.optimizer == "muon":
+        return Optimizers(adamw=sync.optimizer(torch.optim.AdamW, params, **adamw),
+                          muon=sync.optimizer(torch.optim.Muon, matrices, lr=config.muon_lr,
+                                              momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
+                                              nesterov=True))
+    settings = {"sgd": sgd, "sgd_nesterov": {**sgd, "nesterov": True}, "adamw": adamw}[config.optimizer]
+    return sync.optimizer(OPTIMIZERS[config.optimizer], params, **settings)
 
 
 def schedule_length(config: Config, steps_per_epoch: int) -> int:

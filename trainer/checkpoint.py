@@ -70,7 +70,7 @@ import torch.distributed as dist
 import utils
 import zero
 from models import GPT_SIZES
-from trainer.build import OPTIMIZERS, Parts
+from trainer.build import Parts, optimizer_states
 from trainer.config import DILOCO_FLAGS, OUTER_SYNCS, Config
 from utils import UsageError
 
@@ -111,7 +111,8 @@ def trajectory(parts: Parts) -> dict[str, Any]:
                "scheduler", "amp", "seed", "augment", "image_size")}
     # named only when given, so that a checkpoint from before these flags existed still resumes without them
     record.update({key: getattr(config, key) for key in ("norm_weight_decay", "clip_grad_norm", "betas",
-                                                         "warmup_steps", "min_lr", "param_dtype", "reduce_dtype")
+                                                         "warmup_steps", "min_lr", "param_dtype", "reduce_dtype",
+                                                         "muon_lr", "muon_momentum", "muon_weight_decay")
                    if getattr(config, key) is not None})
     if config.dataset == "text":  # the GPT's shape too, so that --generate can rebuild it from the checkpoint
         record.update(context=config.context, val_fraction=config.val_fraction,
@@ -359,8 +360,9 @@ def run_state(parts: Parts, position: Position, history: list[dict[str, Any]],
 
 
 def optimizers(parts: Parts) -> list[torch.optim.Optimizer]:
-    """The run's optimizers, as the folders' functions take them (a list: a model may be stepped by several)."""
-    return [parts.optimizer]
+    """The run's optimizers as a list, as the folders' functions take them (--optimizer muon: build.Optimizers'
+    AdamW and Muon)."""
+    return list(getattr(parts.optimizer, "optimizers", [parts.optimizer]))
 
 
 def save_folder(parts: Parts, state: dict[str, Any]) -> None:
@@ -514,18 +516,22 @@ def load_folder(parts: Parts, folder: str, position: Position, weights_only: boo
 
 def load_whole(parts: Parts, folder: str, chosen: list[torch.optim.Optimizer], position: Position) -> None:
     """ddp (and its --zero 1, ZeroRedundancyOptimizer) from a folder: every rank reads the whole model and optimizer
-    state, as it holds them, and loads them as last.pt's; the optimizer's numbered as torch.optim numbers it."""
+    state, as it holds them, and loads them as last.pt's: the optimizer's numbered as torch.optim numbers it (each
+    of --optimizer muon's under its name, as build.Optimizers' state_dict holds them)."""
     whole = zero.checkpoint.read_whole(folder, ("model", "optimizer") if chosen else ("model",))
-    numbered = [numbered_state(whole.get("optimizer", {}), parts.model, optimizer, folder) for optimizer in chosen]
-    for state in numbered:
+    if chosen:
+        named = getattr(parts.optimizer, "named", None)
+        state = ({name: numbered_state(whole["optimizer"], parts.model, optimizer, folder)
+                  for name, optimizer in named.items()} if named else
+                 numbered_state(whole["optimizer"], parts.model, parts.optimizer, folder))
         check_optimizer_state(state, folder, parts.config, position)
     try:
         parts.sync.load_model_state_dict(whole["model"])
     except RuntimeError as exc:
         raise UsageError(f"checkpoint {folder} does not fit --model {parts.config.model}: "
                          f"{str(exc).splitlines()[0]}") from None
-    for optimizer, state in zip(chosen, numbered):
-        optimizer.load_state_dict(state)
+    if chosen:
+        parts.optimizer.load_state_dict(state)
 
 
 def numbered_state(saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -556,8 +562,10 @@ def check_optimizer_state(state: dict[str, Any], path: str, config: Config, posi
     has stepped (SGD's momentum, AdamW's moments and step), rather than train on from another state: the sharded
     stages once wrote SGD's without its momentum. Under --amp fp16 the scaler may have skipped every step so far,
     so there a state with no entry at all is accepted."""
-    stepped = position.optimizer_steps > 0 and (config.amp != "fp16" or bool(state["state"]))
-    problem = zero.missing_optimizer_state(OPTIMIZERS[config.optimizer], state, every_parameter=stepped)
+    parts = optimizer_states(config, state)  # --optimizer muon: AdamW's and Muon's
+    stepped = position.optimizer_steps > 0 and (config.amp != "fp16" or any(part["state"] for _, part in parts))
+    problem = next(filter(None, (zero.missing_optimizer_state(kind, part, every_parameter=stepped)
+                                 for kind, part in parts)), None)
     if problem:
         raise UsageError(f"checkpoint {path} cannot resume this run: its optimizer state is incomplete ({problem}); "
                          f"resume from another checkpoint, or start afresh in an empty --checkpoint-dir")

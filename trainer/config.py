@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from data import default_text_dir
-from models import GPT_SIZES, LANGUAGE_MODELS, MODELS
+from models import GPT_SIZES, LANGUAGE_MODELS, MODELS, TORCHVISION_VITS
 from utils import UsageError
 
 WARMUP_STEPS = 3  # optimizer steps left out of the step-time statistics (allocator and autograd warm-up)
@@ -36,6 +36,10 @@ DILOCO_DEFAULTS = {"local_steps": 50, "outer_optimizer": "nesterov", "outer_lr":
                    "outer_compress": "none", "fragments": 1, "outer_delay": 0}
 LOCALSGD = {"outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}  # averaging the weights: outer SGD
 DILOCO_FLAGS = ("grad_sync", "replicas", *DILOCO_DEFAULTS)  # what a diloco checkpoint records of the outer loop
+# --optimizer muon's flags and their defaults ([Note: Muon's defaults]); the models whose blocks hold hidden 2-D
+# matrices for it (the transformers: a ResNet's blocks are convolutions, 4-D, which torch.optim.Muon does not take)
+MUON_DEFAULTS = {"muon_lr": 0.02, "muon_momentum": 0.95, "muon_weight_decay": 0.01}
+MUON_MODELS = (*LANGUAGE_MODELS, "vit", *TORCHVISION_VITS)
 NORM_TORCH_ON_CPU = ("--norm torch (nn.SyncBatchNorm) needs CUDA: use --device cuda (with a GPU), or --norm custom "
                      "or --norm local on the CPU")
 DESCRIPTION = ("Data-parallel training of image classifiers and byte-level GPTs: hand-written gradient averaging and "
@@ -149,9 +153,13 @@ class Config:
     reduce_dtype: str | None = flag(None, choices=tuple(DTYPES),
                                     help="custom --zero 1-3, fsdp: the dtype gradients are reduced over the processes "
                                          "in (default: --param-dtype's)")
-    optimizer: str = flag("sgd", choices=("sgd", "sgd_nesterov", "adamw"),
+    optimizer: str = flag("sgd", choices=("sgd", "sgd_nesterov", "adamw", "muon"),
                           help="SGD with --momentum and --weight-decay (sgd_nesterov: Nesterov's momentum, as "
-                               "torchvision's reference scripts name it), or AdamW with --weight-decay (decoupled)")
+                               "torchvision's reference scripts name it), AdamW with --weight-decay (decoupled), or "
+                               "muon: torch.optim.Muon (Nesterov) on the hidden 2-D matrices of the blocks "
+                               "(transformers: --model gpt..., vit...) with --muon-lr, --muon-momentum and "
+                               "--muon-weight-decay, and AdamW with --lr, --betas and --weight-decay on the rest "
+                               "(embeddings, head, norms, biases), one schedule for both")
     allreduce: str = flag("torch", choices=("torch", "ring", "butterfly"),
                           help="custom: which collectives sync the buckets: torch.distributed's, or allreduce.py's own "
                                "(--zero 1/2: torch's reduce-scatter and all-gather, or the ring's)")
@@ -171,6 +179,22 @@ class Config:
     betas: list[float] | None = flag(None, type=float, nargs=2, metavar=("B1", "B2"),
                                      help="AdamW's betas (default 0.9 0.999, PyTorch's; language models are trained "
                                           "with 0.9 0.95)")
+    muon_lr: float | None = flag(None, type=float, resolved=True,
+                                 help=f"--optimizer muon: Muon's (peak) learning rate, each matrix's scaled by "
+                                      f"max(1, rows/columns)^0.5 as torch.optim.Muon does by default (default "
+                                      f"{MUON_DEFAULTS['muon_lr']}: Keller Jordan's Muon recipe's for that update, "
+                                      f"whose entries have RMS about 1/sqrt(columns); Moonlight rescales it to AdamW's "
+                                      f"size to reuse AdamW's rate instead)")
+    muon_momentum: float | None = flag(None, type=float, resolved=True,
+                                       help=f"--optimizer muon: Muon's momentum (default "
+                                            f"{MUON_DEFAULTS['muon_momentum']}: torch.optim.Muon's, modded-nanogpt's "
+                                            f"and Moonlight's)")
+    muon_weight_decay: float | None = flag(None, type=float, resolved=True,
+                                           help=f"--optimizer muon: Muon's decoupled weight decay, w -= lr x decay x "
+                                                f"w per step (default {MUON_DEFAULTS['muon_weight_decay']}: Keller "
+                                                f"Jordan's Muon recipe's at lr 0.02, 2e-4 a step, the order of "
+                                                f"torch.optim.Muon's defaults, 0.1 at lr 1e-3, and of Moonlight's, "
+                                                f"0.1 at AdamW's rate)")
     norm_weight_decay: float | None = flag(None, type=float,
                                            help="the weight decay of biases and normalization weights (every parameter "
                                                 "of fewer than 2 dimensions), in a parameter group of their own "
@@ -227,6 +251,13 @@ class Config:
                                 "seconds of training so far (evaluations left out), bytes sent so far by the busiest "
                                 "rank and validation figures")
     timeout: float = flag(1800.0, type=float, help="seconds, for process-group set-up and collectives")
+    malloc_mmap_threshold: int = flag(128, type=int, metavar="KB",
+                                      help="glibc's malloc serves blocks of KB kB or more by mmap and gives them back "
+                                           "when freed; pinning it stops glibc from raising it after a large block "
+                                           "is freed, when freed blocks of up to 32 MB stay in the process and its "
+                                           "resident memory reports the allocator's history (GPT-2 small at --zero "
+                                           "3 on 4 processes: 1.1 GB against 0.59 GB above start); 0 leaves glibc's "
+                                           "own, rising threshold")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -268,6 +299,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     given = make_parser().parse_args(argv)
     check_numbers(given)
     check_recipe_flags(given)
+    muon = muon_flags(given)
     outer = outer_flags(given)
     check_syncs(given)
     if given.log_dir and importlib.util.find_spec("tensorboard") is None:  # every rank, before any collective
@@ -276,7 +308,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     data = data_flags(given)
     if given.norm == "torch" and (given.device == "cpu" or not torch.cuda.is_available()):
         raise UsageError(NORM_TORCH_ON_CPU)  # before the process group: no rank waits for another
-    return Config(**{**vars(given), **outer, **data, "profile_steps": profile_steps,
+    return Config(**{**vars(given), **muon, **outer, **data, "profile_steps": profile_steps,
                      "zero3_accumulate": given.zero3_accumulate or "sharded"})
 
 
@@ -302,8 +334,10 @@ def check_numbers(given: argparse.Namespace) -> None:
 
 def check_recipe_flags(given: argparse.Namespace) -> None:
     """--betas, the cosine schedule's flags, --generate's and --dropout, in one line each when they do not fit."""
-    if given.betas is not None and (given.optimizer != "adamw" or not all(0 <= b < 1 for b in given.betas)):
-        raise UsageError(f"--betas is AdamW's (--optimizer adamw), two numbers in [0, 1), got {given.betas}")
+    adamw = given.optimizer in ("adamw", "muon")
+    if given.betas is not None and (not adamw or not all(0 <= b < 1 for b in given.betas)):
+        raise UsageError(f"--betas is AdamW's (--optimizer adamw, or muon's AdamW), two numbers in [0, 1), got "
+                         f"{given.betas}")
     for name, value in (("--warmup-steps", given.warmup_steps), ("--min-lr", given.min_lr),
                         ("--decay-steps", given.decay_steps)):
         if value is not None and given.scheduler != "cosine":
@@ -322,6 +356,37 @@ def check_recipe_flags(given: argparse.Namespace) -> None:
                              f"{given.top_k}")
     if not 0 <= given.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {given.dropout}")
+
+
+def muon_flags(given: argparse.Namespace) -> dict[str, Any]:
+    """--optimizer muon's flags with their defaults filled in (refused for the other optimizers, where they stay
+    None), and the models and schedules it takes, in one line each.
+
+    [Note: Muon's defaults] The anchors agree on the momentum, 0.95 with Nesterov's (torch.optim.Muon,
+    modded-nanogpt, Moonlight), and part on the rate: torch.optim.Muon and Keller Jordan's Muon scale each matrix's
+    orthogonalized update by max(1, rows/columns)^0.5 (its entries have RMS about 1/sqrt(columns)), and his
+    recipe (Muon beside AdamW, the README of his Muon) steps it at lr 0.02, while Moonlight rescales it to AdamW's
+    RMS (0.2 sqrt(max(rows, columns))) to reuse AdamW's rate. The trainer takes torch's default scaling, so 0.02.
+    Weight decay is decoupled and multiplied by the rate: his recipe's 0.01 at 0.02 shrinks a weight by 2e-4 a
+    step, the order of torch's defaults (0.1 at lr 1e-3: 1e-4) and of Moonlight's 0.1 at AdamW's rate; so 0.01."""
+    named = [f"--{key.replace('_', '-')}" for key in MUON_DEFAULTS if getattr(given, key) is not None]
+    if given.optimizer != "muon":
+        if named:
+            raise UsageError(f"{named[0]} is for --optimizer muon")
+        return {}
+    if given.model not in MUON_MODELS:
+        raise UsageError(f"--optimizer muon is for the transformers (--model gpt..., vit...): Muon takes the 2-D "
+                         f"matrices inside their blocks, and --model {given.model} has none (its blocks are "
+                         f"convolutions, 4-D, or it has no blocks)")
+    if given.scheduler == "onecycle":
+        raise UsageError("--scheduler onecycle takes one maximal rate and cycles one kind of momentum; --optimizer "
+                         "muon's Muon and AdamW take --scheduler cosine or none (the same factor on both rates)")
+    muon = {key: default if getattr(given, key) is None else getattr(given, key)
+            for key, default in MUON_DEFAULTS.items()}
+    if not muon["muon_lr"] > 0 or not 0 <= muon["muon_momentum"] < 1 or muon["muon_weight_decay"] < 0:
+        raise UsageError(f"--muon-lr must be positive, --muon-momentum in [0, 1) and --muon-weight-decay not "
+                         f"negative, got {muon['muon_lr']}, {muon['muon_momentum']} and {muon['muon_weight_decay']}")
+    return muon
 
 
 def outer_flags(given: argparse.Namespace) -> dict[str, Any]:

@@ -84,8 +84,8 @@ from collectives import Collectives
 from gradsync import Bucket, BucketedSync, GradientSync, assign_buckets, broadcast_state, check_keys_on_rank0
 from zero import init as init_module
 from zero.hybrid import Replicas, check_grid
-from zero.optimizer import (ELEMENTWISE, WHOLE_PARAMETER, ShardedOptimizer, ShardRun, check_optimizer_class,
-                            missing_optimizer_state, state_kinds)
+from zero.optimizer import (ELEMENTWISE, WHOLE_PARAMETER, ShardedOptimizer, ShardRun, as_optimizers,
+                            check_optimizer_class, missing_optimizer_state, state_kinds)
 from zero.precision import (Precision, cast_forward_inputs, gather_full, gathered_state_dict, load_masters,
                             master_state_dict, resolve, scatter_masters, shard_weights)
 
@@ -294,11 +294,15 @@ class ZeroStage2(ShardedStage, BucketedSync):
         super().__init__(model, bucketed, comm, chunks=comm.size)
         self.precision, self.replicas = precision, replicas
         self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, self.own_shards, deferred)
-        self.grads = [torch.zeros(b.length // comm.size, dtype=precision.master, device=b.device)
-                      for b in self.buckets]
+        # [Note: gradient shards] grads[b], this rank's accumulated gradient of bucket b: made by the first
+        # reduce-scatter of a window to land, and dropped at the next forward once zero_grad() has let go of it
+        # (as FSDP2's sharded gradients are), so no rank holds the 4 Psi / W of gradients from the step (or the
+        # build) to the next backward's end; the buckets that hold no parameter keep an empty one
+        self.grads: list[torch.Tensor | None] = [
+            None if b.length else torch.zeros(0, dtype=precision.master, device=b.device) for b in self.buckets]
         self._start_sharded()
         self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
-                                       self._after_step)
+                                       self._after_step, lazy_gradients=True)
         self.hooks.append(self.shards.hook)
         self.optimizer, self.clip_grad_norm_ = self.shards.optimizer, self.shards.clip_grad_norm_  # the part's
         for p in self.params:
@@ -350,7 +354,12 @@ class ZeroStage2(ShardedStage, BucketedSync):
     def _land_oldest(self) -> None:
         bucket, buffer = self.in_flight.pop(0)
         self._wait([bucket], f"{self.collective} wait")
-        self.grads[bucket.index].add_(self.comm.chunk(buffer[:bucket.length]))
+        chunk = self.comm.chunk(buffer[:bucket.length])
+        if self.grads[bucket.index] is None:  # the window's first ([Note: gradient shards])
+            self.grads[bucket.index] = chunk.to(self.precision.master, copy=True)
+            self.shards.attach_gradients(bucket)
+        else:
+            self.grads[bucket.index].add_(chunk)
         self._release(buffer)
 
     def _release(self, buffer: torch.Tensor) -> None:
@@ -369,7 +378,8 @@ class ZeroStage2(ShardedStage, BucketedSync):
             self._average_over_replicas(self.grads)
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
-        return self.grads + self.pool + list(self.filling.values()) + [buffer for _, buffer in self.in_flight]
+        return ([g for g in self.grads if g is not None] + self.pool + list(self.filling.values())
+                + [buffer for _, buffer in self.in_flight])
 
 
 class UnitState(enum.Enum):
@@ -909,12 +919,12 @@ def stage_3_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Mod
     return ([model] if root_owns else []) + list(units), owner
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Any) -> dict[str, int]:
+def state_bytes(model: nn.Module, optimizer: Any, sync: Any) -> dict[str, int]:
     """Bytes this rank holds for the weights, the gradients and the optimizer state: the storages behind the
-    model's parameters and the optimizer's, behind every .grad they have and the sync's gradient buffers, and
-    behind the optimizer's state tensors (ZeroRedundancyOptimizer: its local optimizer's), each storage counted
-    once. Taken just before a step: the gradients averaged, stage 3's units all freed (the step's prefetch of the
-    next forward's first units is not yet launched)."""
+    model's parameters and the optimizer's (one or several: zero.optimizer.as_optimizers), behind every .grad they
+    have and the sync's gradient buffers, and behind the optimizer's state tensors (ZeroRedundancyOptimizer: its
+    local optimizer's), each storage counted once. Taken just before a step: the gradients averaged, stage 3's
+    units all freed (the step's prefetch of the next forward's first units is not yet launched)."""
     def held(tensors: Iterable[torch.Tensor | None]) -> int:
         storages = {}
         for t in tensors:
@@ -923,9 +933,11 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Any) -
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())
 
-    optimized = [p for group in optimizer.param_groups for p in group["params"]]
-    local = getattr(optimizer, "optim", optimizer)
+    optimizers = as_optimizers(optimizer)
+    optimized = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+    states = [getattr(o, "optim", o).state for o in optimizers]
     grads = [p.grad for p in list(model.parameters()) + optimized] + sync.held_gradient_buffers()
     frozen = sync.frozen_shards() if hasattr(sync, "frozen_shards") else []  # stage 3's, beside the model's views
     return {"params": held(list(model.parameters()) + optimized + frozen), "grads": held(grads),
-            "optimizer": held(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))}
+            "optimizer": held(v for state in states for values in state.values() for v in values.values()
+                              if torch.is_tensor(v))}

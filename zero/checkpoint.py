@@ -1,7 +1,7 @@
 """Sharded checkpoints of zero.shard's stages in torch.distributed.checkpoint's (DCP's) format: every rank writes its
 own shards and reads only what its shards overlap, and FSDP2 reads ours as we read FSDP2's.
 
-    zero.checkpoint.save(path, sharded, optimizer, extra=None)   # every rank of the group; optimizer: one, a list, None
+    zero.checkpoint.save(path, sharded, optimizer, extra=None)   # every rank; optimizer: one, several, None
     extra = zero.checkpoint.load(path, sharded, optimizer)        # every rank; any stage 0-3, W, replicate_group
     extra = zero.checkpoint.read_extra(path)                      # one process: the extra alone, before a load
     whole = zero.checkpoint.read_whole(path, ("model",))          # whole tensors: for programs that keep them whole
@@ -15,7 +15,9 @@ holding the nested state dict
 
     {"model":     {fqn: tensor},                 every name of model.state_dict(), a tied weight under each name
      "optimizer": {"state": {fqn: {key: value}}, a parameter under its first name; AdamW's step a 0-dim tensor per
-                                                 parameter; several optimizers merged (disjoint parameters)
+                                                 parameter, its moments (Muon's momentum_buffer) in the parameter's
+                                                 shape, Adafactor's row_var and col_var whole in torch's shapes;
+                                                 several optimizers merged (disjoint parameters)
                    "param_groups": [{..., "params": [fqn, ...]}]},   every optimizer's groups, in turn
      "extra":     anything}                      the caller's (position, scheduler, ...): rank 0's, when not None
 
@@ -37,10 +39,11 @@ whatever world size, stage or FSDP2 wrote them.
 What each rank holds is listed by the stage (``sharded.held_pieces()``: per parameter kept in a flat bucket, its
 range and a 1-D view of the masters; ``flat_pieces`` of (buckets, shards), so another sharded part, frozen
 parameters sharded at stage 3, is one more such pair) and, for the optimizer, by its runs (zero/optimizer.py: one
-inner tensor per run of a bucket's chunk, so a run's state is cut into the same per-parameter ranges). Whatever no
-stage shards (buffers, frozen parameters, stage 0's whole model and plain optimizer) is a whole tensor on every
-rank: every rank offers it and DCP's de-duplication of identical write items keeps one copy, as it does for the
-replicas of hybrid sharding, whose equal shards give equal boxes.
+inner tensor per run of a bucket's chunk, so a run's state is cut into the same per-parameter ranges; Muon's and
+Adafactor's runs are pieces of one parameter each, zero/matrix.py). Whatever no stage shards (buffers, frozen
+parameters, stage 0's whole model and plain optimizer, Adafactor's factored statistics: [Note: state kept whole]) is
+a whole tensor on every rank that holds it: each offers it and DCP's de-duplication of identical write items keeps
+one copy, as it does for the replicas of hybrid sharding, whose equal shards give equal boxes.
 
 Memory, per rank (Psi parameters, W ranks of the shard group), on top of what the rank holds anyway:
 - save: nothing gathered, no collective but DCP's planning (objects: [Note: no tensor collective in save]) and no
@@ -100,7 +103,8 @@ from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, 
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from gradsync import Bucket, GradientSync
-from zero.optimizer import state_kinds
+from zero.matrix import PROBE_DIMS
+from zero.optimizer import as_optimizers, state_kinds
 
 __all__ = ["save", "load", "read_extra", "read_whole", "encode_extra", "one_line", "CheckpointError", "Piece", "Shards",
            "flat_pieces", "memory_order", "range_boxes", "layout_boxes", "ShardSavePlanner", "ShardLoadPlanner"]
@@ -357,12 +361,6 @@ def process_group(sharded: Any) -> dist.ProcessGroup | None:
     return None if getattr(sharded, "replicas", None) is not None else sharded.comm.group
 
 
-def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    if optimizer is None:
-        return []
-    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-
-
 def model_entries(sharded: Any) -> dict[str, Any]:
     """The "model" part, name by name as in model.state_dict(): a Shards of this rank's pieces where the stage
     keeps the tensor in flat buckets (nothing where it holds none of it), else the whole tensor (buffers, frozen
@@ -456,7 +454,14 @@ def optimizer_shards(pieces: dict[str, list[Piece]]) -> dict[str, dict[str, Shar
 def optimizer_entries(sharded: Any, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """The "optimizer" part: get_state_dict's layout of this rank's state. A plain optimizer's (stage 0) state as it
     is, under each parameter's name; a sharded one's per run: element-wise tensors (1-D over the run) cut into the
-    parameters' pieces (Shards), scalars (step) under every parameter the run covers."""
+    parameters' pieces (Shards), scalars (step) and the tensors kept whole (Adafactor's row_var and col_var) under
+    every parameter the run covers.
+
+    [Note: state kept whole] Adafactor's factored statistics are not one number per element: every rank holding a
+    piece of a matrix keeps the whole ``row_var`` and ``col_var``, alike (zero/matrix.py), in torch's shapes. That is
+    what FSDP2 holds too (torch 2.15: DTensors of Replicate placement, their global shapes), and get_state_dict gives
+    them as whole tensors: each rank that holds one offers it whole, and DCP's de-duplication of identical write
+    items writes it once. A load reads it whole on every rank that holds a piece (a few hundred numbers)."""
     state: dict[str, dict[str, Any]] = {}
     for optimizer in optimizers:
         if not hasattr(sharded, "shards"):
@@ -469,11 +474,11 @@ def optimizer_entries(sharded: Any, optimizers: list[torch.optim.Optimizer]) -> 
             for cover in covers if values else []:
                 entry = state.setdefault(cover.name, {})
                 for key, value in values.items():
-                    if torch.is_tensor(value) and value.dim() > 0:  # element-wise: 1-D over the run
+                    if torch.is_tensor(value) and value.dim() == 1:  # element-wise: 1-D over the run
                         pieces.setdefault(key, []).append(cover.piece(value))
                         entry[key] = None  # its place in the entry's order of keys, for the Shards below
-                    else:
-                        entry.setdefault(key, value)  # a scalar: the run's, the same for all it covers
+                    else:  # a scalar, or a tensor kept whole ([Note: state kept whole]): the run's, the same for
+                        entry.setdefault(key, value)  # all it covers
         for name, keys in optimizer_shards(pieces).items():
             state[name].update(keys)
     return {"state": state, "param_groups": packed_groups(sharded, optimizers)}
@@ -613,18 +618,24 @@ def saved_optimizer(metadata: Metadata) -> tuple[dict[str, dict[str, Any]], int,
     return state, groups, odd
 
 
-def group_kinds(slots_: list[Slot]) -> dict[tuple[int, int], dict[str, bool]]:
-    """Each parameter group's state_kinds (the keys its optimizer keeps, and which are element-wise)."""
+def parameter_kinds(slots_: list[Slot]) -> dict[str, dict[str, bool]]:
+    """Each parameter's state_kinds by name (the keys its optimizer keeps with its group's settings, and which are
+    element-wise), probed once per group and, for Muon and Adafactor, per number of dimensions (Adafactor keeps a
+    vector's variance and a matrix's row_var and col_var). A sharded Muon or Adafactor is asked as torch's class."""
+    probed: dict[tuple[int, int, int], dict[str, bool]] = {}
     kinds = {}
     for slot in slots_:
-        where = (id(slot.optimizer), slot.group)
-        if where not in kinds:
+        torch_class = getattr(slot.optimizer, "torch_class", type(slot.optimizer))
+        dim = max(slot.param.dim(), 1) if torch_class in PROBE_DIMS else 1
+        where = (id(slot.optimizer), slot.group, dim)
+        if where not in probed:
             settings = {k: v for k, v in slot.optimizer.param_groups[slot.group].items() if k != "params"}
-            kinds[where] = state_kinds(type(slot.optimizer), settings, slot.param.device)
+            probed[where] = state_kinds(torch_class, settings, slot.param.device, dim)
+        kinds[slot.name] = probed[where]
     return kinds
 
 
-def optimizer_problem(metadata: Metadata, slots_: list[Slot], kinds: dict[tuple[int, int], dict[str, bool]],
+def optimizer_problem(metadata: Metadata, slots_: list[Slot], kinds: dict[str, dict[str, bool]],
                       group_count: int, sharded_optimizer: bool, stepped: bool = False) -> str | None:
     """An optimizer state of another kind, from the metadata: keys not the ones the optimizer keeps, element-wise
     state of another shape, state of parameters it does not step, another number of parameter groups; at stages
@@ -647,10 +658,11 @@ def optimizer_problem(metadata: Metadata, slots_: list[Slot], kinds: dict[tuple[
         saved = state.get(slot.name)
         if saved is None:
             continue
-        keeps = kinds[id(slot.optimizer), slot.group]
+        keeps = kinds[slot.name]
         if set(saved) != set(keeps):
             return (f"an optimizer state of another kind: {slot.name} holds {sorted(saved)}, and "
-                    f"torch.optim.{type(slot.optimizer).__name__} with these settings keeps {sorted(keeps)}")
+                    f"torch.optim.{getattr(slot.optimizer, 'torch_class', type(slot.optimizer)).__name__} with "
+                    f"these settings keeps {sorted(keeps)}")
         for key, elementwise in keeps.items():
             md = saved[key]
             if elementwise and (not isinstance(md, TensorStorageMetadata)
@@ -661,8 +673,10 @@ def optimizer_problem(metadata: Metadata, slots_: list[Slot], kinds: dict[tuple[
     if groups != group_count:
         return f"its optimizer state has {groups} parameter groups, these optimizers {group_count}"
     if sharded_optimizer:
-        for where in kinds:
-            members = [slot.name for slot in slots_ if (id(slot.optimizer), slot.group) == where]
+        members_of: dict[tuple[int, int], list[str]] = {}
+        for slot in slots_:
+            members_of.setdefault((id(slot.optimizer), slot.group), []).append(slot.name)
+        for members in members_of.values():
             having = [name for name in members if name in state]
             if having and len(having) != len(members):
                 lacking = next(name for name in members if name not in state)
@@ -688,8 +702,7 @@ def groups_problem(saved_groups: list[dict[str, Any]], slots_: list[Slot],
     return matched, None
 
 
-def scalars_problem(small: dict[str, Any], slots_: list[Slot],
-                    kinds: dict[tuple[int, int], dict[str, bool]]) -> str | None:
+def scalars_problem(small: dict[str, Any], slots_: list[Slot], kinds: dict[str, dict[str, bool]]) -> str | None:
     """At stages 1-3 a run steps a group's parameters together, with one step count: the saved scalars of a
     group's parameters must agree."""
     state = small.get("optimizer", {}).get("state", {})
@@ -705,7 +718,7 @@ def scalars_problem(small: dict[str, Any], slots_: list[Slot],
         other = state[first[where]]
         for key, value in entry.items():
             theirs = other.get(key)
-            if kinds[where].get(key, True):  # element-wise (a 0-dim parameter's is 0-dim too): not a scalar
+            if kinds[slot.name].get(key, True):  # element-wise (a 0-dim parameter's is 0-dim too): not a scalar
                 continue
             same = torch.equal(value, theirs) if torch.is_tensor(value) and torch.is_tensor(theirs) else value == theirs
             if not same:
@@ -718,12 +731,12 @@ def scalars_problem(small: dict[str, Any], slots_: list[Slot],
 # save and load
 # ----------------------------------------------------------------------------------------------------------
 def save(path: str | os.PathLike, sharded: Any, optimizer: Any, extra: Any = None) -> None:
-    """Write ``sharded``'s model and ``optimizer``'s state (one, a list, or None) to the folder ``path`` in DCP's
-    format (module docstring), each rank its own shards; ``extra`` (any picklable structure of Python values and
-    tensors) as the group's rank 0 has it ([Note: extra]). Every rank of the group calls it (under hybrid sharding,
-    every rank of the world). An optimizer that has not stepped is saved without state, as its state_dict() is
-    (get_state_dict would step it once at lr 0 first, and FSDP2's strict set_state_dict refuses a checkpoint
-    without state).
+    """Write ``sharded``'s model and ``optimizer``'s state (as_optimizers: one, several, or None) to the folder
+    ``path`` in DCP's format (module docstring), each rank its own shards; ``extra`` (any picklable structure of
+    Python values and tensors) as the group's rank 0 has it ([Note: extra]). Every rank of the group calls it (under
+    hybrid sharding, every rank of the world). An optimizer that has not stepped is saved without state, as its
+    state_dict() is (get_state_dict would step it once at lr 0 first, and FSDP2's strict set_state_dict refuses a
+    checkpoint without state).
 
     [Note: no tensor collective in save] Nothing is gathered: the pieces are views of what the rank holds, and DCP's
     planning exchanges objects (each rank's plan, then the written files' list) over the group. Stage 3's prefetch
@@ -752,10 +765,10 @@ def save(path: str | os.PathLike, sharded: Any, optimizer: Any, extra: Any = Non
 
 def load(path: str | os.PathLike, sharded: Any, optimizer: Any, stepped: bool = False) -> Any:
     """Read a checkpoint of this format (ours from any stage 0-3, world size and replicate_group, or FSDP2's) into
-    ``sharded``'s model and ``optimizer``'s state (one, a list, or None: the model alone), every rank only what
-    its shards overlap; return the saved extra (None if absent). Every rank of the group calls it. After it the
-    model is ready to train: stages 1-2 gather the weights whole again, stage 3 holds no unit gathered before, and
-    the optimizer has the checkpoint's state and hyperparameters (as torch.optim's load_state_dict restores them),
+    ``sharded``'s model and ``optimizer``'s state (as_optimizers: one, several, or None: the model alone), every rank
+    only what its shards overlap; return the saved extra (None if absent). Every rank of the group calls it. After it
+    the model is ready to train: stages 1-2 gather the weights whole again, stage 3 holds no unit gathered before,
+    and the optimizer has the checkpoint's state and hyperparameters (as torch.optim's load_state_dict restores them),
     whether or not it had stepped. ``stepped``: the caller knows that the saved optimizers had stepped every
     parameter (a trainer, from its position), so a parameter without state is refused too (a checkpoint cut short
     of its state), where by default it is taken as not stepped yet.
@@ -769,7 +782,7 @@ def load(path: str | os.PathLike, sharded: Any, optimizer: Any, stepped: bool = 
     optimizers = as_optimizers(optimizer)
     slots_ = slots(sharded, optimizers)
     sharded_optimizer = hasattr(sharded, "shards")
-    kinds = group_kinds(slots_)
+    kinds = parameter_kinds(slots_)
     group_count = sum(len(o.param_groups) for o in optimizers)
     metadata, problem = read_folder(path)
     if metadata is not None:
@@ -876,23 +889,28 @@ def read_whole(path: str | os.PathLike, parts: Iterable[str] = ("model", "optimi
 
 
 def sharded_destinations(sharded: Any, optimizer: torch.optim.Optimizer, layout: dict[str, dict[str, Any]],
-                         scalars: dict[str, dict[str, Any]], kinds: dict[tuple[int, int], dict[str, bool]]):
+                         scalars: dict[str, dict[str, Any]], kinds: dict[str, dict[str, bool]]):
     """Stages 1-3: for each run whose parameters have state in the checkpoint (``layout``: saved_optimizer's), a
-    new tensor per element-wise key (the run's length and dtype), cut into the parameters' pieces to read into;
-    the scalars from the first read (``scalars``). Returns (install(groups), the pieces to read), where install
-    loads the runs' state and the groups' settings through torch.optim's load_state_dict."""
+    new tensor per element-wise key (the run's length and dtype), cut into the parameters' pieces to read into; a
+    new tensor of the saved shape per key kept whole ([Note: state kept whole]: a piece of a matrix, the only
+    run of its parameter on this rank), read whole; the scalars from the first read (``scalars``). Returns
+    (install(groups), what to read), where install loads the runs' state and the groups' settings through
+    torch.optim's load_state_dict."""
     runs = sharded.shards.layouts[optimizer].runs
     runs_state: dict[int, dict[str, Any]] = {}
     pieces: dict[str, list[Piece]] = {}
+    whole: dict[str, dict[str, torch.Tensor]] = {}
     for number, run, covers in run_covers(sharded, optimizer):
         name = covers[0].name  # a group's parameters all have state or none (optimizer_problem), one scalar each
         if name not in layout:
             continue
         state: dict[str, Any] = {}
-        for key in layout[name]:
-            if kinds[id(optimizer), run.group][key]:
+        for key, md in layout[name].items():
+            if kinds[name][key]:
                 state[key] = torch.empty(run.end - run.start, dtype=run.param.dtype, device=run.param.device)
                 pieces.setdefault(key, []).extend(cover.piece(state[key]) for cover in covers)
+            elif isinstance(md, TensorStorageMetadata) and len(md.size):
+                state[key] = whole.setdefault(name, {})[key] = torch.empty(md.size, dtype=md.properties.dtype)
             else:  # the first read's tensor, the run's own (no two runs begin with one parameter)
                 state[key] = scalars[name][key]
         runs_state[number] = state
@@ -902,13 +920,17 @@ def sharded_destinations(sharded: Any, optimizer: torch.optim.Optimizer, layout:
                          "params": [n for n, run in enumerate(runs) if run.group == g]}
                         for g, saved_group in enumerate(groups)]
         sharded.shards.load_run_state(optimizer, {"state": runs_state, "param_groups": inner_groups})
-    return install, optimizer_shards(pieces)
+    entries = optimizer_shards(pieces)
+    for name, keys in whole.items():
+        entries.setdefault(name, {}).update(keys)
+    return install, entries
 
 
 def plain_destinations(sharded: Any, optimizer: torch.optim.Optimizer, layout: dict[str, dict[str, Any]],
-                       scalars: dict[str, dict[str, Any]], kinds: dict[tuple[int, int], dict[str, bool]]):
-    """Stage 0's plain optimizer: each parameter's element-wise state whole, read into new tensors (torch.optim's
-    load then casts and places them as the parameter is); the scalars from the first read."""
+                       scalars: dict[str, dict[str, Any]], kinds: dict[str, dict[str, bool]]):
+    """Stage 0's plain optimizer: each parameter's state tensors whole (element-wise, and those kept whole:
+    Adafactor's row_var and col_var), read into new tensors (torch.optim's load then casts and places them as the
+    parameter is); the scalars from the first read."""
     state: dict[int, dict[str, Any]] = {}
     entries: dict[str, dict[str, Any]] = {}
     for index, slot in enumerate(slots(sharded, [optimizer])):
@@ -916,7 +938,7 @@ def plain_destinations(sharded: Any, optimizer: torch.optim.Optimizer, layout: d
             continue
         state[index] = {}
         for key, md in layout[slot.name].items():
-            if kinds[id(optimizer), slot.group][key] and len(md.size):
+            if isinstance(md, TensorStorageMetadata) and len(md.size):
                 tensor = torch.empty(md.size, dtype=md.properties.dtype)
                 state[index][key] = entries.setdefault(slot.name, {})[key] = tensor
             else:

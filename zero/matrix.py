@@ -105,7 +105,7 @@ class PieceOptimizer:
         self.whole_parameters, self.comm = parameters, comm
         # the masters' dtype and device: what every rank's messages are made of, pieces or none
         self.dtype, self.device = master.dtype, master.device
-        self.gradients_attached = True
+        self.gradients_attached = False  # until the first forward (the stage's before_forward)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         torch.optim.Optimizer.zero_grad(self, set_to_none)  # type: ignore[arg-type]
@@ -114,6 +114,14 @@ class PieceOptimizer:
 
     def _held(self) -> list[WholeParameter]:
         return [p for p in self.whole_parameters if p.piece is not None]
+
+
+def closure_loss(closure: Any) -> Any:
+    """The loss a step's closure re-evaluates, with gradients on (torch.optim's convention), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def newton_schulz_cost(shape: torch.Size) -> int:
@@ -212,10 +220,7 @@ class ShardedMuon(PieceOptimizer, torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if not self.gradients_attached:
             return loss
         # the momentum and Nesterov's mix on this rank's pieces (torch's _single_tensor_muon, line for line)
@@ -320,10 +325,7 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if not self.gradients_attached or not self.whole_parameters:
             return loss
         held = self._held()

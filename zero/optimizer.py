@@ -55,33 +55,6 @@ class ElementWise:
     dtype: torch.dtype
 
 
-@dataclass
-class LocalState:
-    """One key of one parameter's optimizer state as this rank holds it (ShardedOptimizer.local_state): for a
-    ``whole_shaped`` key (one number per element of the parameter: a moment, Muon's momentum_buffer, Adafactor's
-    variance) this rank's elements [start, end) of it, numbered in the parameter's layout order (Bucket.view: its
-    memory order, row-major for a contiguous parameter), as a 1-D tensor; otherwise the whole value (a step count;
-    Adafactor's row_var and col_var in torch's shapes), which every rank holding a piece of the parameter holds
-    alike (``first``: this rank is the lowest of them, the one to write it)."""
-    value: Any
-    whole_shaped: bool
-    start: int = 0
-    end: int = 0
-    first: bool = True
-
-
-@dataclass(frozen=True)
-class Holding:
-    """A rank's stretch of a parameter (ShardedOptimizer.held): its ``index`` in torch.optim's numbering, elements
-    [start, end) in its layout order in the flat, which is its memory order: element i of the stretch sits at the
-    multi-index whose dot product with ``strides`` is start + i (row-major when the parameter is contiguous)."""
-    index: int
-    start: int
-    end: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-
-
 def _own_copy(value: Any) -> Any:
     """A state value of its own: a plain optimizer adds to its step count in place, so none may be shared."""
     return value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
@@ -89,6 +62,16 @@ def _own_copy(value: Any) -> Any:
 
 def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
+
+
+def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """One optimizer, a list or tuple of them, an object that holds several as ``.optimizers`` (the trainer's
+    --optimizer muon: AdamW and Muon stepped as one), or None: as a list (zero.checkpoint, zero.state_bytes)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, (list, tuple)):
+        return list(optimizer)
+    return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -238,12 +221,13 @@ class ShardedOptimizer:
     """
 
     def __init__(self, stage: int, buckets: list[Bucket], names: dict[int, str], comm: Collectives,
-                 weights: list[torch.Tensor], grads: list[torch.Tensor],
-                 after_step: Callable[[list[Bucket]], None]):
+                 weights: list[torch.Tensor], grads: list[torch.Tensor | None],
+                 after_step: Callable[[list[Bucket]], None], lazy_gradients: bool = False):
         self.stage, self.buckets, self.names, self.comm = stage, buckets, names, comm
         self.rank, self.world_size = comm.rank, comm.size
         self.bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
-        self.weights, self.grads = weights, grads
+        self.weights, self.grads = weights, grads  # grads: the stage's list; None where a shard is dropped
+        self.lazy_gradients = lazy_gradients  # stages 2-3 ([Note: gradient shards]); stage 1's are the flats
         self.after_step = after_step  # given the buckets a step updated ([Note: after the step])
         self.layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, Layout] = weakref.WeakKeyDictionary()
         self.loading_runs: set[int] = set()  # id() of an optimizer loading its runs' own state (load_run_state)
@@ -278,7 +262,8 @@ class ShardedOptimizer:
         layout.runs = [run for g in range(len(groups)) for run in runs if run.group == g]  # inner numbering
         for run in layout.runs:
             run.param = nn.Parameter(self._piece(self.weights, run))
-            run.param.grad = self._piece(self.grads, run)
+            if self.grads[run.bucket.index] is not None:  # (else made by the first backward: attach_gradients)
+                run.param.grad = self._piece(self.grads, run)
         inner = [{**{k: v for k, v in group.items() if k != "params"},
                   "params": [run.param for run in layout.runs if run.group == g]} for g, group in enumerate(groups)]
         if layout.per_parameter:
@@ -323,17 +308,30 @@ class ShardedOptimizer:
 
     def before_forward(self) -> None:
         """Before each forward: the buckets still waiting for an optimizer's step finished ([Note: several
-        optimizers]), and each run's .grad its view of the gradient shard, put back, zeroed, where zero_grad() set
-        it to None."""
+        optimizers]); with ``lazy_gradients``, each gradient shard whose runs all had their .grad set to None by
+        zero_grad() dropped (the next backward makes it anew: [Note: gradient shards]); and each run's .grad its
+        view of the gradient shard, put back, zeroed, where zero_grad() set it to None and the shard stays."""
         self.finish_steps()
+        if self.lazy_gradients:
+            for bucket in self.buckets:
+                runs = [run for layout in self.layouts.values() for run in layout.runs if run.bucket is bucket]
+                if runs and self.grads[bucket.index] is not None and all(run.param.grad is None for run in runs):
+                    self.grads[bucket.index] = None
         for optimizer, layout in self.layouts.items():
             for run in layout.runs:
-                if run.param.grad is None:
+                if run.param.grad is None and self.grads[run.bucket.index] is not None:
                     view = self._piece(self.grads, run)
                     view.zero_()
                     run.param.grad = view
             if isinstance(optimizer, PieceOptimizer):
                 optimizer.gradients_attached = True
+
+    def attach_gradients(self, bucket: Bucket) -> None:
+        """A gradient shard just made (lazy_gradients): the .grad of each run in it that has none, its view."""
+        for layout in self.layouts.values():
+            for run in layout.runs:
+                if run.bucket is bucket and run.param.grad is None:
+                    run.param.grad = self._piece(self.grads, run)
 
     def _stepped(self, layout: Layout) -> None:
         """After an optimizer's step ([Note: several optimizers]): its buckets marked stepped by it, and the
@@ -380,12 +378,13 @@ class ShardedOptimizer:
         max_norm / (norm + 1e-6), clamped to 1 (torch's formula). After the last backward of a window; under fp16
         after the scaler's unscale_(optimizer). Returns the total norm."""
         norm_type = float(norm_type)
-        total = total_norm(self.grads, norm_type, self.comm.group)
+        grads = [g for g in self.grads if g is not None]  # (lazy_gradients: a bucket no backward has reached)
+        total = total_norm(grads, norm_type, self.comm.group)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
                                f"clipped (error_if_nonfinite=True)")
         clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(self.grads, clip)
+        torch._foreach_mul_(grads, clip)
         return total
 
     # ------------------------------------------------------------------------------------------------------
@@ -457,85 +456,6 @@ class ShardedOptimizer:
             optimizer.load_state_dict(inner)
         finally:
             self.loading_runs.discard(id(optimizer))
-    # ------------------------------------------------------------------------------------------------------
-    # The same state per parameter and key, as this rank holds it: what a sharded checkpoint writes and reads
-    # ------------------------------------------------------------------------------------------------------
-    def held(self, optimizer: torch.optim.Optimizer) -> dict[str, Holding]:
-        """What this rank holds of each of ``optimizer``'s parameters, by name: what a sharded checkpoint's reader
-        asks for, whether the optimizer has state yet or not."""
-        layout, out = self.layouts[optimizer], {}
-        for bucket in self.buckets:
-            lo, hi = self.chunk_bounds(bucket)
-            for p, offset in zip(bucket.params, bucket.offsets):
-                if id(p) in layout.index and max(lo, offset) < min(hi, offset + p.numel()):
-                    out[self.names[id(p)]] = Holding(layout.index[id(p)][1], max(lo, offset) - offset,
-                                                     min(hi, offset + p.numel()) - offset, tuple(p.shape),
-                                                     tuple(bucket.place[id(p)][1]))
-        return out
-
-    def local_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, LocalState]]:
-        """This rank's part of ``optimizer``'s state, by parameter name (the model's FQN) and key, no collective:
-        each parameter this rank holds elements of and that has state. A run crossing parameters is cut at their
-        boundaries (its whole-shaped values sliced, its scalars given to each); a whole-matrix optimizer's run is a
-        piece of one parameter, its factored statistics whole. ``load_local_state`` takes the same form back."""
-        layout, out = self.layouts[optimizer], {}
-        for run in layout.runs:
-            values = optimizer.state.get(run.param, {})
-            if not values:
-                continue
-            for p in self._params_in(run, layout):
-                offset = run.bucket.place[id(p)][0]
-                first, last = max(run.start, offset), min(run.end, offset + p.numel())
-                holders = self._holders(run.bucket, offset, p.numel())
-                entry = out.setdefault(self.names[id(p)], {})
-                for key, value in values.items():
-                    if torch.is_tensor(value) and value.dim() == 1:  # a run's element-wise state
-                        entry[key] = LocalState(value[first - run.start:last - run.start], True, first - offset,
-                                                last - offset)
-                    else:
-                        entry[key] = LocalState(value, False, first=holders[0] == self.rank)
-        return out
-
-    def load_local_state(self, optimizer: torch.optim.Optimizer, local: dict[str, dict[str, LocalState]],
-                         param_groups: list[dict[str, Any]] | None = None) -> None:
-        """Set ``optimizer``'s state from this rank's part of it (``local_state``'s form: for each parameter this
-        rank holds, each whole-shaped key's stretch [start, end) as this rank holds it, each other key whole), and
-        the groups' hyperparameters from ``param_groups`` if given (torch.optim's state_dict form; their "params"
-        are left as they are). Values are cast as torch.optim's load_state_dict casts them (a "step" kept as it
-        is; other floating tensors to the parameter's dtype and device). No collective."""
-        layout = self.layouts[optimizer]
-        if param_groups is not None:
-            for group, saved in zip(optimizer.param_groups, param_groups):
-                group.update({key: value for key, value in saved.items() if key != "params"})
-        optimizer.state.clear()
-        for run in layout.runs:
-            params = self._params_in(run, layout)
-            entries = [local.get(self.names[id(p)]) for p in params]
-            if not any(entries):
-                continue
-            if not all(entries) or any(entry.keys() != entries[0].keys() for entry in entries):
-                names = ", ".join(self.names[id(p)] for p in params)
-                raise ValueError(f"the optimizer state cannot be loaded: {names} are stepped together (in runs across "
-                                 f"their boundaries), and their states hold other keys")
-            state = {}
-            for key, first in entries[0].items():
-                if first.whole_shaped:
-                    value = torch.cat([entry[key].value.reshape(-1) for entry in entries])
-                    if value.numel() != run.end - run.start:
-                        raise ValueError(f"the optimizer state's {key!r} holds {value.numel()} elements where this "
-                                         f"rank holds {run.end - run.start} of {self.names[id(params[0])]} and the "
-                                         f"parameters stepped with it")
-                else:
-                    value = _own_copy(first.value)
-                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
-                    value = value.to(dtype=run.param.dtype, device=run.param.device)
-                state[key] = value
-            optimizer.state[run.param] = state
-
-    def _holders(self, bucket: Bucket, offset: int, numel: int) -> list[int]:
-        """The ranks whose chunks hold elements [offset, offset + numel) of ``bucket``."""
-        width = bucket.length // self.world_size
-        return list(range(offset // width, (offset + numel - 1) // width + 1))
 
     def _params_in(self, run: ShardRun, layout: Layout) -> list[nn.Parameter]:
         return [p for p, start in zip(run.bucket.params, run.bucket.offsets)
