@@ -158,6 +158,7 @@ def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return losses.view(labels.shape).flatten(1).mean(1) if labels.dim() > 1 else losses
 
 
+@utils.measured_phase("steps")
 def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch) -> None:
     """The window of up to K micro-batches from ``position``, then one update (the module docstring's g)."""
     config, sync, optimizer, scaler = parts.config, parts.sync, parts.optimizer, parts.scaler

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import faulthandler
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -442,6 +443,66 @@ def max_across_ranks(value: float) -> float:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+class PhasePeaks:
+    """This process's peak resident memory above its start in each phase of a run (build, restore, steps,
+    checkpoint, evaluation), in MB: Linux's VmHWM, reset at each phase's end through /proc/self/clear_refs, so the
+    next phase's peak is its own. ``end(phase)`` closes the phase that ran since the last end; a phase that recurs
+    (every step) keeps its largest. The reset also resets getrusage's ru_maxrss, so ``peak_mb()`` is the whole
+    run's absolute peak in its place. Where /proc cannot be read or reset (not Linux), it records nothing."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, float] = {}
+        self.highest = 0.0
+        self.start = self._status_mb("VmRSS")
+        self.working = self.start is not None and self._reset()
+
+    @staticmethod
+    def _status_mb(key: str) -> float | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1]) / 1e3  # kB
+        except OSError:
+            pass
+        return None
+
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # "reset the peak resident set size"
+            return True
+        except OSError:
+            return False
+
+    def end(self, phase: str) -> None:
+        if not self.working:
+            return
+        peak = self._status_mb("VmHWM") or 0.0
+        self.highest = max(self.highest, peak)
+        self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak - self.start)
+        self._reset()
+
+    def peak_mb(self) -> float | None:
+        """The absolute peak resident set over the run so far (None where phases are not measured)."""
+        return max(self.highest, self._status_mb("VmHWM") or 0.0) if self.working else None
+
+
+def measured_phase(phase: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A trainer function whose first argument is the run's Parts: when it returns, ``phase`` ends
+    (Parts.phases, PhasePeaks)."""
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(parts: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(parts, *args, **kwargs)
+            finally:
+                parts.phases.end(phase)
+        return run
+    return decorate
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -58,6 +58,7 @@ class Parts:
     replica: int  # which replica this rank belongs to (diloco, localsgd) ...
     replica_size: int  # ... and how many ranks each replica has
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
+    phases: utils.PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
     checkpoint_folders: bool = False  # what checkpoint.save writes: DCP folders, or last.pt (checkpoint.restore says)
 
     @property
@@ -71,6 +72,7 @@ class Parts:
 
 def build(config: Config) -> Parts:
     """Process group, data, model (same weights everywhere), gradient sync, optimizer, schedule and scaler."""
+    phases = utils.PhasePeaks()  # the process's start: what every phase's peak is measured above
     if config.malloc_mmap_threshold:  # before anything large is allocated (utils.pin_mmap_threshold)
         utils.pin_mmap_threshold(config.malloc_mmap_threshold * 1024)
     try:
@@ -92,11 +94,12 @@ def build(config: Config) -> Parts:
     # the schedule and the scaler
     steps_per_epoch = math.ceil(len(data.batch_sizes()) / config.grad_accum)
     schedule_steps = schedule_length(config, steps_per_epoch)
+    phases.end("build")
     return Parts(config=config, ctx=ctx, comm_device=comm_device, data=data, model=model, sync=sync,
                  optimizer=optimizer, scheduler=make_scheduler(config, optimizer, schedule_steps),
                  scaler=make_scaler(config, ctx.device), steps_per_epoch=steps_per_epoch,
                  schedule_steps=schedule_steps, outer=outer, replica=replica, replica_size=replica_size,
-                 compile_counts=compile_counts)
+                 compile_counts=compile_counts, phases=phases)
 
 
 def on_meta_device(config: Config, data: Any) -> bool:

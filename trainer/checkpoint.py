@@ -335,6 +335,7 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
 # ----------------------------------------------------------------------------------------------------------
 # Save
 # ----------------------------------------------------------------------------------------------------------
+@utils.measured_phase("checkpoint")
 def save(parts: Parts, position: Position, history: list[dict[str, Any]], sums: list[list[float]]) -> None:
     """The run's state at ``position`` (every rank's epoch sums ``sums`` included) to --checkpoint-dir, in the
     format restore chose (module docstring). Every rank calls it."""
@@ -425,6 +426,7 @@ def gather_replicas(parts: Parts, model_state: dict[str, Any], optimizer_state: 
 # ----------------------------------------------------------------------------------------------------------
 # Restore
 # ----------------------------------------------------------------------------------------------------------
+@utils.measured_phase("restore")
 def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     """Position, finished epochs and this rank's sums of the current epoch, from --checkpoint-dir's current
     checkpoint if there is one (with --eval-only: its weights alone); and which format this run saves."""

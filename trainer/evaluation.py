@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import utils
 from data import FolderData, MemoryData, TextData
 from gradsync import broadcast_state
 from trainer.build import Parts
@@ -85,6 +86,7 @@ def evaluate(model: nn.Module, data: MemoryData | FolderData | TextData, batch_s
             "val_total": total}
 
 
+@utils.measured_phase("evaluation")
 def validate(parts: Parts) -> dict[str, Any]:
     """The validation figures of the model as it stands (rank 0's are exact; see the module docstring)."""
     broadcast_state(parts.model, buffers_only=True)  # evaluate with rank 0's running statistics everywhere

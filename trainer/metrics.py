@@ -328,7 +328,13 @@ def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
     --zero 3's gathered peak."""
     parts = meter.parts
     busiest = utils.max_across_ranks
-    figures: dict[str, Any] = {"peak_memory_mb": busiest(utils.peak_memory_mb(parts.device))}
+    on_cpu_phases = parts.device.type == "cpu" and parts.phases.peak_mb() is not None  # (its resets reset ru_maxrss)
+    figures: dict[str, Any] = {"peak_memory_mb": busiest(parts.phases.peak_mb() if on_cpu_phases else
+                                                         utils.peak_memory_mb(parts.device))}
+    everyone: list[Any] = [None] * parts.ctx.world_size  # each rank's peak per phase, MB above its start
+    dist.all_gather_object(everyone, parts.phases.peaks)
+    figures["memory_by_phase_mb"] = {phase: [round(peaks.get(phase, 0.0), 1) for peaks in everyone]
+                                     for phase in everyone[0]}
     state = meter.state_bytes or {"params": 0, "grads": 0, "optimizer": 0}
     figures["state_bytes"] = {key: int(busiest(value)) for key, value in state.items()}
     sync_sent, steps = parts.sync.sent_bytes(), position.optimizer_steps - meter.first_step
@@ -363,7 +369,8 @@ def summarize(meter: Meter, position: Position, history: list[dict[str, Any]], f
         "trainable_parameters": trainable, "num_classes": parts.data.num_classes,
         **{key: final[key] for key in ("train_loss", "val_loss", "val_acc", "val_acc5", "val_correct",
                                        "val_correct5", "val_total")},
-        "peak_memory_mb": busiest["peak_memory_mb"], "state_bytes": busiest["state_bytes"],
+        "peak_memory_mb": busiest["peak_memory_mb"], "memory_by_phase_mb": busiest["memory_by_phase_mb"],
+        "state_bytes": busiest["state_bytes"],
         "sent_bytes_per_step": busiest["sent_bytes_per_step"],
         **({"sent_bytes_by_group_per_step": busiest["sent_bytes_by_group_per_step"]}
            if "sent_bytes_by_group_per_step" in busiest else {}),
