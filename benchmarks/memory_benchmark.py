@@ -3,6 +3,7 @@ loop of one's own (no trainer), with and without the allocator setting that make
 
     python -m benchmarks.memory_benchmark [--model gpt2] [--worlds 2,4,8] [--rows stage0,stage1,stage2,stage3,fsdp3]
                                           [--allocator both|default|pinned] [--steps 2] [--json results/....json]
+    python -m benchmarks.memory_benchmark --trainer [--model gpt2-large] [--worlds 4] [--rows zero3,fsdp3]
 
 Each (row, W, allocator) is W fresh processes (spawned: no allocator history from another row) over gloo on the CPU,
 training models.py's GPT (``--model``: GPT-2 small's shape by default, 86M parameters) with AdamW on random bytes,
@@ -30,14 +31,29 @@ reports the allocator's history, not what is alive). ``pinned`` sets the thresho
 moving: every large block is mmapped and given back when freed (utils.pin_mmap_threshold). ``default`` leaves
 glibc as it is. Both are measured, each in fresh processes.
 
+``stage3-file`` (only when --rows names it) is stage 3 with the checkpoint as it was before zero.checkpoint: the
+whole state dicts gathered on rank 0 and written there as one file (torch.save), every rank then reading the whole
+file: the figure a sharded save and load are measured against.
+
 Writes results/memory-<machine>.json; prints a table per phase (the largest rank's peak, MB above start).
+
+``--trainer``: the same question asked of the trainer at the scale ZeRO-3 is for (GPT-2 large's shape by default,
+710M parameters, 11.4 GB of fp32 weights, gradients and AdamW state), per row (``zero3``: --grad-sync custom
+--zero 3; ``fsdp3``: --grad-sync fsdp --zero 3): ``torchrun --nproc_per_node W ddp_cifar100.py`` for --steps
+steps and a sharded checkpoint, then a resume on W / 2 processes with the batch doubled (the same global batch)
+to twice the steps; from each run's metrics, each rank's peak per phase (the trainer's memory_by_phase_mb: build,
+restore, steps, checkpoint, evaluation, MB above its start), its absolute peak and the median step. Beside them,
+what --zero 0 (or DDP) would need per rank by the formula (16 Psi bytes). The text is a few files of the standard
+library (--context bytes a window), so evaluation is short. Writes results/memory-trainer-<machine>.json.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import queue
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +65,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 ROWS = ("stage0", "stage1", "stage2", "stage3", "fsdp3")
+EXTRA_ROWS = ("stage3-file",)  # only when --rows names them
+TRAINER_ROWS = {"zero3": ["--grad-sync", "custom", "--zero", "3"], "fsdp3": ["--grad-sync", "fsdp", "--zero", "3"]}
 PHASES = ("build", "steps", "save", "load")
 MB = 1e6
 
@@ -87,10 +105,11 @@ def build(row: str, model_name: str, context: int) -> tuple[Any, Any, Any]:
     else:
         with torch.device("meta"):
             model = models.build_model(model_name, 0.0, "local", 256, context=context)
+        stage = int(row[5]) if row.startswith("stage") else 3
         if row == "fsdp3":
             sync = FSDPSync(model, models.blocks(model), reshard_after_forward=True, init=models.initializer(model))
         else:
-            sync = zero.shard(model, int(row[-1]), models.blocks(model) if row == "stage3" else None,
+            sync = zero.shard(model, stage, models.blocks(model) if stage == 3 else None,
                               init=models.initializer(model))
     params = [p for p in model.parameters() if p.requires_grad]
     if row == "fsdp3":  # a plain one over the DTensors, as FSDP2's users build it (get_state_dict reads its state)
@@ -106,7 +125,11 @@ def step(model: Any, optimizer: Any, tokens: torch.Tensor) -> None:
 
 
 def save(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
-    if row == "fsdp3":
+    if row == "stage3-file":  # the whole state dicts on rank 0, one file
+        state = {"model": sync.model_state_dict(), "optimizer": optimizer.state_dict()}
+        if dist.get_rank() == 0:
+            torch.save(state, path)
+    elif row == "fsdp3":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -117,7 +140,11 @@ def save(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
 
 
 def load(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
-    if row == "fsdp3":
+    if row == "stage3-file":  # every rank reads the whole file
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        sync.load_model_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    elif row == "fsdp3":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -235,7 +262,7 @@ def model_shape(name: str, context: int) -> dict[str, int]:
 def expected_mb(row: str, shape: dict[str, int], world_size: int) -> float:
     """What ZeRO's formula says a rank holds between steps, fp32 and AdamW (16 bytes a parameter), plus at stage 3
     the gathered root and two units with their gradient buffers in flight (4 + 4 bytes a parameter each)."""
-    psi = shape["psi"]
+    psi, row = shape["psi"], "stage3" if row == "stage3-file" else row
     held = {"stage0": 16 * psi, "stage1": 8 * psi + 8 * psi / world_size, "stage2": 4 * psi + 12 * psi / world_size,
             "stage3": 16 * psi / world_size, "fsdp3": 16 * psi / world_size}[row]
     if row in ("stage3", "fsdp3"):
@@ -249,9 +276,13 @@ def expected_mb(row: str, shape: dict[str, int], world_size: int) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2", help="a GPT of models.py (default gpt2: GPT-2 small's shape)")
-    parser.add_argument("--worlds", default="2,4,8", help="numbers of processes (default 2,4,8)")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)} (default all)")
+    parser.add_argument("--trainer", action="store_true", help="the trainer at GPT-2 large's scale (see above)")
+    parser.add_argument("--model", default=None, help="a GPT of models.py (default gpt2, GPT-2 small's shape; "
+                                                      "--trainer: gpt2-large)")
+    parser.add_argument("--worlds", default=None, help="numbers of processes (default 2,4,8; --trainer: 4, resumed "
+                                                       "on half as many)")
+    parser.add_argument("--rows", default=None, help=f"of {', '.join(ROWS + EXTRA_ROWS)} (default: "
+                                                     f"{', '.join(ROWS)}); --trainer: of {', '.join(TRAINER_ROWS)}")
     parser.add_argument("--allocator", default="both", choices=("both", "default", "pinned"),
                         help="glibc as it is, its mmap threshold pinned at 128 kB, or both (default)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps before the checkpoint (default 2)")
@@ -259,10 +290,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per row (default 1800)")
     parser.add_argument("--json", default=None, help="output (default results/memory-<machine>.json)")
     args = parser.parse_args(argv)
-    rows = args.rows.split(",")
-    unknown = [row for row in rows if row not in ROWS]
+    args.model = args.model or ("gpt2-large" if args.trainer else "gpt2")
+    args.worlds = args.worlds or ("4" if args.trainer else "2,4,8")
+    known = tuple(TRAINER_ROWS) if args.trainer else ROWS + EXTRA_ROWS
+    rows = args.rows.split(",") if args.rows else list(TRAINER_ROWS if args.trainer else ROWS)
+    unknown = [row for row in rows if row not in known]
     if unknown:
-        parser.error(f"--rows: unknown {', '.join(unknown)} (of {', '.join(ROWS)})")
+        parser.error(f"--rows: unknown {', '.join(unknown)} (of {', '.join(known)})")
     try:
         worlds = [int(w) for w in args.worlds.split(",")]
     except ValueError:
@@ -285,9 +319,86 @@ def print_table(records: list[dict]) -> None:
           "alone, the slowest rank's)")
 
 
+# ----------------------------------------------------------------------------------------------------------
+# --trainer: the trainer at the scale ZeRO-3 is for
+# ----------------------------------------------------------------------------------------------------------
+def text_folder(root: str) -> str:
+    """A dozen modules of the standard library (their first 20 kB): enough windows for a few steps, and a
+    validation split a GPT-2 large evaluates in seconds."""
+    import data
+    folder = os.path.join(root, "text")
+    os.makedirs(folder)
+    for name in ("abc", "ast", "bisect", "calendar", "colorsys", "copy", "enum", "functools", "heapq", "os",
+                 "random", "string"):
+        with open(os.path.join(data.default_text_dir(), f"{name}.py"), "rb") as f:
+            with open(os.path.join(folder, f"{name}.py"), "wb") as out:
+                out.write(f.read()[:20000])
+    return folder
+
+
+def trainer_run(row: str, world_size: int, batch: int, steps: int, folder: str, checkpoint_dir: str,
+                args: argparse.Namespace) -> dict:
+    """One torchrun of the trainer; its metrics, and the command."""
+    metrics = os.path.join(checkpoint_dir, f"metrics-{world_size}.json")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
+               "ddp_cifar100.py", "--device", "cpu", "--dataset", "text", "--data-dir", folder, "--model", args.model,
+               "--context", str(args.context), "--val-fraction", "0.2", "--optimizer", "adamw", "--lr", "1e-4",
+               "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--checkpoint-dir",
+               checkpoint_dir, "--metrics-out", metrics, *TRAINER_ROWS[row]]
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if done.returncode != 0 or not os.path.exists(metrics):
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-30:])
+        raise RuntimeError(f"memory_benchmark --trainer: {row} on {world_size} processes failed "
+                           f"(exit {done.returncode}):\n{tail}")
+    with open(metrics) as f:
+        figures = json.load(f)
+    shown = " ".join(command[3:]).replace(folder, "TEXT").replace(checkpoint_dir, "DIR")
+    return {"command": "python -m " + shown.replace("DIR/metrics", "METRICS").split(" --metrics-out")[0],
+            "world_size": world_size, "batch_size": batch, "steps": steps, "seconds": time.perf_counter() - began,
+            "memory_by_phase_mb": figures["memory_by_phase_mb"], "peak_memory_mb": figures["peak_memory_mb"],
+            "step_time_ms_median": figures["step_time_ms_median"], "state_bytes": figures["state_bytes"],
+            "optimizer_steps": figures["optimizer_steps"], "train_loss": figures["train_loss"]}
+
+
+def main_trainer(args: argparse.Namespace) -> dict:
+    import utils
+    shape = model_shape(args.model, args.context)
+    records = []
+    with tempfile.TemporaryDirectory(prefix="memory-trainer-") as tmp:
+        folder = text_folder(tmp)
+        for world_size in args.worlds_list:
+            for row in args.rows_list:
+                checkpoint_dir = os.path.join(tmp, f"{row}-{world_size}")
+                os.makedirs(checkpoint_dir)
+                first = trainer_run(row, world_size, 1, args.steps, folder, checkpoint_dir, args)
+                resumed = trainer_run(row, world_size // 2, 2, 2 * args.steps, folder, checkpoint_dir, args)
+                records.append({"row": row, "world_size": world_size, "first": first, "resumed": resumed,
+                                "formula_mb": {"held": expected_mb("stage3", shape, world_size),
+                                               "held_resumed": expected_mb("stage3", shape, world_size // 2),
+                                               "zero0_per_rank": expected_mb("stage0", shape, world_size)}})
+                for run in (first, resumed):
+                    phases = ", ".join(f"{phase} {max(peaks):.0f}" for phase, peaks in run["memory_by_phase_mb"].items())
+                    print(f"{row} on {run['world_size']}: {phases} MB above start (the largest rank); absolute peak "
+                          f"{run['peak_memory_mb']:.0f} MB; median step {run['step_time_ms_median'] / 1e3:.1f} s",
+                          flush=True)
+    print(f"--zero 0 or DDP would hold 16 Psi = {expected_mb('stage0', shape, 1) / 1e3:.1f} GB a rank "
+          f"({shape['psi'] / 1e6:.0f}M parameters)")
+    payload = {"benchmark": "memory-trainer", "command": "python -m benchmarks.memory_benchmark " + " ".join(
+        sys.argv[1:]), "machine": utils.machine_info(), "model": args.model, "shape": shape,
+        "context": args.context, "records": records}
+    path = args.json or os.path.join("results", f"memory-trainer-{utils.machine_tag()}.json")
+    utils.write_json(path, payload)
+    print(f"wrote {path}")
+    return payload
+
+
 def main(argv: list[str] | None = None) -> dict:
     import utils
     args = parse_args(argv)
+    if args.trainer:
+        return main_trainer(args)
     shape = model_shape(args.model, args.context)
     allocators = ["default", "pinned"] if args.allocator == "both" else [args.allocator]
     records = []
