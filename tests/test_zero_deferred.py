@@ -24,9 +24,9 @@ gradient), which 2 AdamW steps carry to ~1e-15 on weights of order 1: 1e-10 keep
 (a frozen weight stepped, a gradient lost, a unit read after it was freed) moves weights by ~lr = 1e-2.
 
 models.py's meta build against its eager build (in this process, one model per family: the net, the small ResNet,
-torchvision's ResNet with BasicBlocks and with Bottlenecks, the small ViT and torchvision's ViT, the GPTs; the larger
-members of each family are the same code at other sizes): the state dicts and the generator's state after the build
-are equal.
+torchvision's ResNet (resnet18: a downsample made before its block), torchvision's VisionTransformer (the small
+ViT), the GPT; the other members of each family are the same code at other sizes, Bottlenecks too, and
+gpt-tiny's stage-3 build is checked above): the state dicts and the generator's state after the build are equal.
 """
 import pytest
 import torch
@@ -363,7 +363,7 @@ def test_misuse_of_init_is_refused_before_any_collective(case):
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("name", ["net", "resnet", "resnet18", "resnet50", "vit", "vit_b_32", "gpt", "gpt-tiny"])
+@pytest.mark.parametrize("name", ["net", "resnet", "resnet18", "vit", "gpt"])
 def test_models_built_on_meta_equal_their_eager_build(name):
     classes = 256 if name.startswith("gpt") else 10
     torch.manual_seed(SEED)
