@@ -39,10 +39,12 @@ Writes results/memory-<machine>.json; prints a table per phase (the largest rank
 
 ``--trainer``: the same question asked of the trainer at the scale ZeRO-3 is for (GPT-2 large's shape by default,
 710M parameters, 11.4 GB of fp32 weights, gradients and AdamW state), per row (``zero3``: --grad-sync custom
---zero 3; ``fsdp3``: --grad-sync fsdp --zero 3): ``torchrun --nproc_per_node W ddp_cifar100.py`` for --steps
-steps and a sharded checkpoint, then a resume on W / 2 processes with the batch doubled (the same global batch)
-to twice the steps; from each run's metrics, each rank's peak per phase (the trainer's memory_by_phase_mb: build,
-restore, steps, checkpoint, evaluation, MB above its start), its absolute peak and the median step. Beside them,
+--zero 3; ``fsdp3``: --grad-sync fsdp --zero 3; when --rows names them, ``zero0``: --zero 0, whose checkpoint is
+rank 0's single file, and ``zero3-ac``: zero3 with --activation-checkpointing): ``torchrun --nproc_per_node W
+ddp_cifar100.py`` for --steps steps and a checkpoint, then a resume on W / 2 processes with the batch doubled (the
+same global batch) to twice the steps; from each run's metrics, each rank's peak per phase (the trainer's
+memory_by_phase_mb: build, restore, steps, checkpoint, evaluation, MB above its start), its absolute peak and the
+median step. Beside them,
 what --zero 0 (or DDP) would need per rank by the formula (16 Psi bytes). The text is a few files of the standard
 library (--context bytes a window), so evaluation is short. Writes results/memory-trainer-<machine>.json.
 """
@@ -66,7 +68,9 @@ import torch.nn.functional as F
 
 ROWS = ("stage0", "stage1", "stage2", "stage3", "fsdp3")
 EXTRA_ROWS = ("stage3-file",)  # only when --rows names them
-TRAINER_ROWS = {"zero3": ["--grad-sync", "custom", "--zero", "3"], "fsdp3": ["--grad-sync", "fsdp", "--zero", "3"]}
+TRAINER_ROWS = {"zero3": ["--grad-sync", "custom", "--zero", "3"], "fsdp3": ["--grad-sync", "fsdp", "--zero", "3"],
+                "zero0": ["--grad-sync", "custom", "--zero", "0"],  # zero0, zero3-ac: only when --rows names them
+                "zero3-ac": ["--grad-sync", "custom", "--zero", "3", "--activation-checkpointing"]}
 PHASES = ("build", "steps", "save", "load")
 MB = 1e6
 
@@ -281,8 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "--trainer: gpt2-large)")
     parser.add_argument("--worlds", default=None, help="numbers of processes (default 2,4,8; --trainer: 4, resumed "
                                                        "on half as many)")
-    parser.add_argument("--rows", default=None, help=f"of {', '.join(ROWS + EXTRA_ROWS)} (default: "
-                                                     f"{', '.join(ROWS)}); --trainer: of {', '.join(TRAINER_ROWS)}")
+    parser.add_argument("--rows", default=None,
+                        help=f"of {', '.join(ROWS + EXTRA_ROWS)} (default: {', '.join(ROWS)}); --trainer: of "
+                             f"{', '.join(TRAINER_ROWS)} (default zero3, fsdp3)")
     parser.add_argument("--allocator", default="both", choices=("both", "default", "pinned"),
                         help="glibc as it is, its mmap threshold pinned at 128 kB, or both (default)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps before the checkpoint (default 2)")
@@ -293,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model = args.model or ("gpt2-large" if args.trainer else "gpt2")
     args.worlds = args.worlds or ("4" if args.trainer else "2,4,8")
     known = tuple(TRAINER_ROWS) if args.trainer else ROWS + EXTRA_ROWS
-    rows = args.rows.split(",") if args.rows else list(TRAINER_ROWS if args.trainer else ROWS)
+    rows = args.rows.split(",") if args.rows else (["zero3", "fsdp3"] if args.trainer else list(ROWS))
     unknown = [row for row in rows if row not in known]
     if unknown:
         parser.error(f"--rows: unknown {', '.join(unknown)} (of {', '.join(known)})")
@@ -374,12 +379,14 @@ def main_trainer(args: argparse.Namespace) -> dict:
                 os.makedirs(checkpoint_dir)
                 first = trainer_run(row, world_size, 1, args.steps, folder, checkpoint_dir, args)
                 resumed = trainer_run(row, world_size // 2, 2, 2 * args.steps, folder, checkpoint_dir, args)
+                stage = "stage0" if row == "zero0" else "stage3"  # zero3-ac: the same state
                 records.append({"row": row, "world_size": world_size, "first": first, "resumed": resumed,
-                                "formula_mb": {"held": expected_mb("stage3", shape, world_size),
-                                               "held_resumed": expected_mb("stage3", shape, world_size // 2),
+                                "formula_mb": {"held": expected_mb(stage, shape, world_size),
+                                               "held_resumed": expected_mb(stage, shape, world_size // 2),
                                                "zero0_per_rank": expected_mb("stage0", shape, world_size)}})
                 for run in (first, resumed):
-                    phases = ", ".join(f"{phase} {max(peaks):.0f}" for phase, peaks in run["memory_by_phase_mb"].items())
+                    phases = ", ".join(f"{phase} {max(peaks):.0f}"
+                                       for phase, peaks in run["memory_by_phase_mb"].items())
                     print(f"{row} on {run['world_size']}: {phases} MB above start (the largest rank); absolute peak "
                           f"{run['peak_memory_mb']:.0f} MB; median step {run['step_time_ms_median'] / 1e3:.1f} s",
                           flush=True)
