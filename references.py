@@ -69,7 +69,9 @@ def shard_as_initialized(model: nn.Module, units: list[nn.Module], init: Any, sh
         if unit is not None:
             left[id(unit)] -= 1
             if left[id(unit)] == 0:
-                shard(unit)
+                whole_ones = {id(p) for p in unit.parameters()}
+                shard(unit)  # the unit's parameters are now its DTensor shards: forget the whole ones, or they stay
+                made = {key: p for key, p in made.items() if id(p) not in whole_ones}
     shard(model)
 
 

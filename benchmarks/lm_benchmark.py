@@ -164,9 +164,9 @@ def steps_within(budget_s: float, margin: float, runs: list[dict[str, Any]]) -> 
 def print_table(runs: list[dict[str, Any]]) -> None:
     print(f"{'run':<24} {'steps':>6} {'bits/byte':>9} {'gzip':>6} {'train s':>8} {'wall s':>7} {'s to gzip':>9}")
     for r in runs:
-        reached = r["training_seconds_to_gzip"]
+        reached = "never" if r["training_seconds_to_gzip"] is None else f"{r['training_seconds_to_gzip']:.0f}"
         print(f"{r['name']:<24} {r['steps']:>6} {r['val_bits_per_byte']:>9.4f} {r['gzip_bits_per_byte']:>6.3f} "
-              f"{r['train_time_s']:>8.1f} {r['wall_time_s']:>7.1f} {'never' if reached is None else f'{reached:.0f}':>9}")
+              f"{r['train_time_s']:>8.1f} {r['wall_time_s']:>7.1f} {reached:>9}")
 
 
 def main(argv: list[str] | None = None) -> int:

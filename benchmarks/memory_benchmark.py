@@ -294,6 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=64, help="bytes per sequence (default 64)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per row (default 1800)")
     parser.add_argument("--json", default=None, help="output (default results/memory-<machine>.json)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the records already in --json's file that this run does not repeat")
     args = parser.parse_args(argv)
     args.model = args.model or ("gpt2-large" if args.trainer else "gpt2")
     args.worlds = args.worlds or ("4" if args.trainer else "2,4,8")
@@ -396,9 +398,24 @@ def main_trainer(args: argparse.Namespace) -> dict:
         sys.argv[1:]), "machine": utils.machine_info(), "model": args.model, "shape": shape,
         "context": args.context, "records": records}
     path = args.json or os.path.join("results", f"memory-trainer-{utils.machine_tag()}.json")
-    utils.write_json(path, payload)
+    utils.write_json(path, merged(path, payload, ("row", "world_size")) if args.merge else payload)
     print(f"wrote {path}")
     return payload
+
+
+def merged(path: str, payload: dict, key: tuple[str, ...]) -> dict:
+    """--merge: the records already in ``path`` that this run does not repeat, kept (this run's replace theirs),
+    and both commands; refused in one line where the file holds another benchmark, model, context or steps."""
+    if not os.path.exists(path):
+        return payload
+    with open(path) as f:
+        earlier = json.load(f)
+    same = ("benchmark", "model", "context", "steps")
+    if any(earlier.get(k) != payload.get(k) for k in same):
+        raise SystemExit(f"memory_benchmark --merge: {path} holds another run ({', '.join(same)} differ)")
+    mine = {tuple(r[k] for k in key) for r in payload["records"]}
+    kept = [r for r in earlier["records"] if tuple(r[k] for k in key) not in mine]
+    return dict(payload, command=earlier["command"] + " && " + payload["command"], records=kept + payload["records"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -429,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
         sys.argv[1:] if argv is None else argv), "machine": utils.machine_info(), "model": args.model,
         "shape": shape, "context": args.context, "steps": args.steps, "records": records}
     path = args.json or os.path.join("results", f"memory-{utils.machine_tag()}.json")
-    utils.write_json(path, payload)
+    utils.write_json(path, merged(path, payload, ("row", "world_size", "allocator")) if args.merge else payload)
     print(f"wrote {path}")
     return payload
 

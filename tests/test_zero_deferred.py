@@ -379,6 +379,33 @@ def test_models_built_on_meta_equal_their_eager_build(name):
     assert torch.equal(torch.get_rng_state(), after_eager)  # the generator left where the eager build leaves it
 
 
+
+def test_the_fsdp2_reference_build_lets_each_unit_go_once_it_is_sharded():
+    """references.shard_as_initialized (the trainer's and the benchmarks' FSDP2 build): once a unit is handed to
+    fully_shard, its whole parameters are gone before the next unit is made, so no rank holds more than one unit
+    whole (here `shard` replaces a unit's parameters by new tensors, as fully_shard does with its DTensor
+    shards). Holding them to the end cost FSDP2 a whole model in the trainer's GPT-2 large build."""
+    import weakref
+
+    import references
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    whole_ones, freed_before_each_unit = [], []
+
+    def init(module):
+        if isinstance(module, nn.Linear):
+            freed_before_each_unit.append([ref() is None for ref in whole_ones])
+            module.reset_parameters()
+
+    def shard(module):
+        for name, p in list(module._parameters.items()):
+            whole_ones.append(weakref.ref(p))
+            module._parameters[name] = nn.Parameter(p.detach()[:1].clone())
+
+    references.shard_as_initialized(model, list(model), init, shard)
+    assert freed_before_each_unit == [[], [True, True], [True, True, True, True]]
+
 def cuda_deferred_case(rank: int, world_size: int) -> dict:
     """Stage 3 on the GPU from the meta device, initialized on the CPU (the trainer's init_device), frozen parts,
     2 steps with activation checkpointing; then the whole state loaded from rank 0."""
