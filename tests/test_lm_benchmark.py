@@ -20,9 +20,9 @@ def test_each_run_is_the_trainer_s_recipe_with_its_rates():
 
 
 def test_the_timed_runs_get_the_steps_the_slowest_optimizer_fits():
-    runs = [{"optimizer": "adamw", "steps": 600, "train_time_s": 120.0, "wall_time_s": 150.0},
-            {"optimizer": "adamw", "steps": 600, "train_time_s": 126.0, "wall_time_s": 150.0},
-            {"optimizer": "muon", "steps": 600, "train_time_s": 150.0, "wall_time_s": 180.0}]
+    runs = [{"optimizer": "adamw", "steps": 600, "train_time_s": 120.0, "clock_s": 150.0},
+            {"optimizer": "adamw", "steps": 600, "train_time_s": 126.0, "clock_s": 150.0},
+            {"optimizer": "muon", "steps": 600, "train_time_s": 150.0, "clock_s": 180.0}]
     # muon: 0.25 s a step, 30 s outside training: (600 * 0.95 - 30) / 0.25 = 2160, down to whole hundreds
     assert lm_benchmark.steps_within(600, 0.05, runs) == 2100
     assert lm_benchmark.steps_within(600, 0.05, runs[:2]) == 2500  # adamw alone: 0.21 s, 30 s: 2571
@@ -30,12 +30,13 @@ def test_the_timed_runs_get_the_steps_the_slowest_optimizer_fits():
 
 def test_a_run_s_summary_reads_the_curve_and_when_it_passed_gzip():
     metrics = {"optimizer_steps": 300, "val_gzip_bits_per_byte": 1.85, "val_bits_per_byte": 1.8,
-               "train_time_s": 31.0, "step_time_ms_median": 100.0, "tokens_per_s": 1e4,
+               "train_time_s": 36.0, "step_time_ms_median": 100.0, "tokens_per_s": 1e4,
                "evals": [{"step": 100, "time_s": 10.0, "val_bits_per_byte": 2.05, "val_loss": 1.42},
                          {"step": 200, "time_s": 20.0, "val_bits_per_byte": 1.95, "val_loss": 1.35},
                          {"step": 300, "time_s": 30.0, "val_bits_per_byte": 1.75, "val_loss": 1.21}]}
     run = lm_benchmark.summary("timed muon", "timed", "muon", 4e-3, 0.02, ["--x"], metrics, 40.0)
     assert run["val_bits_per_byte"] == 1.75 and run["train_time_s"] == 30.0 and run["wall_time_s"] == 40.0
+    assert run["curve_evaluation_s"] == 6.0 and run["clock_s"] == 34.0  # the 3 evaluations' 6 s left out
     assert run["training_seconds_to_gzip"] == pytest.approx(25.0)  # half-way from 1.95 to 1.75
     assert [e["step"] for e in run["evals"]] == [100, 200, 300]
 
