@@ -445,6 +445,30 @@ def max_across_ranks(value: float) -> float:
     return float(t.item())
 
 
+def proc_status_mb(key: str) -> float | None:
+    """A field of Linux's /proc/self/status in MB (VmRSS: the resident set now; VmHWM: its peak since the last
+    reset), or None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1e3  # kB
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_resident() -> bool:
+    """VmHWM back to the resident set now (Linux's clear_refs, 5: "reset the peak resident set size"; it resets
+    getrusage's ru_maxrss too); False where it cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class PhasePeaks:
     """This process's peak resident memory above its start in each phase of a run (build, restore, steps,
     checkpoint, evaluation), in MB: Linux's VmHWM, reset at each phase's end through /proc/self/clear_refs, so the
@@ -455,40 +479,20 @@ class PhasePeaks:
     def __init__(self) -> None:
         self.peaks: dict[str, float] = {}
         self.highest = 0.0
-        self.start = self._status_mb("VmRSS")
-        self.working = self.start is not None and self._reset()
-
-    @staticmethod
-    def _status_mb(key: str) -> float | None:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(key + ":"):
-                        return int(line.split()[1]) / 1e3  # kB
-        except OSError:
-            pass
-        return None
-
-    @staticmethod
-    def _reset() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # "reset the peak resident set size"
-            return True
-        except OSError:
-            return False
+        self.start = proc_status_mb("VmRSS")
+        self.working = self.start is not None and reset_peak_resident()
 
     def end(self, phase: str) -> None:
         if not self.working:
             return
-        peak = self._status_mb("VmHWM") or 0.0
+        peak = proc_status_mb("VmHWM") or 0.0
         self.highest = max(self.highest, peak)
         self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak - self.start)
-        self._reset()
+        reset_peak_resident()
 
     def peak_mb(self) -> float | None:
         """The absolute peak resident set over the run so far (None where phases are not measured)."""
-        return max(self.highest, self._status_mb("VmHWM") or 0.0) if self.working else None
+        return max(self.highest, proc_status_mb("VmHWM") or 0.0) if self.working else None
 
 
 def measured_phase(phase: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -76,24 +76,6 @@ MB = 1e6
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The process's memory
-# ----------------------------------------------------------------------------------------------------------
-def status_kb(key: str) -> int:
-    """A field of /proc/self/status, in kB (VmRSS: the resident set now; VmHWM: its peak since the last reset)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def reset_peak() -> None:
-    """VmHWM back to the resident set now (Linux's clear_refs, 5: 'reset the peak resident set size')."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-# ----------------------------------------------------------------------------------------------------------
 # One process of a row
 # ----------------------------------------------------------------------------------------------------------
 def build(row: str, model_name: str, context: int) -> tuple[Any, Any, Any]:
@@ -133,11 +115,8 @@ def save(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
         state = {"model": sync.model_state_dict(), "optimizer": optimizer.state_dict()}
         if dist.get_rank() == 0:
             torch.save(state, path)
-    elif row == "fsdp3":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    elif row == "fsdp3":  # FSDP2's way: get_state_dict, dcp.save
+        sync.save_checkpoint(path, [optimizer])
     else:
         import zero.checkpoint
         zero.checkpoint.save(path, sync, optimizer)
@@ -148,13 +127,8 @@ def load(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
         sync.load_model_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    elif row == "fsdp3":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    elif row == "fsdp3":  # FSDP2's way: get_state_dict, dcp.load, set_state_dict
+        sync.load_checkpoint(path, [optimizer])
     else:
         import zero.checkpoint
         zero.checkpoint.load(path, sync, optimizer)
@@ -162,9 +136,10 @@ def load(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
 
 def worker(rank: int, world_size: int, store_path: str, settings: dict, results: Any) -> None:
     """One rank of a row: its phases' peaks and seconds into ``results``."""
+    import utils
+
     torch.set_num_threads(1)
     if settings["pinned"]:
-        import utils
         utils.pin_mmap_threshold()
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
@@ -175,18 +150,18 @@ def worker(rank: int, world_size: int, store_path: str, settings: dict, results:
     row, steps, context = settings["row"], settings["steps"], settings["context"]
     tokens = torch.randint(0, 256, (steps + 1, 1, context + 1), generator=torch.Generator().manual_seed(rank))
     dist.barrier()
-    out: dict[str, Any] = {"start_mb": status_kb("VmRSS") * 1e3 / MB}
+    out: dict[str, Any] = {"start_mb": utils.proc_status_mb("VmRSS")}
 
     def phase(name: str, work: Any) -> Any:
         gc.collect()
         dist.barrier()
-        start_kb = status_kb("VmRSS")
-        reset_peak()
+        start_mb = utils.proc_status_mb("VmRSS")
+        utils.reset_peak_resident()
         began = time.perf_counter()
         value = work()
         dist.barrier()
-        out[name] = {"peak_mb": (status_kb("VmHWM") - 0) * 1e3 / MB - out["start_mb"],
-                     "rss_before_mb": start_kb * 1e3 / MB - out["start_mb"],
+        out[name] = {"peak_mb": utils.proc_status_mb("VmHWM") - out["start_mb"],
+                     "rss_before_mb": start_mb - out["start_mb"],
                      "seconds": time.perf_counter() - began}
         return value
 

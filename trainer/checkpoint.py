@@ -73,6 +73,7 @@ from models import GPT_SIZES
 from trainer.build import Parts, optimizer_states
 from trainer.config import DILOCO_FLAGS, OUTER_SYNCS, Config
 from utils import UsageError
+from zero.optimizer import as_optimizers
 
 RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "micro_batches_total", "fingerprint",
              "config", "history", "epoch_sums")  # what a resume reads beside the model and the optimizer
@@ -360,21 +361,15 @@ def run_state(parts: Parts, position: Position, history: list[dict[str, Any]],
             "rng_seed": parts.config.seed}  # every random draw derives from it and the position (module docstring)
 
 
-def optimizers(parts: Parts) -> list[torch.optim.Optimizer]:
-    """The run's optimizers as a list, as the folders' functions take them (--optimizer muon: build.Optimizers'
-    AdamW and Muon)."""
-    return list(getattr(parts.optimizer, "optimizers", [parts.optimizer]))
-
-
 def save_folder(parts: Parts, state: dict[str, Any]) -> None:
     """DIR/step-N: every rank writes its own shards into DIR/step-N.partial (zero.checkpoint.save for zero.shard's
     stages; FSDP2's get_state_dict and dcp.save), ``state`` as rank 0's extra; then rank 0 makes it current."""
     directory, name = parts.config.checkpoint_dir, f"{FOLDER}{state['optimizer_steps']}"
     partial = os.path.join(directory, name + PARTIAL)
     if parts.config.grad_sync == "fsdp":
-        parts.sync.save_checkpoint(partial, optimizers(parts), state)
+        parts.sync.save_checkpoint(partial, as_optimizers(parts.optimizer), state)
     else:
-        zero.checkpoint.save(partial, parts.sync, optimizers(parts), state)
+        zero.checkpoint.save(partial, parts.sync, as_optimizers(parts.optimizer), state)
     if parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are written
         make_current(directory, name)
 
@@ -503,7 +498,7 @@ def load_folder(parts: Parts, folder: str, position: Position, weights_only: boo
     line, before anything is changed, where it is torn, incomplete or of another model."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    config, chosen = parts.config, [] if weights_only else optimizers(parts)
+    config, chosen = parts.config, [] if weights_only else as_optimizers(parts.optimizer)
     try:
         if config.grad_sync == "fsdp":
             parts.sync.load_checkpoint(folder, chosen)
