@@ -270,6 +270,7 @@ class DiLoCo:
             raise ValueError(f"delay must be in [0, local_steps // fragments = {local_steps // fragments}] (one "
                              f"fragment in flight at a time), got {delay}")
         self.model, self.local_steps, self.compress, self.delay = model, local_steps, compress, delay
+        self.per_rank = params is not None  # the outer state is this rank's shards' (ZeRO-3 inside the replicas)
         # the tensors the outer step reads and writes: the model's parameters, or (ZeRO-3 inside the replicas)
         # this rank's master shards, which the rank at the same place in every other replica holds too
         params = [p for p in model.parameters() if p.requires_grad] if params is None else params
@@ -404,6 +405,83 @@ class DiLoCo:
         """Wait for what is in flight (unapplied), stop the thread and its group; a second call does nothing."""
         self.wait()
         self.thread.close()
+
+
+class DiLoCoSync:
+    """A replica's inner sync (``inner``: any of zero.shard's stages over the replica's group) with DiLoCo's outer
+    loop beside it, as one sync: the loop trains through the inner sync (every method but the checkpoints' is its
+    own), and steps ``outer`` after each optimizer step.
+
+    Checkpoints (every sync's save_checkpoint / load_checkpoint): one file, since the replicas' weights differ and
+    no folder of one model's shards describes them. Each replica's first rank sends its replica's model and
+    optimizer state (the whole state dicts, gathered in the replica) and outer state to rank 0, which writes
+    ``{"model": the shared point, "replicas": [{"model", "optimizer", "outer"}, ...], "optimizer": replica 0's,
+    **extra}``; with ZeRO-3 inside the replicas every rank's outer state is its shards' (``outer.per_rank``), so every
+    rank sends it and a replica's "outer" is the list of its ranks' in order. A load gives every replica its own
+    again; without an optimizer (weights only) the shared point and the outer state, what evaluation reads."""
+
+    holds_shards = False
+
+    def __init__(self, inner: Any, outer: DiLoCo, replica_size: int):
+        self.inner, self.outer, self.replica_size = inner, outer, replica_size
+
+    def __getattr__(self, name: str) -> Any:  # the inner sync's interface (module, optimizer, clipping, ...)
+        return getattr(self.inner, name)
+
+    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = True) -> None:
+        from zero.checkpoint.whole import write_file
+        if not one_file:
+            raise ValueError("DiLoCo's replicas hold weights of their own: its checkpoint is one file (one_file)")
+        optimizer_state = optimizer.state_dict() if optimizer is not None else None  # gathered in the replica
+        replicas = self._gather_replicas(self.inner.model_state_dict(), optimizer_state)
+        with self.outer.global_weights():  # ZeRO-3: the shards hold it, gathered one unit at a time
+            shared = (self.inner.model_state_dict() if self.outer.per_rank else
+                      {key: value.clone() for key, value in self.inner.model.state_dict().items()})
+        if dist.get_rank() == 0:
+            write_file(path, {"model": shared, "replicas": replicas, "optimizer": optimizer_state, **(extra or {})})
+
+    def _gather_replicas(self, model_state: dict[str, Any], optimizer_state: Any) -> list[Any] | None:
+        """Each replica's state on rank 0, in replica order (the others get None)."""
+        rank, per = dist.get_rank(), self.replica_size
+        first, outer = rank % per == 0, self.outer.state_dict()
+        mine = {"model": model_state, "optimizer": optimizer_state, "outer": outer} if first else None
+        if self.outer.per_rank:
+            mine = {"outer": outer, **({"model": model_state, "optimizer": optimizer_state} if first else {})}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+        if rank != 0:
+            return None
+        if self.outer.per_rank:
+            return [{**gathered[i * per], "outer": [state["outer"] for state in gathered[i * per:(i + 1) * per]]}
+                    for i in range(len(gathered) // per)]
+        return [state for state in gathered if state is not None]
+
+    def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
+        import os
+
+        from zero.checkpoint import CheckpointError
+        from zero.checkpoint.whole import KEYS, check_complete, load_model, shared_file
+        if not os.path.isfile(path):
+            raise CheckpointError(f"zero.checkpoint.load: checkpoint {path} is a folder of a sharded sync's state; "
+                                  f"DiLoCo keeps each replica's own weights and outer state, which it does not hold: "
+                                  f"resume it with a sharded sync, or start afresh in an empty folder")
+        state = shared_file(path, None)
+        rank, replicas = dist.get_rank(), state.get("replicas")
+        index, place = divmod(rank, self.replica_size)
+        replica = replicas[index] if replicas is not None and index < len(replicas) else None
+        if optimizer is not None:  # checked before anything is loaded
+            if replica is None:
+                raise CheckpointError(f"zero.checkpoint.load: checkpoint {path}: no state of replica {index} (not "
+                                      f"saved by DiLoCo over as many replicas)")
+            check_complete(path, self.inner, optimizer, replica["optimizer"], stepped)
+        if replica is not None:
+            self.outer.load_state_dict(replica["outer"][place] if self.outer.per_rank else replica["outer"])
+        if optimizer is None:  # the weights alone: the shared point, what evaluation reads
+            load_model(path, self.inner, state["model"])
+        else:
+            load_model(path, self.inner, replica["model"])
+            optimizer.load_state_dict(replica["optimizer"])
+        return {key: value for key, value in state.items() if key not in (*KEYS, "replicas")}
 
 
 def outer_step_bytes(numel: int, size: int, codec: str, dtype: torch.dtype = torch.float32) -> int:

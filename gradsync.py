@@ -33,6 +33,7 @@ from torch.autograd import Variable
 
 import utils
 from collectives import Collectives
+from zero.pieces import OptimizerView, Piece, whole_optimizer_view
 
 
 def gradient_view(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -77,10 +78,14 @@ def assign_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn
 
 
 class DataParallel(Protocol):
-    """What every sync offers the training loop: ours (zero.shard, stages 0-3) and PyTorch's (references.py:
-    DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2). Rank 0 of the group holds the whole state dicts."""
+    """What every sync offers the training loop: ours (zero.shard, stages 0-3; diloco.py's replicas) and PyTorch's
+    (references.py: DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2). Rank 0 of the group holds the whole
+    state dicts. Checkpoints: ``save_checkpoint`` writes the sync's own form (``holds_shards``: a folder of
+    torch.distributed.checkpoint where every rank writes its shards; else, or with ``one_file``, one file of the
+    whole state dicts written by rank 0: zero/checkpoint/), ``load_checkpoint`` reads either form, from any sync."""
 
     module: nn.Module  # what the loop runs forward on (DDP's wrapper, else the model itself)
+    holds_shards: bool  # whether a rank holds only shards of the state (its checkpoint a folder of them)
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                   **settings: Any) -> torch.optim.Optimizer: ...
@@ -94,7 +99,14 @@ class DataParallel(Protocol):
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *,
+                        one_file: bool = False) -> None: ...
+
+    def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any: ...
+
     def held_gradient_buffers(self) -> list[torch.Tensor]: ...
+
+    def held_shards(self) -> list[torch.Tensor]: ...
 
     def gathered_peak(self) -> dict[str, int] | None: ...
 
@@ -148,7 +160,53 @@ class Bucket:
         return torch.zeros(self.length, dtype=self.dtype, device=self.device)
 
 
-class BucketedSync:
+class WholeCheckpoints:
+    """Checkpoints of a sync whose ranks hold every tensor whole (stage 0, DDP): what it tells zero.checkpoint
+    (zero/checkpoint/state_dict.py's Checkpointable: nothing in pieces, optimizers over whole parameters), and the
+    two calls every sync offers. The sharded stages (zero/stages.py) say what they hold in pieces instead."""
+
+    model: nn.Module
+    holds_shards = False
+
+    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = False) -> None:
+        """Every rank of the group: the model, ``optimizer`` (one, several, None) and ``extra`` to ``path``, a folder
+        of torch.distributed.checkpoint where every rank writes what it holds (zero.checkpoint.save), or with
+        ``one_file`` one file of the whole state dicts written by the group's rank 0 (zero.checkpoint.save_file)."""
+        from zero import checkpoint
+        (checkpoint.save_file if one_file else checkpoint.save)(path, self, optimizer, extra)
+
+    def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
+        """Every rank of the group: a checkpoint of either form, of any sync at any world size, into the model and
+        ``optimizer`` (None: the weights alone); returns its extra (zero.checkpoint.load_any). ``stepped``: the
+        saved optimizers had stepped every parameter, so one without state is refused."""
+        from zero import checkpoint
+        return checkpoint.load_any(path, self, optimizer, stepped)
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    def held_pieces(self) -> dict[str, list[Piece]]:
+        return {}  # everything whole
+
+    def held_shards(self) -> list[torch.Tensor]:
+        """Shards of parameters this rank holds besides the model's own and the optimizer's (stage 3's frozen
+        parts)."""
+        return []
+
+    def optimizer_view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
+        return whole_optimizer_view(self.model, optimizer)
+
+    def load_run_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> None:
+        raise TypeError("an optimizer of whole parameters has no runs")
+
+    def shards_loading(self) -> None:
+        """Before a checkpoint's load (stage 3 frees what is gathered)."""
+
+    def shards_loaded(self) -> None:
+        """After a checkpoint's load (stages 1-2 gather the loaded shards, stage 3 drops what was gathered)."""
+
+
+class BucketedSync(WholeCheckpoints):
     """What every hand-written stage shares: the trainable parameters in Buckets, a hook on each parameter's
     gradient, the end of backward, the sync switch, and close(). A stage says what to do with a gradient
     (``_grad_ready``) and at the end of backward (``_backward_done``).
@@ -247,6 +305,9 @@ class BucketedSync:
 
     def gathered_peak(self) -> dict[str, int] | None:
         return None
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        return self.comm.group
 
     def close(self) -> None:
         """Remove every hook and stop the collectives' thread: the model is an ordinary module again."""

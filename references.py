@@ -11,13 +11,15 @@ references every hand-written stage is measured against.
 Each leaves the user's optimizer code as it is and PyTorch's own clipping (torch.nn.utils.clip_grad_norm_, which
 FSDP2's DTensors make global) in place. Their optimizers' state_dict() gives torch.optim's ordinary, unsharded
 form on the group's rank 0 ({} on the others, which must call it too), as zero.shard's do, so a checkpoint of any
-of them loads into any stage. FSDPSync also saves and loads sharded checkpoints FSDP2's way (save_checkpoint,
-load_checkpoint: get_state_dict, torch.distributed.checkpoint, set_state_dict), zero.checkpoint's format.
+of them loads into any stage. Each offers every sync's checkpoints (save_checkpoint, load_checkpoint): DDP's are
+zero.checkpoint's of whole tensors (gradsync.WholeCheckpoints), FSDP2's are folders written and read FSDP2's way
+(get_state_dict, torch.distributed.checkpoint, set_state_dict) in zero.checkpoint's format; either also as one file.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -25,7 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync import broadcast_state, check_keys_on_rank0, only_rank0_holds
+from gradsync import WholeCheckpoints, broadcast_state, check_keys_on_rank0, only_rank0_holds
+from zero.pieces import OptimizerView, whole_optimizer_view
 
 
 def make_ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> DistributedDataParallel:
@@ -90,19 +93,30 @@ def consolidating_zero_redundancy_optimizer(params: Iterable[Any], optimizer_cla
     return ConsolidatingZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **settings)
 
 
-class DDPSync:
+class DDPSync(WholeCheckpoints):
     """DistributedDataParallel (and with ``zero_redundancy`` ZeroRedundancyOptimizer) behind zero.shard's
-    interface. ``module`` is DDP's wrapper: the forward that arms its reducer."""
+    interface. ``module`` is DDP's wrapper: the forward that arms its reducer. Its checkpoints are stage 0's: every
+    tensor whole (ZeroRedundancyOptimizer's state: each rank offers its own parameters', the whole state dict is
+    loaded on every rank, which keeps its part)."""
 
     def __init__(self, model: nn.Module, device: torch.device, bucket_mb: float, zero_redundancy: bool = False):
         self.model, self.zero_redundancy = model, zero_redundancy
         self.module = make_ddp(model, device, bucket_mb)
+        self.classes: weakref.WeakKeyDictionary[torch.optim.Optimizer, type] = weakref.WeakKeyDictionary()
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                   **settings: Any) -> torch.optim.Optimizer:
         if self.zero_redundancy:
-            return consolidating_zero_redundancy_optimizer(params, optimizer_class, **settings)
-        return optimizer_class(params, **settings)
+            optimizer = consolidating_zero_redundancy_optimizer(params, optimizer_class, **settings)
+        else:
+            optimizer = optimizer_class(params, **settings)
+        self.classes[optimizer] = optimizer_class  # ZeroRedundancyOptimizer keeps optimizer_class's state
+        return optimizer
+
+    def optimizer_view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
+        """ZeroRedundancyOptimizer: its parameters' state is in its local optimizer's, on the rank that owns each."""
+        local = optimizer.optim.state if self.zero_redundancy else None
+        return whole_optimizer_view(self.model, optimizer, self.classes.get(optimizer), local)
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         # What no_sync() does, as a setting: DDP reads it in forward and keeps it for that backward.
@@ -162,6 +176,8 @@ class FSDPSync:
             fully_shard(model, **options)
         self.module = self.model = model
         self.whole_state_dicts = True  # the optimizers' state dicts in torch.optim's whole form (False: FSDP2's own)
+
+    holds_shards = True
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                   **settings: Any) -> torch.optim.Optimizer:
@@ -233,35 +249,59 @@ class FSDPSync:
         finally:
             self.whole_state_dicts = True
 
-    def save_checkpoint(self, path: str, optimizers: list[torch.optim.Optimizer], extra: Any = None) -> None:
+    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = False) -> None:
         """A torch.distributed.checkpoint folder, FSDP2's way: get_state_dict, then dcp.save, every rank its own
         shards; ``extra`` as rank 0 has it (zero.checkpoint's encoding). The format zero.checkpoint writes and
-        reads (zero/checkpoint.py), so either resumes the other. Every rank calls it."""
+        reads (zero/checkpoint/), so either resumes the other. With ``one_file``: one file of the whole state dicts
+        on rank 0 (zero.checkpoint.save_file). Every rank calls it."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        from zero.checkpoint import encode_extra
+        from zero import checkpoint
+        from zero.optimizer import as_optimizers
 
+        if one_file:
+            checkpoint.save_file(path, self, optimizer, extra)
+            return
+        optimizers = as_optimizers(optimizer)
         with self._fsdp2_state_dicts():
             model_state, optimizer_state = get_state_dict(self.model, optimizers)
         state = {"model": model_state, "optimizer": optimizer_state}
         if extra is not None and dist.get_rank() == 0:  # DCP's coordinator: one copy, as zero.checkpoint writes it
-            state["extra"] = encode_extra(extra)
+            state["extra"] = checkpoint.encode_extra(extra)
         dcp.save(state, checkpoint_id=path)
 
-    def load_checkpoint(self, path: str, optimizers: list[torch.optim.Optimizer]) -> None:
+    def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
         """Such a folder (FSDP2's, or zero.checkpoint's from any stage and world size) read into the model's shards
         and the optimizers' (none: the model alone), every rank only what its shards overlap: get_state_dict,
-        dcp.load, set_state_dict. get_state_dict steps an optimizer without state once at lr 0 to make its state,
-        which the load then replaces, so a checkpoint lacking any of it is refused (DCP's CheckpointException)."""
+        dcp.load, set_state_dict; its extra is read apart (zero.checkpoint.read_extra). get_state_dict steps an
+        optimizer without state once at lr 0 to make its state, which the load then replaces, so a checkpoint
+        lacking any of it is refused (DCP's CheckpointException), ``stepped`` or not. A file: load_file."""
+        import os
+
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from zero import checkpoint
+        from zero.optimizer import as_optimizers
 
+        if os.path.isfile(path):
+            return checkpoint.load_file(path, self, optimizer, stepped)
+        optimizers = as_optimizers(optimizer)
         with self._fsdp2_state_dicts():
             model_state, optimizer_state = get_state_dict(self.model, optimizers)
             state = {"model": model_state, **({"optimizer": optimizer_state} if optimizers else {})}
             dcp.load(state, checkpoint_id=path)
             set_state_dict(self.model, optimizers, model_state_dict=state["model"],
                            optim_state_dict=state.get("optimizer", {}))
+        return checkpoint.read_extra(path)
+
+    def checkpoint_group(self) -> None:
+        return None  # the world: its whole state dicts are on rank 0 (HSDP's too)
+
+    def optimizer_view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
+        return whole_optimizer_view(self.model, optimizer)  # over the DTensor parameters
+
+    def held_shards(self) -> list[torch.Tensor]:
+        return []
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return []

@@ -493,8 +493,11 @@ def saved_as_file(directory):
         return torch.load(found.path, map_location="cpu", weights_only=True)
     whole = zero.checkpoint.read_whole(found.path, alone=True)
     model = build_model("resnet", 0.0, "custom")
-    numbered = trainer_checkpoint.numbered_state(whole["optimizer"], model, torch.optim.SGD(model.parameters()),
-                                                 found.path)
+    number = {name: index for index, (name, _) in enumerate(model.named_parameters())}  # one group
+    saved = whole["optimizer"]
+    numbered = {"state": {number[name]: entry for name, entry in saved["state"].items()},
+                "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
+                                 for group in saved["param_groups"]]}
     return {**whole["extra"], "model": whole["model"], "optimizer": numbered}
 
 

@@ -214,7 +214,7 @@ def deferred_cases(rank: int, world_size: int, reference_state: dict) -> dict:
                 (loss_of(model, data[step, first:first + B]) / (K * B)).backward()
             if stage == 3:  # after the window's backward, before the step's prefetch: nothing gathered
                 held = (sum(p.untyped_storage().nbytes() for p in frozen),
-                        sum(s.numel() for s in sharded.frozen_shards()),
+                        sum(s.numel() for s in sharded.held_shards()),
                         sum(part.length for u in sharded.units for part in u.frozen))
             optimizer.step()
             optimizer.zero_grad()

@@ -30,7 +30,7 @@ import torch.nn as nn
 import utils
 import zero
 from data import FolderData, MemoryData, TextData, load_data
-from diloco import DiLoCo
+from diloco import DiLoCo, DiLoCoSync
 from gradsync import DataParallel, broadcast_state
 from models import blocks, build_model, initializer
 from references import DDPSync, FSDPSync
@@ -48,7 +48,7 @@ class Parts:
     comm_device: torch.device  # where collectives' tensors live: the GPU with nccl, else the CPU
     data: MemoryData | FolderData | TextData
     model: nn.Module  # the bare model: checkpoints and evaluation
-    sync: DataParallel  # zero.shard's stages, DDP (with ZeroRedundancyOptimizer) or FSDP2
+    sync: DataParallel  # zero.shard's stages, DDP (with ZeroRedundancyOptimizer), FSDP2, or DiLoCoSync around one
     optimizer: torch.optim.Optimizer  # built by sync.optimizer over the model's parameters
     scheduler: Any
     scaler: torch.amp.GradScaler
@@ -89,6 +89,8 @@ def build(config: Config) -> Parts:
     within, across, replica, replica_size = replica_groups(config, ctx)
     sync = make_sync(config, model, ctx, within, across, init)
     outer = make_outer(config, model, across, sync)
+    if outer is not None:  # the replicas' checkpoints hold each replica's own weights and outer state
+        sync = DiLoCoSync(sync, outer, replica_size)
     compile_counts = compile_forward(config, model)
     optimizer = make_optimizer(config, model, sync)
     # the schedule and the scaler
@@ -267,12 +269,11 @@ def compile_forward(config: Config, model: nn.Module) -> dict[str, int] | None:
 
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "sgd_nesterov": torch.optim.SGD, "adamw": torch.optim.AdamW}  # --optimizer
-MUON_PARTS = {"adamw": torch.optim.AdamW, "muon": torch.optim.Muon}  # --optimizer muon's, in Optimizers' order
 
 
 class Optimizers(torch.optim.Optimizer):
     """Several optimizers over disjoint parameters, as one: --optimizer muon's AdamW and Muon (``optimizers``, in
-    that order; ``named`` by MUON_PARTS' names). step() and zero_grad() run each; ``param_groups`` is every one's
+    that order; ``named`` adamw and muon). step() and zero_grad() run each; ``param_groups`` is every one's
     groups in turn, the very dicts, so an LR scheduler sets every group's rate by its own factor of its own base
     (LambdaLR: the same factor on --lr and --muon-lr), a gradient scaler unscales every gradient and steps all or
     none, and the loop's lr (param_groups[0]) is AdamW's, --lr's; state_dict() is {name: each one's state_dict()}.
@@ -316,14 +317,6 @@ class Optimizers(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"Optimizers({', '.join(f'{name}={type(o).__name__}' for name, o in self.named.items())})"
-
-
-def optimizer_states(config: Config, state: dict[str, Any]) -> list[tuple[type[torch.optim.Optimizer], dict[str, Any]]]:
-    """A checkpoint's optimizer state as (torch.optim class, its state_dict) per optimizer of --optimizer: one, or
-    muon's two."""
-    if config.optimizer == "muon":
-        return [(kind, state.get(name, {"state": {}, "param_groups": []})) for name, kind in MUON_PARTS.items()]
-    return [(OPTIMIZERS[config.optimizer], state)]
 
 
 def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:

@@ -3,31 +3,31 @@
 Two formats of one content: the model, the optimizer's state, and the run's state beside them (RUN_STATE: the
 position in the epoch, the finished epochs, every rank's sums of the current one, the run's record and fingerprint,
 the scheduler, the scaler, the world size and the seed). Written at epoch ends, every --checkpoint-every steps and
-when --max-steps stops the run, in the one ``restore`` chose at the start (``writes_folders``):
+when --max-steps stops the run, in the one ``restore`` chose at the start (``writes_folders``). Either is written and
+read by the sync itself (every sync's ``save_checkpoint`` / ``load_checkpoint``: gradsync.DataParallel), so nothing
+here asks which sync runs; this room decides where a checkpoint goes, which is current, and what the run carries.
 
-- Folders of torch.distributed.checkpoint (DCP; zero.checkpoint's format, which FSDP2 and torch's tools read), at
-  --grad-sync custom --zero 1-3 and fsdp when every rank sees the same --checkpoint-dir (checked once: rank 0 leaves
-  a marker, the others look for it). Every rank writes its own shards and nothing is gathered: AdamW's 12 Psi bytes
-  leave as 12 Psi / W per rank, where a file would gather all of them on rank 0 (9.3 GB for GPT-2 large's shape).
-  A save is a complete folder DIR/step-N (N optimizer steps), written as DIR/step-N.partial and renamed once every
-  rank's part and DCP's .metadata are in; then DIR/latest, a one-line file naming it (written atomically: DeepSpeed's
-  pointer), makes it current, and what it supersedes is removed (older folders, a last.pt). A run killed mid-save
-  resumes from the folder that was current; its unfinished one is removed at the next start. The run state is the
-  folder's extra.
+- Folders of torch.distributed.checkpoint (DCP; zero.checkpoint's format, which FSDP2 and torch's tools read), where
+  the sync holds shards (``sync.holds_shards``: --grad-sync custom --zero 1-3 and fsdp) and every rank sees the same
+  --checkpoint-dir (checked once: rank 0 leaves a marker, the others look for it). Every rank writes its own shards
+  and nothing is gathered: AdamW's 12 Psi bytes leave as 12 Psi / W per rank, where a file would gather all of them
+  on rank 0 (9.3 GB for GPT-2 large's shape). A save is a complete folder DIR/step-N (N optimizer steps), written as
+  DIR/step-N.partial and renamed once every rank's part and DCP's .metadata are in; then DIR/latest, a one-line
+  file naming it (written atomically: DeepSpeed's pointer), makes it current, and what it supersedes is removed
+  (older folders, a last.pt). A run killed mid-save resumes from the folder that was current; its unfinished one is
+  removed at the next start. The run state is the folder's extra.
 - DIR/last.pt, one file that rank 0 writes atomically (temporary file, flush, fsync, os.replace), at the syncs that
   keep the whole model on every rank (custom --zero 0, ddp, diloco, localsgd), and at the sharded ones when the
-  nodes share no folder: the model and the optimizer gathered to rank 0 (below).
+  nodes share no folder: the model and the optimizer gathered to rank 0 (below), the run state beside them.
 
 Resume. Rank 0 finds the current checkpoint (the folder DIR/latest names, or last.pt; the newer, should a run have
 stopped between making one current and removing the other), reads its run state (a folder's extra alone: a few kB)
 and broadcasts it, and every rank checks it (the global batch and the fingerprint: ``check_compatible``) before a
-tensor is read. A folder is then read by every rank at any --zero, --grad-sync and world size: zero.shard's stages
-0-3 (zero.checkpoint.load) and FSDP2 (dcp.load, set_state_dict) read only what their shards overlap; ddp and its
---zero 1 (ZeroRedundancyOptimizer), which hold the whole model, read it whole (``load_whole``); diloco and localsgd
-refuse it (their replicas' own weights and outer state are not in it). last.pt is read by rank 0 and broadcast
-whole, so other nodes need no shared file system, and every sync resumes it. A checkpoint that is torn,
-incomplete, of another model or another configuration stops every rank with one line naming it (UsageError),
-never a silent fresh start.
+tensor is read. Then ``sync.load_checkpoint`` reads it, any sync either format at any world size: the sharded ones
+read only what their shards overlap, the others read the folder whole; last.pt is read by rank 0 and sent to every
+rank, so other nodes need no shared file system; diloco and localsgd refuse a folder (their replicas' own weights
+and outer state are not in it). A checkpoint that is torn, incomplete, of another model or another configuration
+stops every rank with one line naming it (UsageError), never a silent fresh start.
 
 Nothing random is carried from step to step: the data order comes from (seed, epoch), each sample's augmentation (in
 memory or from an image folder) from (seed, epoch, sample index) and dropout from a reseed with (seed, rank,
@@ -38,7 +38,7 @@ last.pt's "model" is the bare model's full state_dict and "optimizer" torch.opti
 trainable parameters numbered group by group, whatever --zero or --grad-sync (the sharded stages gather their shards
 to rank 0's CPU one bucket or unit at a time; FSDP2's DTensors are made whole), so any stage at any world size loads
 it. diloco and localsgd keep each replica's weights, optimizer and outer state under "replicas" ("model": the shared
-point). A folder holds get_state_dict's form: every tensor by name in its global shape (zero/checkpoint.py).
+point). A folder holds get_state_dict's form: every tensor by name in its global shape (zero/checkpoint/).
 
 A run is identified by its global batch (batch size x grad-accum x processes), not by its number of processes:
 micro-batch j of an epoch holds the same B x W samples (the sampler's order, rank r taking every W-th) and
@@ -66,14 +66,14 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 import utils
 import zero
 from models import GPT_SIZES
-from trainer.build import Parts, optimizer_states
-from trainer.config import DILOCO_FLAGS, OUTER_SYNCS, Config
+from trainer.build import Parts
+from trainer.config import DILOCO_FLAGS, Config
 from utils import UsageError
-from zero.optimizer import as_optimizers
 
 RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "micro_batches_total", "fingerprint",
              "config", "history", "epoch_sums")  # what a resume reads beside the model and the optimizer
@@ -126,7 +126,7 @@ def trajectory(parts: Parts) -> dict[str, Any]:
     record["sizes"] = [len(data.train), data.val_size, data.num_classes] if config.dataset != "cifar100" else None
     record["norm"] = "local" if config.norm == "local" else "synchronized"  # custom and torch compute the same
     record["schedule_steps"] = parts.schedule_steps if config.scheduler in ("onecycle", "cosine") else None
-    if config.grad_sync in OUTER_SYNCS:  # the replicas are processes: their number is the run's too
+    if config.outer_sync:  # the replicas are processes: their number is the run's too
         record.update(world_size=world_size, diloco={key: getattr(config, key) for key in DILOCO_FLAGS})
         if config.zero == 3:  # the outer state is per shard: such a checkpoint resumes only at --zero 3 (and the
             record["diloco"]["zero"] = 3  # others, which lack the key, keep their fingerprint)
@@ -171,17 +171,12 @@ def check_compatible(state: dict[str, Any], record: dict[str, Any], path: str, c
 # ----------------------------------------------------------------------------------------------------------
 # Which format, and where the current checkpoint is
 # ----------------------------------------------------------------------------------------------------------
-def sharded_sync(config: Config) -> bool:
-    """The syncs with master shards, whose checkpoints are folders: custom --zero 1-3 and fsdp."""
-    return (config.grad_sync == "custom" and config.zero > 0) or config.grad_sync == "fsdp"
-
-
 def writes_folders(parts: Parts) -> bool:
-    """Whether this run saves DCP folders (module docstring): a sharded sync, and every rank sees the folder rank 0
-    sees (else last.pt, said once). Rank 0 first removes what a save cut short left (DIR/step-N.partial), before
-    any rank can write a folder of that name."""
+    """Whether this run saves DCP folders (module docstring): a sync that holds shards, and every rank sees the
+    folder rank 0 sees (else last.pt, said once). Rank 0 first removes what a save cut short left
+    (DIR/step-N.partial), before any rank can write a folder of that name."""
     config = parts.config
-    if config.eval_only or not sharded_sync(config):
+    if config.eval_only or not parts.sync.holds_shards:
         return False
     if parts.ctx.rank == 0 and os.path.isdir(config.checkpoint_dir):
         remove_folders(config.checkpoint_dir, lambda name: name.endswith(PARTIAL))
@@ -268,8 +263,9 @@ def forget_folders(directory: str) -> None:
 # Reading
 # ----------------------------------------------------------------------------------------------------------
 def read_checkpoint(path: str) -> dict[str, Any]:
+    """last.pt, mapped (torch.load's mmap: a tensor's bytes are read only where it is used)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise UsageError(f"cannot read checkpoint {path}: corrupt or not written by torch.save "
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}); "
@@ -280,9 +276,11 @@ def read_checkpoint(path: str) -> dict[str, Any]:
 
 
 def read_state(found: Found) -> dict[str, Any]:
-    """What is read first: last.pt whole, or a folder's run state alone (its extra: a few kB)."""
+    """What is read first, the run state alone: last.pt's keys but the model's and the optimizers', or a folder's
+    extra (a few kB)."""
     if not found.folder:
-        return read_checkpoint(found.path)
+        return {key: value for key, value in read_checkpoint(found.path).items()
+                if key not in ("model", "optimizer", "replicas")}
     try:
         state = zero.checkpoint.read_extra(found.path)
     except zero.checkpoint.CheckpointError as exc:
@@ -324,12 +322,13 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
     found = current(directory)
     if found is None:
         return None
+    if not found.folder:
+        return found, read_checkpoint(found.path)
     state = read_state(found)
-    if found.folder:
-        try:
-            state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
-        except zero.checkpoint.CheckpointError as exc:
-            raise usage_error(exc, found.path) from None
+    try:
+        state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
+    except zero.checkpoint.CheckpointError as exc:
+        raise usage_error(exc, found.path) from None
     return found, state
 
 
@@ -362,60 +361,21 @@ def run_state(parts: Parts, position: Position, history: list[dict[str, Any]],
 
 
 def save_folder(parts: Parts, state: dict[str, Any]) -> None:
-    """DIR/step-N: every rank writes its own shards into DIR/step-N.partial (zero.checkpoint.save for zero.shard's
-    stages; FSDP2's get_state_dict and dcp.save), ``state`` as rank 0's extra; then rank 0 makes it current."""
+    """DIR/step-N: every rank writes its own shards into DIR/step-N.partial (the sync's save_checkpoint), ``state``
+    as rank 0's extra; then rank 0 makes it current."""
     directory, name = parts.config.checkpoint_dir, f"{FOLDER}{state['optimizer_steps']}"
-    partial = os.path.join(directory, name + PARTIAL)
-    if parts.config.grad_sync == "fsdp":
-        parts.sync.save_checkpoint(partial, as_optimizers(parts.optimizer), state)
-    else:
-        zero.checkpoint.save(partial, parts.sync, as_optimizers(parts.optimizer), state)
+    parts.sync.save_checkpoint(os.path.join(directory, name + PARTIAL), parts.optimizer, state)
     if parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are written
         make_current(directory, name)
 
 
 def save_file(parts: Parts, state: dict[str, Any]) -> None:
-    """Rank 0 writes DIR/last.pt: the model and the optimizer's state in the form every --zero and world size loads
-    (the sharded stages gather them first, so every rank calls this), and ``state``."""
-    optimizer_state = parts.optimizer.state_dict()  # the sharded stages gather it to rank 0, every rank calls it
-    model_state = parts.sync.model_state_dict()  # --zero 3, fsdp: gathered one unit at a time
-    replicas = None
-    if parts.outer is not None:  # every replica's own weights, optimizer and outer state; "model": the shared point
-        replicas = gather_replicas(parts, model_state, optimizer_state)
-        with parts.outer.global_weights():  # --zero 3: the shards hold it, gathered one unit at a time
-            model_state = (parts.sync.model_state_dict() if parts.config.zero == 3 else
-                           {key: value.clone() for key, value in parts.model.state_dict().items()})
-    if parts.ctx.rank != 0:
-        return
-    write_atomically(os.path.join(parts.config.checkpoint_dir, FILE), {
-        "model": model_state, **({"replicas": replicas} if replicas is not None else {}),
-        "optimizer": optimizer_state, **state})
-    forget_folders(parts.config.checkpoint_dir)
-
-
-def write_atomically(path: str, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically: a crash leaves the old file or the new one, never half of one."""
-    with utils.atomic_write(path, "wb") as f:
-        torch.save(state, f)
-
-
-def gather_replicas(parts: Parts, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> list[Any] | None:
-    """Each replica's first rank sends its replica's state to rank 0 (the others hold the same); rank 0 gets them
-    in replica order, the others None. With --zero 3 inside the replicas each rank's outer state is its shard's:
-    every rank sends it, and a replica's "outer" is the list of its ranks' in order."""
-    rank, per = parts.ctx.rank, parts.replica_size
-    first, outer = rank % per == 0, parts.outer.state_dict()
-    mine = {"model": model_state, "optimizer": optimizer_state, "outer": outer} if first else None
-    if parts.config.zero == 3:
-        mine = {"outer": outer, **({"model": model_state, "optimizer": optimizer_state} if first else {})}
-    gathered: list[Any] = [None] * parts.ctx.world_size
-    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-    if rank != 0:
-        return None
-    if parts.config.zero == 3:
-        return [{**gathered[i * per], "outer": [state["outer"] for state in gathered[i * per:(i + 1) * per]]}
-                for i in range(parts.ctx.world_size // per)]
-    return [state for state in gathered if state is not None]
+    """DIR/last.pt, written by rank 0: the model and the optimizer's state in the form every --zero and world size
+    loads (the sharded syncs gather them to rank 0, so every rank calls this), and ``state``."""
+    parts.sync.save_checkpoint(os.path.join(parts.config.checkpoint_dir, FILE), parts.optimizer, state,
+                               one_file=True)
+    if parts.ctx.rank == 0:
+        forget_folders(parts.config.checkpoint_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -433,17 +393,16 @@ def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     if loaded is None:
         return Position(), [], list(NO_SUMS)
     found, state = loaded
-    if found.folder and parts.outer is not None:
-        raise UsageError(f"checkpoint {found.path} is a folder of --grad-sync custom --zero 1-3 or fsdp; "
-                         f"--grad-sync {config.grad_sync} keeps each replica's own weights and outer state, which it "
-                         f"does not hold: resume it with one of those, or start in an empty --checkpoint-dir")
     position = Position(optimizer_steps=state["optimizer_steps"], micro_batches=state["micro_batches_total"])
     if not config.eval_only:
         check_compatible(state, trajectory(parts), found.path, config, parts.ctx.world_size)
-    if found.folder:
-        load_folder(parts, found.path, position, weights_only=config.eval_only)
-    else:
-        load_file(parts, found.path, state, position, weights_only=config.eval_only)
+    # the sync reads its model and optimizer (the weights alone with --eval-only); under fp16 the scaler may have
+    # skipped every step, and left some parameters without state
+    stepped = position.optimizer_steps > 0 and config.amp != "fp16"
+    try:
+        parts.sync.load_checkpoint(found.path, None if config.eval_only else parts.optimizer, stepped=stepped)
+    except (zero.checkpoint.CheckpointError, CheckpointException) as exc:
+        raise usage_error(exc, found.path) from None
     if config.eval_only:
         return position, list(state["history"]), list(NO_SUMS)
     if parts.scheduler is not None:
@@ -470,99 +429,3 @@ def sums_carried_on(parts: Parts, state: dict[str, Any]) -> list[float]:
                      f"uninterrupted run's")
     totals = [sum(column) for column in zip(*saved_sums)]
     return totals if parts.ctx.rank == 0 else list(NO_SUMS)
-
-
-def load_file(parts: Parts, path: str, state: dict[str, Any], position: Position, weights_only: bool) -> None:
-    """last.pt's model and optimizer state (with diloco, localsgd: this replica's own, and its outer state)."""
-    config = parts.config
-    if weights_only:
-        try:
-            if parts.outer is not None and "replicas" in state:  # the shared point is what validation evaluates
-                parts.outer.load_state_dict(outer_state(parts, state["replicas"][parts.replica]))
-            parts.sync.load_model_state_dict(state["model"])
-        except RuntimeError as exc:
-            raise UsageError(f"checkpoint {path} does not fit --model {config.model}: "
-                             f"{str(exc).splitlines()[0]}") from None
-        return
-    replica = state["replicas"][parts.replica] if parts.outer is not None else state  # its own weights, optimizer
-    parts.sync.load_model_state_dict(replica["model"])
-    check_optimizer_state(replica["optimizer"], path, config, position)
-    parts.optimizer.load_state_dict(replica["optimizer"])
-    if parts.outer is not None:
-        parts.outer.load_state_dict(outer_state(parts, replica))
-
-
-def load_folder(parts: Parts, folder: str, position: Position, weights_only: bool) -> None:
-    """A folder's model and optimizer state: zero.shard's stages (zero.checkpoint.load) and FSDP2 (its dcp.load)
-    read only what their shards overlap; ddp and ZeroRedundancyOptimizer read it whole (load_whole). Refused in one
-    line, before anything is changed, where it is torn, incomplete or of another model."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    config, chosen = parts.config, [] if weights_only else as_optimizers(parts.optimizer)
-    try:
-        if config.grad_sync == "fsdp":
-            parts.sync.load_checkpoint(folder, chosen)
-        elif config.grad_sync == "ddp":
-            load_whole(parts, folder, chosen, position)
-        else:  # fp16: the scaler may have skipped every step, and left some parameters without state
-            stepped = position.optimizer_steps > 0 and config.amp != "fp16"
-            zero.checkpoint.load(folder, parts.sync, chosen, stepped=stepped)
-    except (zero.checkpoint.CheckpointError, CheckpointException) as exc:
-        raise usage_error(exc, folder) from None
-
-
-def load_whole(parts: Parts, folder: str, chosen: list[torch.optim.Optimizer], position: Position) -> None:
-    """ddp (and its --zero 1, ZeroRedundancyOptimizer) from a folder: every rank reads the whole model and optimizer
-    state, as it holds them, and loads them as last.pt's: the optimizer's numbered as torch.optim numbers it (each
-    of --optimizer muon's under its name, as build.Optimizers' state_dict holds them)."""
-    whole = zero.checkpoint.read_whole(folder, ("model", "optimizer") if chosen else ("model",))
-    if chosen:
-        named = getattr(parts.optimizer, "named", None)
-        state = ({name: numbered_state(whole["optimizer"], parts.model, optimizer, folder)
-                  for name, optimizer in named.items()} if named else
-                 numbered_state(whole["optimizer"], parts.model, parts.optimizer, folder))
-        check_optimizer_state(state, folder, parts.config, position)
-    try:
-        parts.sync.load_model_state_dict(whole["model"])
-    except RuntimeError as exc:
-        raise UsageError(f"checkpoint {folder} does not fit --model {parts.config.model}: "
-                         f"{str(exc).splitlines()[0]}") from None
-    if chosen:
-        parts.optimizer.load_state_dict(state)
-
-
-def numbered_state(saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   folder: str) -> dict[str, Any]:
-    """A folder's optimizer state (get_state_dict's form: by parameter name, the groups' "params" names) as
-    ``optimizer``'s state_dict numbers it: its parameters group by group, each group matched by its names."""
-    names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter under its first name
-    number: dict[str, int] = {}
-    groups = []
-    for group in optimizer.param_groups:
-        members = [names[id(p)] for p in group["params"]]
-        saved_group = next((g for g in saved.get("param_groups", []) if set(g["params"]) == set(members)), None)
-        if saved_group is None:
-            raise UsageError(f"checkpoint {folder} cannot resume this run: none of its optimizer's parameter groups "
-                             f"holds {members[0]} and the {len(members) - 1} others of a group of this run")
-        groups.append({**saved_group, "params": [number.setdefault(name, len(number)) for name in members]})
-    state = {number[name]: entry for name, entry in saved.get("state", {}).items() if name in number}
-    return {"state": state, "param_groups": groups}
-
-
-def outer_state(parts: Parts, replica: dict[str, Any]) -> dict[str, Any]:
-    """This rank's outer state in its replica's entry (--zero 3: its place's shard's)."""
-    return replica["outer"][parts.ctx.rank % parts.replica_size] if parts.config.zero == 3 else replica["outer"]
-
-
-def check_optimizer_state(state: dict[str, Any], path: str, config: Config, position: Position) -> None:
-    """Refuse, in one line, a checkpoint whose optimizer state lacks what --optimizer keeps for every parameter it
-    has stepped (SGD's momentum, AdamW's moments and step), rather than train on from another state: the sharded
-    stages once wrote SGD's without its momentum. Under --amp fp16 the scaler may have skipped every step so far,
-    so there a state with no entry at all is accepted."""
-    parts = optimizer_states(config, state)  # --optimizer muon: AdamW's and Muon's
-    stepped = position.optimizer_steps > 0 and (config.amp != "fp16" or any(part["state"] for _, part in parts))
-    problem = next(filter(None, (zero.missing_optimizer_state(kind, part, every_parameter=stepped)
-                                 for kind, part in parts)), None)
-    if problem:
-        raise UsageError(f"checkpoint {path} cannot resume this run: its optimizer state is incomplete ({problem}); "
-                         f"resume from another checkpoint, or start afresh in an empty --checkpoint-dir")

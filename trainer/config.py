@@ -259,6 +259,11 @@ class Config:
                                            "3 on 4 processes: 1.1 GB against 0.59 GB above start); 0 leaves glibc's "
                                            "own, rising threshold")
 
+    @property
+    def outer_sync(self) -> bool:
+        """--grad-sync diloco or localsgd: replicas with weights of their own, meeting through an outer step."""
+        return self.grad_sync in OUTER_SYNCS
+
 
 # ----------------------------------------------------------------------------------------------------------
 # The parser, made from the fields

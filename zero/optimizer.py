@@ -1,10 +1,9 @@
-"""The optimizer side of ZeRO stages 1-3 (each stage in zero/__init__.py holds one ShardedOptimizer): this rank's
-runs of the flat buckets as the tensors of any element-wise torch.optim optimizer (and, for Muon and Adafactor, its
-pieces of each parameter, stepped by zero/matrix.py), their parameter groups, several optimizers over one model
-([Note: several optimizers]), the whole model's clipping norm, and the optimizer's state in torch.optim's ordinary,
-unsharded form and back. Also which optimizers the runs can carry ([Note: which optimizers]): ELEMENTWISE,
-WHOLE_MATRIX, WHOLE_PARAMETER (refused), and the probe that asks an optimizer what state it keeps (state_kinds,
-missing_optimizer_state), which the trainer's resume uses too.
+"""The optimizer side of ZeRO stages 1-3 (each stage of zero/stages.py and zero/stage3.py holds a ShardedOptimizer):
+this rank's runs of the flat buckets as the tensors of any element-wise torch.optim optimizer (and, for Muon and
+Adafactor, its pieces of each parameter, stepped by zero/matrix.py), their parameter groups, several optimizers
+over one model ([Note: several optimizers]), the whole model's clipping norm, and the optimizer's state in
+torch.optim's ordinary, unsharded form and back. Which optimizers the runs can carry ([Note: which optimizers]) and
+the probe of what state an optimizer keeps are zero/optimizer_kinds.py's.
 """
 from __future__ import annotations
 
@@ -21,19 +20,23 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from collectives import Collectives
 from gradsync import Bucket
-from zero.matrix import PROBE_DIMS, WHOLE_MATRIX, PieceOptimizer, whole_parameters
+from zero.matrix import WHOLE_MATRIX, PieceOptimizer, whole_parameters
+from zero.optimizer_kinds import check_optimizer_class, missing_optimizer_state, state_kinds
+from zero.pieces import Cover, OptimizerView, covers
 
 
 @dataclass
 class ShardRun:
     """A run: a stretch of one bucket's elements, inside this rank's chunk, whose parameters are all in one parameter
     group: one tensor of the optimizer (``param``, a view of the weights' shard, its .grad a view of the gradient's
-    shard). Flat element indices [start, end)."""
+    shard). Flat element indices [start, end); ``covers``: the parameters it covers (zero/pieces.py), the one
+    translation from runs to parameters that the state dicts and the checkpoints use."""
     bucket: Bucket
     start: int
     end: int
     group: int
     param: nn.Parameter | None = None
+    covers: list[Cover] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Layout:
     buckets holding its parameters (on any rank's chunk)."""
     index: dict[int, tuple[int, int]]  # id(model parameter) -> (group, index)
     groups: list[list[int]]  # the indices in each group
+    torch_class: type[torch.optim.Optimizer]  # the class asked for (Muon, Adafactor: stepped by zero/matrix.py)
     runs: list[ShardRun] = field(default_factory=list)
     per_parameter: bool = False
     buckets: list[int] = field(default_factory=list)
@@ -74,6 +78,20 @@ def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
+def optimizer_parts(optimizer: Any, state: Any) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
+    """Each optimizer of ``optimizer`` (as_optimizers) with its part of ``state``, which is ``optimizer``'s
+    state_dict(): the whole of it for one optimizer; for several as one object, that object's own form, {name:
+    each one's state_dict} under the names of its ``named`` (the trainer's --optimizer muon)."""
+    optimizers = as_optimizers(optimizer)
+    if len(optimizers) == 1 and optimizers[0] is optimizer:
+        return [(optimizer, state)]
+    names = list(getattr(optimizer, "named", {}))
+    if len(names) != len(optimizers) or not isinstance(state, dict) or sorted(state) != sorted(names):
+        raise ValueError(f"the optimizer state holds {sorted(state) if isinstance(state, dict) else state!r}, not "
+                         f"the state dicts of {names or len(optimizers)} optimizers")
+    return [(part, state[name]) for name, part in zip(names, optimizers)]
+
+
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     """torch.optim's two ways of giving parameters: an iterable of tensors, or of dicts (parameter groups)."""
     params = list(params)
@@ -96,78 +114,6 @@ def total_norm(parts: list[torch.Tensor], norm_type: float, group: dist.ProcessG
     total = norms.pow(norm_type).sum()
     dist.all_reduce(total, group=group)
     return total.pow(1.0 / norm_type)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Which optimizers the flat shards can carry ([Note: which optimizers])
-# ----------------------------------------------------------------------------------------------------------
-# Each element's update reads only that element's weight, gradient and state, and the parameter's scalars (a step
-# count): exact on any run of any parameter. Add a class of your own that is element-wise: ELEMENTWISE.add(cls).
-ELEMENTWISE: set[type[torch.optim.Optimizer]] = {getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")}
-# Muon and Adafactor read whole matrices: zero/matrix.py steps them on per-parameter pieces, exactly (WHOLE_MATRIX).
-# What each of these needs that neither runs nor pieces give: refused at sharded.optimizer().
-WHOLE_PARAMETER: dict[type[torch.optim.Optimizer], str] = {
-    torch.optim.LBFGS: "takes dot products over the whole model's gradient and re-evaluates the loss in a closure",
-    torch.optim.SparseAdam: "steps sparse gradients, and the shards' gradients are dense",
-}
-
-
-def check_optimizer_class(optimizer_class: type[torch.optim.Optimizer], stage: int) -> None:
-    """One line, at sharded.optimizer(), for an optimizer the runs of a flat shard would give another algorithm
-    ([Note: which optimizers])."""
-    name = getattr(optimizer_class, "__name__", repr(optimizer_class))
-    if optimizer_class in WHOLE_MATRIX:
-        return
-    if optimizer_class in WHOLE_PARAMETER:
-        raise ValueError(f"sharded.optimizer: zero.shard stage {stage} cuts every parameter into flat runs spread "
-                         f"over the ranks, and torch.optim.{name} {WHOLE_PARAMETER[optimizer_class]}: on runs it "
-                         f"would be another algorithm; use stage 0 (whole parameters on every rank) or torch's "
-                         f"ZeroRedundancyOptimizer (whole parameters placed on ranks; the trainer's --grad-sync ddp "
-                         f"--zero 1)")
-    if optimizer_class not in ELEMENTWISE:
-        raise ValueError(f"sharded.optimizer: zero.shard stage {stage} gives {name} flat runs of the parameters, "
-                         f"which is exact only if it updates each element from that element's weight, gradient and "
-                         f"state alone; if {name} does, declare it first: zero.ELEMENTWISE.add({name})")
-
-
-def state_kinds(optimizer_class: type[torch.optim.Optimizer], settings: dict[str, Any],
-                device: torch.device | str = "cpu", dim: int = 1) -> dict[str, bool]:
-    """The state ``optimizer_class`` keeps per parameter once it has stepped it with ``settings`` (a parameter
-    group's hyperparameters): each key, True for a tensor of the parameter's shape (one number per element),
-    False for anything else (a step count; Adafactor's row_var and col_var). Found by stepping a probe of two
-    elements a side once, of ``dim`` dimensions (a 0-dim parameter keeps what a vector does): no table to keep, and
-    right for every setting that adds state (amsgrad, momentum, centered)."""
-    probe = torch.zeros((2,) * max(dim, 1), device=device, requires_grad=True)
-    probe.grad = torch.ones_like(probe)
-    optimizer = optimizer_class([{**{k: v for k, v in settings.items() if k != "params"}, "params": [probe]}])
-    optimizer.step()
-    return {key: torch.is_tensor(value) and value.shape == probe.shape
-            for key, value in optimizer.state[probe].items()}
-
-
-def missing_optimizer_state(optimizer_class: type[torch.optim.Optimizer], state: dict[str, Any],
-                            every_parameter: bool,
-                            kinds: Callable[[int], dict[str, bool]] | None = None) -> str | None:
-    """What ``state`` (torch.optim's ordinary state_dict) lacks that ``optimizer_class`` keeps, in words, or None:
-    a parameter whose entry lacks a key its group's settings make the optimizer keep, or, if ``every_parameter``
-    (the run has stepped every parameter), a parameter with no entry at all. ``kinds(index)``: that parameter's
-    ``state_kinds``, where the caller knows them (else probed here, on the CPU: where the keys depend on the
-    parameter's dimensions, as Adafactor's do, an entry may hold those of any of them)."""
-    saved = {int(index): entry for index, entry in state["state"].items()}
-    for group in state["param_groups"]:
-        candidates = None if kinds is not None else [
-            state_kinds(optimizer_class, group, dim=dim) for dim in PROBE_DIMS.get(optimizer_class, (1,))]
-        for index in group["params"]:
-            if index not in saved and not every_parameter:
-                continue
-            entry = saved.get(index, {})
-            lacking = min(([key for key in keys if key not in entry]
-                           for keys in ([kinds(index)] if kinds is not None else candidates)), key=len)
-            if lacking:
-                return (f"parameter {index} has no {lacking[0]!r}, which torch.optim.{optimizer_class.__name__} "
-                        f"keeps for every parameter it has stepped")
-    return None
 
 
 class ShardedOptimizer:
@@ -246,7 +192,7 @@ class ShardedOptimizer:
         and undeclared classes are refused here ([Note: which optimizers])."""
         check_optimizer_class(optimizer_class, self.stage)
         groups = as_groups(params)
-        layout = Layout({}, [], per_parameter=optimizer_class in WHOLE_MATRIX)
+        layout = Layout({}, [], optimizer_class, per_parameter=optimizer_class in WHOLE_MATRIX)
         for g, group in enumerate(groups):
             layout.groups.append([])
             for p in group["params"]:
@@ -269,7 +215,7 @@ class ShardedOptimizer:
         if layout.per_parameter:
             ordered = sorted(((p, *layout.index[id(p)]) for group in groups for p in group["params"]),
                              key=lambda entry: entry[2])
-            pieces = {id(self._params_in(run, layout)[0]): run.param for run in layout.runs}
+            pieces = {id(run.covers[0].param): run.param for run in layout.runs}
             parameters = whole_parameters([(p, g, self.names[id(p)]) for p, g, _ in ordered], self.bucket_of,
                                           self.world_size, pieces)
             optimizer = WHOLE_MATRIX[optimizer_class](inner, whole_groups=groups, parameters=parameters,
@@ -282,6 +228,19 @@ class ShardedOptimizer:
         optimizer.register_state_dict_post_hook(self._full_optimizer_state)
         optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
         return optimizer
+
+    def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
+        """What this rank holds of ``optimizer``, for its checkpoints (zero/pieces.py's OptimizerView): the class
+        asked for, the model's parameters in torch.optim's numbering with their groups, and the runs. One not built
+        by ``optimizer()`` is refused in one line."""
+        layout = self.layouts.get(optimizer)
+        if layout is None:
+            raise ValueError(f"zero.checkpoint: this {type(optimizer).__name__} was not built by this sharded "
+                             f"model's sharded.optimizer")
+        by_id = {id(p): p for bucket in self.buckets for p in bucket.params}
+        number = {index: pid for pid, (_, index) in layout.index.items()}
+        return OptimizerView(layout.torch_class, [(g, by_id[number[index]]) for g, indices in enumerate(layout.groups)
+                                                  for index in indices], layout.runs)
 
     def _piece(self, chunks: list[torch.Tensor], run: ShardRun) -> torch.Tensor:
         """The run's stretch of its bucket's chunk in ``chunks`` (``weights`` or ``grads``): a view."""
@@ -304,6 +263,8 @@ class ShardedOptimizer:
                     runs[-1].end = last
                 else:
                     runs.append(ShardRun(bucket, first, last, g))
+        for run in runs:
+            run.covers = covers(run.bucket, run.start, run.end)
         return runs
 
     def before_forward(self) -> None:
@@ -406,7 +367,7 @@ class ShardedOptimizer:
             values = inner["state"].get(number)
             if not values:  # no state yet: created lazily, at the first step
                 continue
-            for p in self._params_in(run, layout):
+            for p in (cover.param for cover in run.covers):
                 entry = entries.setdefault(layout.index[id(p)][1], {})
                 for key, value in values.items():
                     if torch.is_tensor(value) and value.dim() == 1:  # a run's element-wise state is 1-D
@@ -450,16 +411,12 @@ class ShardedOptimizer:
     def load_run_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> None:
         """torch.optim's own load_state_dict of the runs' state as it stands, past the pre-hook that would cut runs
         out of a whole state dict: ``inner`` is the inner optimizer's form (state by run number, the runs numbered
-        group by group as ``layouts[optimizer].runs``), which zero/checkpoint.py reads straight from its shards."""
+        group by group as ``layouts[optimizer].runs``), which zero/checkpoint/ reads straight from its shards."""
         self.loading_runs.add(id(optimizer))
         try:
             optimizer.load_state_dict(inner)
         finally:
             self.loading_runs.discard(id(optimizer))
-
-    def _params_in(self, run: ShardRun, layout: Layout) -> list[nn.Parameter]:
-        return [p for p, start in zip(run.bucket.params, run.bucket.offsets)
-                if start < run.end and run.start < start + p.numel() and id(p) in layout.index]
 
     def _sharded_optimizer_state(self, optimizer: torch.optim.Optimizer,
                                  full: dict[str, Any]) -> dict[str, Any] | None:
@@ -479,7 +436,7 @@ class ShardedOptimizer:
         if sizes != [len(indices) for indices in layout.groups]:
             raise ValueError(f"the optimizer state has parameter groups of {sizes} parameters; this optimizer's "
                              f"are of {[len(indices) for indices in layout.groups]}")
-        torch_class = getattr(optimizer, "torch_class", type(optimizer))
+        torch_class = layout.torch_class
         shapes = {layout.index[id(p)][1]: p.shape for b in self.buckets for p in b.params if id(p) in layout.index}
         group_of = {index: g for g, index in layout.index.values()}
         probed: dict[tuple[int, int], dict[str, bool]] = {}
@@ -543,10 +500,10 @@ class ShardedOptimizer:
                     if key in entry:
                         bucket.view(flat, p).copy_(entry[key])
                 for number, run in runs:  # (a group's parameters hold the same keys, but a piece is its own)
-                    if key in saved.get(indices[id(self._params_in(run, layout)[0])], {}):
+                    if key in saved.get(indices[id(run.covers[0].param)], {}):
                         state.setdefault(number, {})[key] = flat[run.start:run.end].clone()
             for number, run in runs:  # the scalars: the run's first parameter's (its group's agree)
-                index = indices[id(self._params_in(run, layout)[0])]
+                index = indices[id(run.covers[0].param)]
                 for key, value in saved.get(index, {}).items():
                     if not elementwise(index, key):
                         state.setdefault(number, {})[key] = _own_copy(value)
