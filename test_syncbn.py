@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import syncbn
-from utils import LocalGroup, write_json
+from harness import LocalGroup
+from utils import write_json
 
 # SYNCBN_ERRORS_JSON (from the repository's root) puts a run's errors in a file of its own: the GPU checks
 # (benchmarks/gpu_checks.py) keep the GPU's apart from the CPU suite's.

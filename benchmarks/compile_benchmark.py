@@ -5,7 +5,7 @@
 
 ``--parts bn``: syncbn.SyncBatchNorm's forward + backward at the assignment's (batch, hid_dim) grid (bn_benchmark.py's
 HID_DIMS x BATCH_SIZES, per-rank batch, float32, affine off: the layer bn_benchmark times), 2 processes over gloo
-(utils.LocalGroup, one intra-op thread each), eager against ``torch.compile(layer, backend=--backend,
+(harness.LocalGroup, one intra-op thread each), eager against ``torch.compile(layer, backend=--backend,
 fullgraph=True)`` on the same layer and tensors. Time: the median ms per forward + backward over ``--iters``
 calls (each after a barrier, utils.time_calls_ms), split into 4 rounds that visit eager, compiled and the
 collectives in turn (the first round warms up longer), then the slowest rank's. "The collectives" are the pass's
@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import harness
 import syncbn
 import utils
 from bn_benchmark import BATCH_SIZES, HID_DIMS, make_step
@@ -210,7 +211,7 @@ def run_bn(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     rows = []
     with contextlib.ExitStack() as stack:
-        group = stack.enter_context(utils.LocalGroup(NPROC, timeout_s=args.run_timeout))
+        group = stack.enter_context(harness.LocalGroup(NPROC, timeout_s=args.run_timeout))
         progress = progress_bar(len(shapes) + 2, "bn")
 
         def run(what, fn, *fn_args):
@@ -614,8 +615,8 @@ def main(argv: list[str] | None = None) -> None:
         bn = run_bn(args) if "bn" in args.parts else None
         trainer = run_trainer_part(args) if "trainer" in args.parts else None
         overlap = run_overlap_part(args) if "overlap" in args.parts else None
-    except (BenchmarkError, utils.WorkerError, TimeoutError) as exc:
-        if isinstance(exc, utils.WorkerError):
+    except (BenchmarkError, harness.WorkerError, TimeoutError) as exc:
+        if isinstance(exc, harness.WorkerError):
             print(exc, file=sys.stderr)  # the workers' tracebacks
         last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise SystemExit(f"{PROG}: error: {last}") from None
