@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
 
 import processes  # noqa: E402
-from utils import LocalGroup, stop_worker_server  # noqa: E402
+from harness import LocalGroup, stop_worker_server  # noqa: E402
 
 
 def pytest_collection_finish(session):

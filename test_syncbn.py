@@ -5,8 +5,9 @@ and in one more group of 4 whose Triton kernels run interpreted on CPU tensors (
 CUDA kernels' own code, checked against the same references on a machine without a GPU.
 Each worker rebuilds the same global batch from a seed and takes its own rank-major slice; the reference is
 computed here, in the test process, from the same global batch. The worst error of every comparison is
-printed (pytest -s shows it) and merged into results/syncbn-test-errors.json (or the file SYNCBN_ERRORS_JSON
-names).
+printed (pytest -s shows it), and merged into the file SYNCBN_ERRORS_JSON names when it is set:
+``SYNCBN_ERRORS_JSON=results/syncbn-test-errors.json python3 -m pytest test_syncbn.py`` refreshes the committed
+figures. Unset, as in the suite, nothing is written: a test run leaves the work tree as it found it.
 """
 import json
 import os
@@ -20,12 +21,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import syncbn
-from utils import LocalGroup, write_json
+from harness import LocalGroup
+from utils import write_json
 
-# SYNCBN_ERRORS_JSON (from the repository's root) puts a run's errors in a file of its own: the GPU checks
-# (benchmarks/gpu_checks.py) keep the GPU's apart from the CPU suite's.
-ERRORS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           os.environ.get("SYNCBN_ERRORS_JSON", os.path.join("results", "syncbn-test-errors.json")))
+# SYNCBN_ERRORS_JSON (a path from the repository's root): the file a run's worst errors are merged into, only when
+# set; the GPU checks (benchmarks/gpu_checks.py) name one of the GPU's own, apart from the CPU's.
+ERRORS_JSON = os.environ.get("SYNCBN_ERRORS_JSON")
 WORST_ERRORS: dict[str, dict[str, float]] = {}
 BATCHNORM_BY_NDIM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "broadcast",
@@ -35,17 +36,19 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 
 @pytest.fixture(scope="module", autouse=True)
 def write_worst_errors():
-    """After the module: merge this run's worst errors into the results file (a partial run keeps the rest)."""
+    """After the module, when SYNCBN_ERRORS_JSON names a file: merge this run's worst errors into it (a partial run
+    keeps the rest)."""
     yield
-    if not WORST_ERRORS:
+    if not WORST_ERRORS or ERRORS_JSON is None:
         return
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), ERRORS_JSON)
     try:
-        with open(ERRORS_JSON) as f:
+        with open(path) as f:
             merged = json.load(f)["worst_abs_errors"]
     except (OSError, ValueError, KeyError, TypeError):
         merged = {}
     merged.update(WORST_ERRORS)
-    write_json(ERRORS_JSON, {"torch": torch.__version__, "worst_abs_errors": dict(sorted(merged.items()))})
+    write_json(path, {"torch": torch.__version__, "worst_abs_errors": dict(sorted(merged.items()))})
 
 
 def record(case: str, **errors: float) -> None:

@@ -5,8 +5,9 @@
     python training_benchmark.py --trace [--device cuda]
 
 Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run whose rank 0 writes
-the trainer's metrics JSON; this script reads those files, prints one table and writes
-``results/training-<machine>.json`` (the per-configuration metrics, accuracy curves included, and the machine).
+the trainer's metrics JSON (benchmarks/trainer_runs.py, which tries a failed run once more); this script reads those
+files, prints one table and writes ``results/training-<machine>.json`` (the per-configuration metrics, accuracy
+curves included, and the machine).
 
 Configurations, all with the same seed, data order and initial weights:
 - ``ours``:    ``--grad-sync custom --norm custom`` (hand-written bucketed all-reduce, overlapped with backward,
@@ -44,18 +45,17 @@ gradient sync and the step included), measured by the trainer itself. This machi
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import utils
+from benchmarks.trainer_runs import run_configuration
+from benchmarks.trainer_traces import merge_ranks
 from trainer.config import WARMUP_STEPS  # the plain loop leaves out as many steps as the trainer
 from models import TORCHVISION_RESNETS, build_model
 from utils import machine_info, machine_tag, write_json
@@ -92,94 +92,6 @@ def imagenet_configurations(norms: list[str], grad_syncs: list[str]) -> list[dic
             for norm in norms for grad_sync in grad_syncs]
 
 
-def trainer_command(config: dict, args: argparse.Namespace, metrics_path: str) -> list[str]:
-    nproc = config.get("nproc", args.nproc)  # zero_benchmark.py runs several world sizes
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "ddp_cifar100.py"),
-           "--dataset", args.dataset, "--model", args.model, "--device", args.device,
-           "--grad-sync", config["grad_sync"], "--norm", config["norm"],
-           "--grad-accum", str(config["grad_accum"]), "--batch-size", str(args.batch_size),
-           "--epochs", str(args.epochs), "--seed", str(args.seed), "--metrics-out", metrics_path]
-    if args.dataset == "synthetic":
-        cmd += ["--train-size", str(args.train_size), "--val-size", str(args.val_size)]
-    if args.data_dir:
-        cmd += ["--data-dir", args.data_dir]
-    if args.imagenet:
-        cmd += ["--image-size", str(args.image_size), "--workers", str(args.workers), "--channels-last",
-                "--max-steps", str(args.steps + WARMUP_STEPS)]
-    if config["sync_mode"]:
-        cmd += ["--sync-mode", config["sync_mode"]]
-    if config.get("bucket_mb"):
-        cmd += ["--bucket-mb", str(config["bucket_mb"])]
-    if config.get("max_steps"):
-        cmd += ["--max-steps", str(config["max_steps"])]
-    if config.get("allreduce"):
-        cmd += ["--allreduce", config["allreduce"]]
-    if args.amp != "off":
-        cmd += ["--amp", args.amp]
-    return cmd + config.get("flags", [])  # whatever else a configuration sets (zero_benchmark.py)
-
-
-def run_trainer(config: dict, args: argparse.Namespace, attempts: int = 2, profile: bool = False) -> dict:
-    """One trainer run; a failed run is retried once (said on stderr and recorded as "attempts"): a shared
-    machine can fail a run for reasons of its own, and one lost run should not cost the whole table. With
-    ``profile``, the trainer's --profile traces come back as metrics["traces"], one per rank."""
-    for attempt in range(1, attempts + 1):
-        with tempfile.TemporaryDirectory(prefix="trainbench-") as tmp:
-            metrics_path = os.path.join(tmp, "metrics.json")
-            cmd = trainer_command(config, args, metrics_path) + (["--profile", tmp] if profile else [])
-            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_process))
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE, timeout=args.run_timeout)
-            if proc.returncode == 0 and os.path.exists(metrics_path):
-                with open(metrics_path) as f:
-                    metrics = json.load(f)
-                metrics["command"] = " ".join(cmd[1:]).replace(metrics_path, "METRICS.json").replace(tmp, "DIR")
-                metrics["attempts"] = attempt
-                if profile:
-                    metrics["traces"] = [read_json(os.path.join(tmp, f"rank{rank}.pt.trace.json"))
-                                         for rank in range(args.nproc)]
-                return metrics
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-40:])
-        print(f"training_benchmark: {config['name']} attempt {attempt} failed (exit {proc.returncode}):\n{tail}",
-              file=sys.stderr, flush=True)
-    raise SystemExit(f"training_benchmark: {config['name']} failed {attempts} times; see above")
-
-
-def read_json(path: str) -> Any:
-    with open(path) as f:
-        return json.load(f)
-
-
-def named_ranges(trace: dict) -> list[dict]:
-    """The named ranges of a torch.profiler Chrome trace (record_function's "user_annotation" events: ours,
-    SyncBatchNorm's, c10d's, the profiler's ProfilerStep#N), ordered by start; times in microseconds."""
-    return sorted((e for e in trace["traceEvents"] if e.get("cat") == "user_annotation" and e.get("ph") == "X"),
-                  key=lambda e: e["ts"])
-
-
-def merge_ranks(traces: list[dict]) -> list[dict]:
-    """Every rank's named ranges in one Chrome trace's events: pid = rank, threads numbered per rank in order of
-    appearance, times from the first event (the ranks share this machine's clock), plus the names Perfetto and
-    chrome://tracing show for each process and thread."""
-    ranges = [named_ranges(trace) for trace in traces]
-    origin = min(r[0]["ts"] for r in ranges if r)
-    events = []
-    for rank, rank_ranges in enumerate(ranges):
-        threads: dict[int, int] = {}
-        for e in rank_ranges:
-            tid = threads.setdefault(e["tid"], len(threads))
-            events.append({"ph": "X", "cat": "user_annotation", "name": e["name"], "pid": rank, "tid": tid,
-                           "ts": round(e["ts"] - origin, 3), "dur": round(e["dur"], 3)})
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
-        for original, tid in threads.items():
-            names = {e["name"] for e in rank_ranges if e["tid"] == original}
-            role = ("training thread" if tid == 0 else "c10d work thread" if all(":" in n for n in names)
-                    else "thread")  # c10d names its ranges backend:collective (gloo:all_reduce)
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
-                           "args": {"name": f"{role} {original}"}})
-    return events
-
-
 def main_trace(args: argparse.Namespace, argv) -> None:
     """--trace: one profiled run per --sync-mode; each rank's named ranges -> results/trace-<mode>-<machine>.json."""
     for mode in ("overlap", "after"):
@@ -188,13 +100,13 @@ def main_trace(args: argparse.Namespace, argv) -> None:
         print(f"[{config['name']}] profiling steps {WARMUP_STEPS} to {TRACE_STEPS - 1} ...", file=sys.stderr,
               flush=True)
         load_before = os.getloadavg()
-        metrics = run_trainer(config, args, profile=True)
+        metrics = run_configuration(config, args, profile=True)
         path = os.path.join(HERE, "results", f"trace-{mode}-{machine_tag(args.device)}.json")
         write_json(path, {
             "traceEvents": merge_ranks(metrics.pop("traces")), "displayTimeUnit": "ms",
             "benchmark": "trace", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
             "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-            "trainer_command": metrics["command"].replace(HERE + os.sep, ""),
+            "trainer_command": metrics["command"],
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             "config": config, "nproc": args.nproc, "profiled_steps": [WARMUP_STEPS, TRACE_STEPS],
             "load_average_before": load_before, "load_average_after": os.getloadavg()})
@@ -393,7 +305,7 @@ def main_imagenet(args: argparse.Namespace, argv) -> None:
         for repeat in range(args.repeats):
             for config in configs if repeat % 2 == 0 else configs[::-1]:
                 print(f"[{config['name']}] repeat {repeat + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
-                runs[config["name"]].append(run_trainer(config, args))
+                runs[config["name"]].append(run_configuration(config, args))
         synthetic_folder = args.data_dir.startswith(tmp)
     for config in configs:
         by_step_time = sorted(runs[config["name"]], key=lambda m: m["step_time_ms_median"])
@@ -429,7 +341,7 @@ def main(argv=None) -> None:
         for config in order:
             done = sum(len(v) for v in runs.values())
             print(f"[{done + 1}/{total}] {config['name']} ...", file=sys.stderr, flush=True)
-            runs[config["name"]].append(run_trainer(config, args))
+            runs[config["name"]].append(run_configuration(config, args))
     rows = []
     for config in configs:
         by_step_time = sorted(runs[config["name"]], key=lambda m: m["step_time_ms_median"])

@@ -10,4 +10,9 @@ edits in them.
     slowlink_benchmark.py    DDP against DiLoCo and its variants over a shaped (slow) loopback link
     zero_benchmark.py        ZeRO stages 0-3 against DDP, ZeroRedundancyOptimizer and FSDP2: memory, bytes, time
     make_image_folder.py     writes the synthetic set as an image folder (PNG or JPEG) for --dataset imagefolder
+
+and what the benchmarks that run the whole trainer share (training_benchmark.py at the root among them):
+
+    trainer_runs.py          one torchrun of ddp_cifar100.py, tried again if asked, and the metrics it writes
+    trainer_traces.py        its --profile traces reduced to their named ranges, every rank in one Chrome trace
 """

@@ -11,7 +11,7 @@
 - all_gather: ring_all_gather against torch.distributed.all_gather_into_tensor, both in place.
 For the halves every length is rounded up to a multiple of the worker count (p equal chunks).
 
-One utils.LocalGroup (gloo over a FileStore) per worker count is started and reused for every size; it first
+One harness.LocalGroup (gloo over a FileStore) per worker count is started and reused for every size; it first
 fits alpha and beta to a ping-pong between ranks 0 and 1. For each (collective, workers, size) every algorithm's
 accuracy, bit-identity across ranks and extra memory (bytes of new tensor storage made by torch calls during one
 call, tracked with a TorchFunctionMode; see ``tracked_allocation_bytes``) are taken first: for the all-reduce the
@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+import harness
 import utils
 from allreduce import (ALGORITHMS, RECEIVE_SLOTS, SEGMENT_ELEMENTS, ring_all_gather, ring_allreduce,
                        ring_reduce_scatter)
@@ -422,7 +423,7 @@ def measure(args: argparse.Namespace, say: Any, progress: Any) -> tuple[list[dic
     models: dict[int, dict] = {}
     sweep: list[dict] = []
     for workers in args.workers:
-        with utils.LocalGroup(workers, timeout_s=args.timeout, start_timeout_s=args.timeout) as group:
+        with harness.LocalGroup(workers, timeout_s=args.timeout, start_timeout_s=args.timeout) as group:
             if workers > 1:
                 # Lengths up to the largest benchmarked (at least two points for the fit).
                 lengths = [1] + [m for m in PINGPONG_LENGTHS if m <= max(10_000, max(args.sizes))]

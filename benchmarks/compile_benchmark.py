@@ -5,7 +5,7 @@
 
 ``--parts bn``: syncbn.SyncBatchNorm's forward + backward at the assignment's (batch, hid_dim) grid (bn_benchmark.py's
 HID_DIMS x BATCH_SIZES, per-rank batch, float32, affine off: the layer bn_benchmark times), 2 processes over gloo
-(utils.LocalGroup, one intra-op thread each), eager against ``torch.compile(layer, backend=--backend,
+(harness.LocalGroup, one intra-op thread each), eager against ``torch.compile(layer, backend=--backend,
 fullgraph=True)`` on the same layer and tensors. Time: the median ms per forward + backward over ``--iters``
 calls (each after a barrier, utils.time_calls_ms), split into 4 rounds that visit eager, compiled and the
 collectives in turn (the first round warms up longer), then the slowest rank's. "The collectives" are the pass's
@@ -57,7 +57,6 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,8 +66,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import harness
 import syncbn
 import utils
+from benchmarks import trainer_runs
 from bn_benchmark import BATCH_SIZES, HID_DIMS, make_step
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
@@ -210,7 +211,7 @@ def run_bn(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     rows = []
     with contextlib.ExitStack() as stack:
-        group = stack.enter_context(utils.LocalGroup(NPROC, timeout_s=args.run_timeout))
+        group = stack.enter_context(harness.LocalGroup(NPROC, timeout_s=args.run_timeout))
         progress = progress_bar(len(shapes) + 2, "bn")
 
         def run(what, fn, *fn_args):
@@ -277,15 +278,12 @@ def run_bn(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 # Part 2: the trainer, torchrun subprocesses
 # ----------------------------------------------------------------------------------------------------------
-def trainer_command(args: argparse.Namespace, model: str, scope: str | None, metrics_path: str,
-                    extra: list[str] = ()) -> list[str]:
-    """The trainer's torchrun command: eager (``scope`` None) or --compile ``scope`` (forward, blocks)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           os.path.join(HERE, "ddp_cifar100.py"), "--device", "cpu", "--dataset", "synthetic", "--model", model,
-           "--train-size", str(args.train_size), "--val-size", str(args.val_size),
-           "--batch-size", str(args.batch_size), "--epochs", "1", "--max-steps", str(args.max_steps),
-           "--metrics-out", metrics_path, *extra]
-    return cmd + (["--compile", scope, "--compile-backend", args.backend] if scope else [])
+def trainer_flags(args: argparse.Namespace, model: str, scope: str | None, extra: list[str] = ()) -> list[str]:
+    """The trainer's flags: eager (``scope`` None) or --compile ``scope`` (forward, blocks)."""
+    flags = ["--device", "cpu", "--dataset", "synthetic", "--model", model, "--train-size", str(args.train_size),
+             "--val-size", str(args.val_size), "--batch-size", str(args.batch_size), "--epochs", "1",
+             "--max-steps", str(args.max_steps), *extra]
+    return flags + (["--compile", scope, "--compile-backend", args.backend] if scope else [])
 
 
 def dynamo_log_counts(stderr: str) -> dict[str, Any]:
@@ -298,50 +296,35 @@ def dynamo_log_counts(stderr: str) -> dict[str, Any]:
             "recompile_limit_hit": sum("hit config.recompile_limit" in line for line in lines)}
 
 
-def run_trainer_once(args: argparse.Namespace, model: str, scope: str | None, attempts: int = 2,
-                     extra: list[str] = ()) -> dict[str, Any]:
-    """One trainer run, eager or --compile ``scope`` (retried once if it fails: a shared machine can fail a run for
-    reasons of its own), with ``extra`` flags after the usual ones (the later of a flag given twice wins)."""
+def run_trainer_once(args: argparse.Namespace, model: str, scope: str | None, extra: list[str] = ()) -> dict[str, Any]:
+    """One trainer run, eager or --compile ``scope`` (tried again once if it fails: a shared machine can fail a run
+    for reasons of its own), with ``extra`` flags after the usual ones (the later of a flag given twice wins), and an
+    inductor cache of its own, empty at the start: it compiles from scratch, as a first run does (a second attempt
+    finds what the first left in it)."""
     mode = "eager" if scope is None else "compiled" if scope == "forward" else f"compiled {scope}"
-    for attempt in range(1, attempts + 1):
-        with tempfile.TemporaryDirectory(prefix="compilebench-") as tmp:
-            metrics_path = os.path.join(tmp, "metrics.json")
-            cmd = trainer_command(args, model, scope, metrics_path, extra)
-            env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-                       TORCH_LOGS="graph_breaks,recompiles")
-            started = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE,
-                                      timeout=args.run_timeout)
-            except subprocess.TimeoutExpired:
-                raise BenchmarkError(f"trainer run ({model}, {mode}) took more "
-                                     f"than --run-timeout {args.run_timeout:.0f} s") from None
-            elapsed = time.perf_counter() - started
-            if proc.returncode == 0 and os.path.exists(metrics_path):
-                with open(metrics_path) as f:
-                    metrics = json.load(f)
-                steps = metrics["step_times_ms"]
-                return {
-                    "model": model, "mode": mode, "attempts": attempt,
-                    "command": shlex.join(["torchrun"] + cmd[3:]).replace(metrics_path, "METRICS.json")
-                                                                 .replace(HERE + os.sep, ""),
-                    "step_time_ms_median": metrics["step_time_ms_median"],
-                    "step_time_ms_p10": metrics.get("step_time_ms_p10"),
-                    "step_time_ms_p90": metrics.get("step_time_ms_p90"),
-                    "timed_steps": len(steps), "warmup_steps": metrics.get("step_time_warmup_steps"),
-                    "wall_time_s": metrics["wall_time_s"], "train_time_s": metrics["train_time_s"],
-                    # the steps the trainer leaves out (and the time between steps): where compiling happens
-                    "outside_timed_steps_s": metrics["train_time_s"] - sum(steps) / 1e3,
-                    "process_wall_s": elapsed, "train_loss": metrics.get("train_loss"),
-                    "val_loss": metrics.get("val_loss"), "optimizer_steps": metrics.get("optimizer_steps"),
-                    "trainer_compile_entry": metrics.get("compile"),
-                    "dynamo_log": dynamo_log_counts(proc.stderr) if scope else None,
-                    "step_times_ms": steps}
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-30:])
-        print(f"{PROG}: trainer run ({model}, {mode}) attempt {attempt} failed "
-              f"(exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
-    raise BenchmarkError(f"trainer run ({model}, {mode}) failed {attempts} times; "
-                         f"its log's tail is above")
+    with tempfile.TemporaryDirectory(prefix="compilebench-inductor-") as cache:
+        env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": cache, "TORCH_LOGS": "graph_breaks,recompiles"}
+        try:
+            run = trainer_runs.run_trainer(trainer_flags(args, model, scope, extra), NPROC,
+                                           label=f"trainer run ({model}, {mode})", timeout_s=args.run_timeout,
+                                           env=env, attempts=2)
+        except trainer_runs.TrainerRunFailed as failure:
+            raise BenchmarkError(str(failure)) from None
+    metrics, steps = run.metrics, run.metrics["step_times_ms"]
+    return {
+        "model": model, "mode": mode, "attempts": run.attempts, "command": run.command,
+        "step_time_ms_median": metrics["step_time_ms_median"],
+        "step_time_ms_p10": metrics.get("step_time_ms_p10"),
+        "step_time_ms_p90": metrics.get("step_time_ms_p90"),
+        "timed_steps": len(steps), "warmup_steps": metrics.get("step_time_warmup_steps"),
+        "wall_time_s": metrics["wall_time_s"], "train_time_s": metrics["train_time_s"],
+        # the steps the trainer leaves out (and the time between steps): where compiling happens
+        "outside_timed_steps_s": metrics["train_time_s"] - sum(steps) / 1e3,
+        "process_wall_s": run.wall_s, "train_loss": metrics.get("train_loss"),
+        "val_loss": metrics.get("val_loss"), "optimizer_steps": metrics.get("optimizer_steps"),
+        "trainer_compile_entry": metrics.get("compile"),
+        "dynamo_log": dynamo_log_counts(run.stderr) if scope else None,
+        "step_times_ms": steps}
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -614,8 +597,8 @@ def main(argv: list[str] | None = None) -> None:
         bn = run_bn(args) if "bn" in args.parts else None
         trainer = run_trainer_part(args) if "trainer" in args.parts else None
         overlap = run_overlap_part(args) if "overlap" in args.parts else None
-    except (BenchmarkError, utils.WorkerError, TimeoutError) as exc:
-        if isinstance(exc, utils.WorkerError):
+    except (BenchmarkError, harness.WorkerError, TimeoutError) as exc:
+        if isinstance(exc, harness.WorkerError):
             print(exc, file=sys.stderr)  # the workers' tracebacks
         last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise SystemExit(f"{PROG}: error: {last}") from None

@@ -85,8 +85,8 @@ def plan(tag: str = "gpu-<name>", cores: str = "<cores>") -> list[Check]:
     CPU cpu-<cores>core) and which has ``cores`` CPU cores (the placeholders: as docs/gpu.md shows them)."""
     gpu = tag
     run_dir = f"results/{run_name(tag)}"
-    # The CUDA tests record their worst errors in a file of the GPU's own, not in the CPU suite's
-    # results/syncbn-test-errors.json (test_syncbn.py reads SYNCBN_ERRORS_JSON).
+    # The CUDA tests record their worst errors in a file of the GPU's own, beside the CPU's
+    # results/syncbn-test-errors.json (test_syncbn.py writes the file SYNCBN_ERRORS_JSON names, and none without it).
     test_errors = {"SYNCBN_ERRORS_JSON": f"results/syncbn-test-errors-{gpu}.json"}
     pytest = ("python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs")
 

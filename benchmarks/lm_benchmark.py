@@ -39,19 +39,16 @@ prints the table; the report plots the curves against gzip's line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
-import time
 from typing import Any
 
 from tqdm import tqdm
 
 import utils
 from benchmarks.slowlink_benchmark import time_to_reach
+from benchmarks.trainer_runs import TrainerRunFailed, run_trainer
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 PROCESSES = 2
@@ -73,20 +70,14 @@ def recipe(optimizer: str, lr: float, muon_lr: float | None, steps: int, eval_ev
     return flags
 
 
-def train(flags: list[str], workdir: str, name: str, timeout: float) -> tuple[dict[str, Any], float]:
+def train(flags: list[str], name: str, timeout: float) -> tuple[dict[str, Any], float]:
     """One torchrun of the trainer: its metrics and the wall seconds of the whole command."""
-    out = os.path.join(workdir, f"{name}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(PROCESSES),
-               os.path.join(HERE, "ddp_cifar100.py"), *flags, "--metrics-out", out]
-    began = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    wall = time.perf_counter() - began
-    if done.returncode != 0 or not os.path.exists(out):
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"lm_benchmark: run {name} failed (exit {done.returncode}):\n{tail}")
-    with open(out) as f:
-        return json.load(f), wall
+    try:
+        run = run_trainer(flags, PROCESSES, label=f"lm_benchmark: run {name}", timeout_s=timeout,
+                          env={"OMP_NUM_THREADS": "1"})
+    except TrainerRunFailed as failure:
+        raise SystemExit(str(failure)) from None
+    return run.metrics, run.wall_s
 
 
 def summary(name: str, kind: str, optimizer: str, lr: float, muon_lr: float | None, flags: list[str],
@@ -186,32 +177,31 @@ def main(argv: list[str] | None = None) -> int:
     if "muon" in sweeping and "adamw" not in chosen and "adamw" not in sweeping:
         chosen["adamw"] = DEFAULT_ADAMW_LR
     plan = [(o, rate) for o in sweeping for rate in args.grid[o]]
-    with tempfile.TemporaryDirectory(prefix="lm-") as workdir:
-        bar = tqdm(total=len(plan) + len(args.optimizers), desc="runs", disable=not sys.stderr.isatty())
-        for optimizer in sweeping:  # adamw first: muon's AdamW part takes its rate
-            for rate in args.grid[optimizer]:
-                lr, muon_lr = (rate, None) if optimizer == "adamw" else (chosen.get("adamw", DEFAULT_ADAMW_LR), rate)
-                flags = recipe(optimizer, lr, muon_lr, args.sweep_steps, args.sweep_steps // 4, args.zero)
-                name = f"sweep {optimizer} {rate:g}"
-                metrics, wall = train(flags, workdir, name.replace(" ", "-"), timeout=4 * args.budget_s)
-                runs.append(summary(name, "sweep", optimizer, lr, muon_lr, flags, metrics, wall))
-                bar.update(1)
-                tqdm.write(f"{name}: {runs[-1]['val_bits_per_byte']:.4f} bits/byte, {wall:.0f} s")
-            best = min((r for r in runs if r["optimizer"] == optimizer), key=lambda r: r["val_bits_per_byte"])
-            chosen[optimizer] = best["lr"] if optimizer == "adamw" else best["muon_lr"]
-        steps = args.steps or (steps_within(args.budget_s, args.margin, runs) if runs else None)
-        if steps is None:
-            raise SystemExit("lm_benchmark: without a sweep the timed runs need --steps")
-        for optimizer in args.optimizers:
-            lr, muon_lr = ((chosen["adamw"], None) if optimizer == "adamw"
-                           else (chosen.get("adamw", DEFAULT_ADAMW_LR), chosen["muon"]))
-            flags = recipe(optimizer, lr, muon_lr, steps, max(steps // 10, 1), args.zero)
-            metrics, wall = train(flags, workdir, f"timed-{optimizer}", timeout=4 * args.budget_s)
-            runs.append(summary(f"timed {optimizer}", "timed", optimizer, lr, muon_lr, flags, metrics, wall))
+    bar = tqdm(total=len(plan) + len(args.optimizers), desc="runs", disable=not sys.stderr.isatty())
+    for optimizer in sweeping:  # adamw first: muon's AdamW part takes its rate
+        for rate in args.grid[optimizer]:
+            lr, muon_lr = (rate, None) if optimizer == "adamw" else (chosen.get("adamw", DEFAULT_ADAMW_LR), rate)
+            flags = recipe(optimizer, lr, muon_lr, args.sweep_steps, args.sweep_steps // 4, args.zero)
+            name = f"sweep {optimizer} {rate:g}"
+            metrics, wall = train(flags, name, timeout=4 * args.budget_s)
+            runs.append(summary(name, "sweep", optimizer, lr, muon_lr, flags, metrics, wall))
             bar.update(1)
-            tqdm.write(f"timed {optimizer}: {runs[-1]['val_bits_per_byte']:.4f} bits/byte after {steps} steps, "
-                       f"{wall:.0f} s")
-        bar.close()
+            tqdm.write(f"{name}: {runs[-1]['val_bits_per_byte']:.4f} bits/byte, {wall:.0f} s")
+        best = min((r for r in runs if r["optimizer"] == optimizer), key=lambda r: r["val_bits_per_byte"])
+        chosen[optimizer] = best["lr"] if optimizer == "adamw" else best["muon_lr"]
+    steps = args.steps or (steps_within(args.budget_s, args.margin, runs) if runs else None)
+    if steps is None:
+        raise SystemExit("lm_benchmark: without a sweep the timed runs need --steps")
+    for optimizer in args.optimizers:
+        lr, muon_lr = ((chosen["adamw"], None) if optimizer == "adamw"
+                       else (chosen.get("adamw", DEFAULT_ADAMW_LR), chosen["muon"]))
+        flags = recipe(optimizer, lr, muon_lr, steps, max(steps // 10, 1), args.zero)
+        metrics, wall = train(flags, f"timed {optimizer}", timeout=4 * args.budget_s)
+        runs.append(summary(f"timed {optimizer}", "timed", optimizer, lr, muon_lr, flags, metrics, wall))
+        bar.update(1)
+        tqdm.write(f"timed {optimizer}: {runs[-1]['val_bits_per_byte']:.4f} bits/byte after {steps} steps, "
+                   f"{wall:.0f} s")
+    bar.close()
     print_table(runs)
     for r in runs:
         if r["kind"] == "timed":

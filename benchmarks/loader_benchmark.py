@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import harness
 import utils
 from data import FolderData, folder_transforms, normalize
 from benchmarks.make_image_folder import write_image_folder
@@ -189,7 +190,7 @@ def main() -> None:
                             "torchvision ImageFolder": torchvision_imagefolder_memory(
                                 root, args.size, 2, args.batch_size, args.loader_batches)}
         utils.cleanup_distributed()
-    with utils.LocalGroup(2) as group:
+    with harness.LocalGroup(2) as group:
         agreement_ms = group.run(agreement_cost)[0]
 
     rows = []

@@ -55,7 +55,6 @@ import gc
 import json
 import os
 import queue
-import subprocess
 import sys
 import tempfile
 import time
@@ -321,24 +320,18 @@ def text_folder(root: str) -> str:
 def trainer_run(row: str, world_size: int, batch: int, steps: int, folder: str, checkpoint_dir: str,
                 args: argparse.Namespace) -> dict:
     """One torchrun of the trainer; its metrics, and the command."""
-    metrics = os.path.join(checkpoint_dir, f"metrics-{world_size}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
-               "ddp_cifar100.py", "--device", "cpu", "--dataset", "text", "--data-dir", folder, "--model", args.model,
-               "--context", str(args.context), "--val-fraction", "0.2", "--optimizer", "adamw", "--lr", "1e-4",
-               "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--checkpoint-dir",
-               checkpoint_dir, "--metrics-out", metrics, *TRAINER_ROWS[row]]
-    began = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if done.returncode != 0 or not os.path.exists(metrics):
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-30:])
-        raise RuntimeError(f"memory_benchmark --trainer: {row} on {world_size} processes failed "
-                           f"(exit {done.returncode}):\n{tail}")
-    with open(metrics) as f:
-        figures = json.load(f)
-    shown = " ".join(command[3:]).replace(folder, "TEXT").replace(checkpoint_dir, "DIR")
-    return {"command": "python -m " + shown.replace("DIR/metrics", "METRICS").split(" --metrics-out")[0],
-            "world_size": world_size, "batch_size": batch, "steps": steps, "seconds": time.perf_counter() - began,
+    # here, as utils is: the rows' spawned workers import this module, and nothing more before their own set-up
+    from benchmarks.trainer_runs import run_trainer
+
+    flags = ["--device", "cpu", "--dataset", "text", "--data-dir", folder, "--model", args.model,
+             "--context", str(args.context), "--val-fraction", "0.2", "--optimizer", "adamw", "--lr", "1e-4",
+             "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--checkpoint-dir",
+             checkpoint_dir, *TRAINER_ROWS[row]]
+    run = run_trainer(flags, world_size, label=f"memory_benchmark --trainer: {row} on {world_size} processes",
+                      timeout_s=args.timeout)
+    figures = run.metrics
+    return {"command": run.command.replace(folder, "TEXT").replace(checkpoint_dir, "DIR"),
+            "world_size": world_size, "batch_size": batch, "steps": steps, "seconds": run.wall_s,
             "memory_by_phase_mb": figures["memory_by_phase_mb"], "peak_memory_mb": figures["peak_memory_mb"],
             "step_time_ms_median": figures["step_time_ms_median"], "state_bytes": figures["state_bytes"],
             "optimizer_steps": figures["optimizer_steps"], "train_loss": figures["train_loss"]}

@@ -24,18 +24,19 @@ reach DDP's final loss (interpolated between evaluations) against DDP's on the s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 from tqdm import tqdm
 
 import utils
+from benchmarks.trainer_runs import TrainerRunFailed, run_trainer
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 RATE = "100mbit"
@@ -99,22 +100,17 @@ def measure_link(rate: str | None) -> float:
     return float(done.stdout.split()[-1])
 
 
-def train(name: str, rate: str | None, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
-    """One torchrun of the trainer; its metrics JSON."""
-    out = os.path.join(workdir, f"{name}-{rate or 'loopback'}.json")
+def train(name: str, rate: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """One torchrun of the trainer, over a loopback shaped to ``rate`` (None: plain); its metrics JSON."""
     flags = RUNS[name]
     if flags[-1] == "3x":  # later flags win: a longer run with a cosine of its own length
         flags = flags[:-1] + ["--decay-steps", str(3 * args.steps), "--max-steps", str(3 * args.steps)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               str(args.processes), os.path.join(HERE, "ddp_cifar100.py"), *recipe(args), *flags,
-               "--metrics-out", out]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")  # the namespace has no other interface
-    done = subprocess.run(shaped(command, rate) if rate else command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"run {name} ({rate or 'loopback'}) failed:\n{tail}")
-    with open(out) as f:
-        return json.load(f)
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}  # the namespace has no other interface
+    try:
+        return run_trainer([*recipe(args), *flags], args.processes, label=f"run {name} ({rate or 'loopback'})",
+                           env=env, wrap=functools.partial(shaped, rate=rate) if rate else None).metrics
+    except TrainerRunFailed as failure:
+        raise SystemExit(str(failure)) from None
 
 
 def time_to_reach(evals: list[dict[str, Any]], target: float) -> float | None:
@@ -208,11 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shaped loopback: {link['measured_mbit_s']:.0f} Mbit/s measured ({args.rate} asked)")
     link["loopback_mbit_s"] = measure_link(None)
     runs = []
-    with tempfile.TemporaryDirectory(prefix="slowlink-") as workdir:
-        for name, rate in tqdm(plan, desc="runs", disable=not sys.stderr.isatty()):
-            runs.append(summary(name, rate or "loopback", train(name, rate, args, workdir)))
-            tqdm.write(f"{name} ({rate or 'loopback'}): {runs[-1]['val_bits_per_byte']:.4f} bits/byte, "
-                       f"{runs[-1]['sent_bytes'] / 1e6:.1f} MB sent, {runs[-1]['train_time_s']:.0f} s")
+    for name, rate in tqdm(plan, desc="runs", disable=not sys.stderr.isatty()):
+        runs.append(summary(name, rate or "loopback", train(name, rate, args)))
+        tqdm.write(f"{name} ({rate or 'loopback'}): {runs[-1]['val_bits_per_byte']:.4f} bits/byte, "
+                   f"{runs[-1]['sent_bytes'] / 1e6:.1f} MB sent, {runs[-1]['train_time_s']:.0f} s")
     out = args.out or os.path.join(HERE, "results", f"slowlink-{utils.machine_tag()}.json")
     command = "python -m " + shlex.join(["benchmarks.slowlink_benchmark", *(argv or sys.argv[1:])])
     commands = [command]

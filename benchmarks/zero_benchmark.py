@@ -7,9 +7,10 @@ what it sends, how long a step takes, and where the weights end.
     python -m benchmarks.zero_benchmark --models gpt --nprocs 4 --rows stage0,hybrid3,hsdp ...  # 2 replicas x 2
     python -m benchmarks.zero_benchmark --trace   # one profiled stage 3 run -> results/trace-zero3-<machine>.json
 
-Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run (training_benchmark.
-run_trainer) on the synthetic set with AdamW, SyncBatchNorm (``--norm custom``; the ViT has none) and buckets of at
-most --bucket-mb; for every (model, W, K = --grad-accum), the rows (--rows picks groups; all by default):
+Each configuration is one ``torchrun --standalone --nproc_per_node W ddp_cifar100.py ...`` run
+(benchmarks/trainer_runs.py) on the synthetic set with AdamW, SyncBatchNorm (``--norm custom``; the ViT has none)
+and buckets of at most --bucket-mb; for every (model, W, K = --grad-accum), the rows (--rows picks groups; all by
+default):
 
 - ``ddp`` (group ddp): DistributedDataParallel with AdamW; ``zero-redundancy`` (zero-redundancy): the same with
   ZeroRedundancyOptimizer (``--grad-sync ddp --zero 1``), PyTorch's stage 1: DDP's all-reduce, then each parameter
@@ -57,7 +58,7 @@ hybrid rows in a section of their own).
 
 ``--trace`` profiles instead one ``stage 3`` run (the first of --models, --nprocs, --grad-accums and --allreduces:
 by default the small ViT, 2 processes, K = 1, torch's collectives) over optimizer steps 3 and 4, keeps of each
-rank's Chrome trace only the named ranges (training_benchmark.merge_ranks: unit I forward / backward, all_gather
+rank's Chrome trace only the named ranges (trainer_traces.merge_ranks: unit I forward / backward, all_gather
 unit I and reduce_scatter unit I from launch until landed, the waits, micro-batches, the optimizer step), and
 writes them as ``results/trace-zero3-<machine>.json``; it prints, per pair of units run one after the other,
 whether the next unit's all-gather began before this unit's compute ended (``unit_pairs``), which report.ipynb
@@ -80,8 +81,11 @@ import torch
 from trainer.config import WARMUP_STEPS
 from data import path_rank, read_text_files, default_text_dir
 from models import GPT, GPT_SIZES, LANGUAGE_MODELS, MODELS
-from training_benchmark import HERE, merge_ranks, run_trainer
+from benchmarks.trainer_runs import run_configuration
+from benchmarks.trainer_traces import merge_ranks
 from utils import machine_info, machine_tag, write_json
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
 DEFAULT_ROWS = ("ddp", "zero-redundancy", "stage0", "stage1", "stage2", "stage3", "stage3u", "fsdp3", "fsdp2")
 PRECISION_ROWS = ("stage1-bf16", "stage2-bf16", "stage3-bf16", "fsdp3-bf16")  # bf16 weights over fp32 masters
@@ -231,7 +235,7 @@ def run_with_weights(config: dict, args: argparse.Namespace) -> tuple[dict, dict
 
     with tempfile.TemporaryDirectory(prefix="zerobench-") as tmp:
         run = dict(config, flags=config["flags"] + ["--checkpoint-dir", tmp])
-        metrics = run_trainer(run, args)
+        metrics = run_configuration(run, args)
         weights = read_alone(tmp)[1]["model"]
     metrics["command"] = metrics["command"].replace(tmp, "DIR")
     return metrics, weights
@@ -421,14 +425,14 @@ def main_trace(args: argparse.Namespace, argv) -> dict:
     first, end = TRACE_STEPS
     print(f"[{config['name']}] profiling steps {first} to {end - 1} ...", file=sys.stderr, flush=True)
     load_before = os.getloadavg()
-    metrics = run_trainer(config, settings, profile=True)
+    metrics = run_configuration(config, settings, profile=True)
     events = merge_ranks(metrics.pop("traces"))
     payload = {
         "traceEvents": events, "displayTimeUnit": "ms",
         "benchmark": "trace-zero3", "machine": machine_info(args.device), "machine_tag": machine_tag(args.device),
         "command": " ".join(["python", "-m", "benchmarks.zero_benchmark"]
                             + (sys.argv[1:] if argv is None else list(argv))),
-        "trainer_command": metrics["command"].replace(HERE + os.sep, ""),
+        "trainer_command": metrics["command"],
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "config": config, "nproc": config["nproc"], "profiled_steps": list(TRACE_STEPS),
         "trainable_parameters": metrics["trainable_parameters"], "gathered_peak": metrics["gathered_peak"],
@@ -532,7 +536,7 @@ def common_flags(args: argparse.Namespace, max_steps: int, model: str) -> list[s
 
 
 def trainer_settings(args: argparse.Namespace, config: dict, steps: int) -> SimpleNamespace:
-    """What training_benchmark.trainer_command reads, for this configuration: a set of exactly ``steps``
+    """What trainer_runs.run_configuration reads, for this configuration: a set of exactly ``steps``
     optimizer steps, so the run ends at the epoch's end (evaluation and checkpoint included): synthetic images,
     or for a GPT a text folder (text_folder) of exactly that many windows."""
     samples = steps * args.batch_size * config["grad_accum"] * config["nproc"]

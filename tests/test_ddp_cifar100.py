@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import ddp_cifar100 as trainer
 import processes
-from training_benchmark import named_ranges
+from benchmarks.trainer_traces import named_ranges
 from data import FolderSamples, MemoryData, make_synthetic
 from gradsync import GradientSync
 from models import build_model

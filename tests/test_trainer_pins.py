@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import data
 import ddp_cifar100 as trainer
-from training_benchmark import named_ranges
+from benchmarks.trainer_traces import named_ranges
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "testdata", "trainer-checkpoint", "last.pt")

@@ -436,7 +436,7 @@ def cuda_deferred_case(rank: int, world_size: int) -> dict:
 def test_deferred_stage_3_on_cuda_matches_the_cpu_reference():
     """One rank over NCCL (NCCL refuses two ranks on one GPU): the CUDA paths of the placeholders, the CPU-side
     initialization, frozen parts, the inputs' gradient hook, activation checkpointing and the rank-0 load."""
-    from utils import LocalGroup
+    from harness import LocalGroup
 
     with LocalGroup(1, backend="nccl") as group:
         out = group.run(cuda_deferred_case, timeout_s=240)[0]
