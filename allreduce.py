@@ -172,6 +172,15 @@ def _cut(region: torch.Tensor, width: int) -> list[torch.Tensor]:
     return _segments(region, max(1, -(-region.numel() // width)))
 
 
+def place_in(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size: the default group (None), a group torch.distributed
+    made, or a process group made directly over a store of its own (a ProcessGroupGloo: replicas.py's quorums,
+    which torch.distributed's registry does not know; its point-to-point calls take ``group_dst``/``group_src``)."""
+    if group is None:
+        return dist.get_rank(), dist.get_world_size()
+    return group.rank(), group.size()
+
+
 def _check_args(send: torch.Tensor, rank: int, size: int, group, segment_elements: int, name: str) -> None:
     if not isinstance(send, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(send).__name__}")
@@ -179,10 +188,10 @@ def _check_args(send: torch.Tensor, rank: int, size: int, group, segment_element
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {send.dtype}")
     if not dist.is_initialized():
         raise RuntimeError(f"{name}: the default process group is not initialized")
-    if size != dist.get_world_size(group) or rank != dist.get_rank(group):
+    if (rank, size) != place_in(group):
         which = "the default group" if group is None else "the given group"
         raise ValueError(f"{name}: rank={rank}, size={size} do not match {which} "
-                         f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})")
+                         f"(rank {place_in(group)[0]} of {place_in(group)[1]})")
     if segment_elements < 1:
         raise ValueError(f"{name}: segment_elements must be positive, got {segment_elements}")
 
@@ -474,20 +483,23 @@ class AllreduceThread:
     """
 
     def __init__(self, algorithm: str, timeout_s: float | None = None, segment_elements: int | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, own_group: dist.ProcessGroup | None = None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce {algorithm!r}: choose from {', '.join(ALGORITHMS)}")
         self._algorithm = ALGORITHMS[algorithm]
         self._segment = segment_elements or SEGMENT_ELEMENTS
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        if group is None:
+        self._owns_group = own_group is None  # else made by the caller, over a store of its own (place_in)
+        if own_group is not None:
+            self.group = own_group
+        elif group is None:
             self.group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
         else:  # over the ranks of ``group`` alone: only they call this (a sub-group's replica trains on its own)
             self.group = dist.new_group(dist.get_process_group_ranks(group), backend=dist.get_backend(group),
                                         timeout=timeout, use_local_synchronization=True)
-        self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.rank, self.size = place_in(self.group)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"allreduce-{algorithm}")
-        self._host_only = dist.get_backend(self.group) == "gloo"
+        self._host_only = (own_group.name() if own_group is not None else dist.get_backend(self.group)) == "gloo"
         self._stream: Any = None  # the thread's CUDA stream, made with the first CUDA tensor
         self._pinned: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         # its worker thread's isend bytes so far: two threads in one process (a shard group's and a replicate
@@ -535,10 +547,11 @@ class AllreduceThread:
         return self._pinned[key]
 
     def close(self) -> None:
-        """Finish the queued jobs, stop the thread, destroy the group; a second call does nothing."""
+        """Finish the queued jobs, stop the thread, destroy the group (the caller's own_group is the caller's to
+        drop); a second call does nothing."""
         self._executor.shutdown(wait=True)
         group, self.group = self.group, None
-        if group is not None:
+        if group is not None and self._owns_group:
             dist.destroy_process_group(group)
 
 

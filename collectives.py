@@ -15,7 +15,9 @@ one launched under a profiler is waited for before that profiler stops (zero's [
 kind "torch" runs torch.distributed's collectives in place on ``group`` (the output is this rank's chunk of the
 input: NCCL's in-place convention, which gloo follows too). "ring" and "butterfly" run allreduce.py's algorithms,
 point-to-point messages only, on an AllreduceThread: a thread and a process group of its own over the same ranks,
-so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on ``group``.
+so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on ``group``. A
+``group`` made directly over a store (replicas.py's quorums, outside torch.distributed's registry) comes with its
+``thread_group``, a second such group over the same processes.
 ``all_to_all`` is torch's all_to_all_single, or allreduce.py's pairwise_all_to_all on the thread.
 ``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted, on this
 object's thread only (so two Collectives in one process, a shard group's and a replicate group's, count apart); for
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import utils
-from allreduce import AllreduceThread, pairwise_all_to_all, ring_all_gather, ring_reduce_scatter
+from allreduce import AllreduceThread, pairwise_all_to_all, place_in, ring_all_gather, ring_reduce_scatter
 
 KINDS = ("torch", "ring", "butterfly")
 
@@ -56,12 +58,13 @@ class Collectives:
     """All-reduce, reduce-scatter and all-gather of flat tensors over ``group`` (module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, kind: str = "torch",
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, thread_group: dist.ProcessGroup | None = None):
         if kind not in KINDS:
             raise ValueError(f"collectives are one of {', '.join(KINDS)}, not {kind!r}")
         self.group, self.kind = group, kind
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.thread = None if kind == "torch" else AllreduceThread(kind, timeout_s, group=group)
+        self.rank, self.size = place_in(group)
+        self.thread = None if kind == "torch" else AllreduceThread(kind, timeout_s, group=group,
+                                                                   own_group=thread_group)
         self.nominal_sent = 0
 
     def chunk(self, flat: torch.Tensor) -> torch.Tensor:

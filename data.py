@@ -80,17 +80,23 @@ def epoch_order(dataset_size: int, rank: int, world_size: int, seed: int, epoch:
 
 class Splits:
     """What every data set of the trainer shares: ``train`` and ``val`` (anything with a length: samples or
-    windows) and ``batch_size``, from which an epoch's micro-batch sizes on this rank follow."""
+    windows) and ``batch_size``, from which an epoch's micro-batch sizes on this rank follow. ``placement``: this
+    process's rank and world in the training data's order, the process group's unless ``placed`` elsewhere (a
+    replica group's place j of group I is rank I P + j of R P: trainer/replica_groups.py)."""
     train: Any
     val: Any
     batch_size: int
+    placed: tuple[int, int] | None = None
 
     @property
     def val_size(self) -> int:
         return len(self.val)
 
+    def placement(self) -> tuple[int, int]:
+        return self.placed if self.placed is not None else (dist.get_rank(), dist.get_world_size())
+
     def batch_sizes(self) -> list[int]:
-        return micro_batch_sizes(len(self.train), dist.get_world_size(), self.batch_size)
+        return micro_batch_sizes(len(self.train), self.placement()[1], self.batch_size)
 
 
 
@@ -283,7 +289,7 @@ class MemoryData(Splits):
 
     def train_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches ``start``, ``start + 1``, ... of ``epoch``: normalized images and labels on the device."""
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank, world_size = self.placement()
         batches = torch.split(epoch_order(len(self.train), rank, world_size, self.seed, epoch), self.batch_size)
         for j in range(start, len(batches)):
             images, labels = self.train.batch(batches[j], (self.seed, epoch))
@@ -442,8 +448,7 @@ class FolderData(Splits):
 
     def train_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches ``start``, ``start + 1``, ... of ``epoch`` (the ones before are not decoded)."""
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        order = epoch_order(len(self.train), rank, world_size, self.seed, epoch)
+        order = epoch_order(len(self.train), *self.placement(), self.seed, epoch)
         batches = [b.tolist() for b in torch.split(order, self.batch_size)][start:]
         for indices, images, labels in self._stream("train", batches, epoch):
             bad = (labels < 0).nonzero()
@@ -609,7 +614,7 @@ class TextData(Splits):
 
     def train_batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches ``start``, ``start + 1``, ... of ``epoch``: (inputs, targets) windows on the device."""
-        order = epoch_order(len(self.train), dist.get_rank(), dist.get_world_size(), self.seed, epoch)
+        order = epoch_order(len(self.train), *self.placement(), self.seed, epoch)
         for indices in torch.split(order, self.batch_size)[start:]:
             yield self._on_device(*self.train.batch(indices))
 

@@ -30,14 +30,15 @@ a single process would do with micro-batches of B*W. Language models (--dataset 
 a window of --context bytes and its labels the next byte at each position; the loss of a window is the mean over
 its positions, so the formula holds per byte, and val_loss is in nats per byte.
 
-Fault injection, for tests of elastic restarts: DDP_CIFAR100_FAULT="RANK:STEP" makes that rank SIGKILL itself
-right after optimizer step STEP, but only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT
-unset or 0), so that the restarted group runs through.
+Fault injection, for tests of elastic restarts and of fault-tolerant replica groups: DDP_CIFAR100_FAULT="RANK:STEP"
+makes that rank SIGKILL itself right after optimizer step STEP, and "[GROUP/]RANK:STEP:POINT" at another point of a
+step (inside forward, backward, the all-reduce across replica groups, the optimizer's step, a state transfer, a
+save), but only in the first attempt of a torchrun job, so that the restarted group runs through
+(trainer/faults.py).
 """
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from typing import Any, Iterator
@@ -46,19 +47,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import replicas
 import utils
 from data import derive_seed
-from trainer import checkpoint
+from trainer import checkpoint, faults
 from trainer.build import Parts, build
 from trainer.checkpoint import NO_SUMS, Position
 from trainer.config import Config, parse_args
 from trainer.evaluation import validate
 from trainer.generation import generate
 from trainer.metrics import EpochSums, Meter, summarize
+from trainer.replica_groups import ReplicaGroups
 from utils import UsageError
 
 __all__ = ["Config", "UsageError", "main", "parse_args", "train"]
-FAULT_ENV = "DDP_CIFAR100_FAULT"
 
 
 def train(config: Config) -> dict[str, Any]:
@@ -69,14 +71,22 @@ def train(config: Config) -> dict[str, Any]:
     try:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpoint.restore(parts)
+        if config.coordinator:  # fault-tolerant replica groups: this group trains with the others through it
+            parts.replicas = ReplicaGroups(parts, checkpoint.fingerprint(checkpoint.trajectory(parts)))
         meter.start(position)
         epoch, final = None, None
         while not config.eval_only and position.epoch < config.epochs and not stop_requested(config, position):
+            # replica groups: this step's quorum; a group behind it takes the live state and goes on from there
+            if parts.replicas is not None and parts.replicas.join(position, history, epoch):
+                epoch, saved_sums = None, parts.replicas.sums
             # an epoch begins (or goes on from the checkpoint's micro-batch)
             if epoch is None:
                 epoch = Epoch(parts, meter, position, saved_sums if position.micro_batch else NO_SUMS)
-            # one optimizer step: the window of micro-batches, forward and backward, clipping, the update
-            optimizer_step(parts, meter, position, epoch)
+            # one optimizer step: the window of micro-batches, forward and backward, clipping, the update (with
+            # replica groups, if the quorum commits it; else the same micro-batches again, in the next quorum)
+            if not optimizer_step(parts, meter, position, epoch):
+                epoch.rewind(parts, position)
+                continue
             # a checkpoint inside the epoch when due (the epoch's end is checkpointed after its validation)
             due = config.checkpoint_every and position.optimizer_steps % config.checkpoint_every == 0
             if (due or stop_requested(config, position)) and not epoch.over(position):
@@ -86,7 +96,7 @@ def train(config: Config) -> dict[str, Any]:
                 start, entry = time.perf_counter(), meter.eval_entry(position)
                 meter.record_eval({**entry, **validate(parts)}, time.perf_counter() - start)
             # fault injection (see the module docstring)
-            inject_fault(parts.ctx.rank, position.optimizer_steps)
+            faults.at("after", parts.ctx.rank, position.optimizer_steps, config.replica_group)
             # the epoch's end (or --max-steps'): validate and record it, checkpoint it when finished, show it
             if epoch.over(position) or stop_requested(config, position):
                 finished, train_time = epoch.over(position), epoch.close(meter)
@@ -100,6 +110,8 @@ def train(config: Config) -> dict[str, Any]:
                     final["complete"] = False
                 meter.show_epoch(final, position.optimizer_steps)
                 epoch = None
+        if parts.replicas is not None:  # a replica group that comes back later has no one left to rejoin
+            parts.replicas.finish(position)
         meter.close()  # the profiler's window written, TensorBoard flushed
         # the final figures: the last epoch's, or one evaluation when nothing was trained
         if final is None:  # --eval-only, or a checkpoint with nothing left to train
@@ -114,6 +126,8 @@ def train(config: Config) -> dict[str, Any]:
             meter.stop_profiler()  # stopped by an error: leave no profiler running in this process
             if parts.outer is not None:
                 parts.outer.close()
+            if parts.replicas is not None:
+                parts.replicas.close()
             parts.data.close()
     if parts.ctx.rank == 0 and config.metrics_out:
         utils.write_json(config.metrics_out, metrics)
@@ -138,6 +152,11 @@ class Epoch:
     def over(self, position: Position) -> bool:
         return position.micro_batch >= len(self.sizes)
 
+    def rewind(self, parts: Parts, position: Position) -> None:
+        """The batches from ``position`` again: a step its replica groups' quorum did not commit is taken again."""
+        self.batches.close()
+        self.batches = parts.data.train_batches(position.epoch, position.micro_batch)
+
     def close(self, meter: Meter) -> float:
         """The batches left undecoded (a run stopped mid-epoch), the bar closed, the step times collected; returns
         the seconds the epoch's steps took."""
@@ -159,12 +178,14 @@ def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @utils.measured_phase("steps")
-def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch) -> None:
-    """The window of up to K micro-batches from ``position``, then one update (the module docstring's g)."""
+def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch) -> bool:
+    """The window of up to K micro-batches from ``position``, then one update (the module docstring's g); False
+    where replica groups' quorum did not commit it (nothing applied, nothing counted)."""
     config, sync, optimizer, scaler = parts.config, parts.sync, parts.optimizer, parts.scaler
     window = range(position.micro_batch, min(position.micro_batch + config.grad_accum, len(epoch.sizes)))
     window_samples = sum(epoch.sizes[j] for j in window)  # the n of the module docstring
-    torch.manual_seed(derive_seed(config.seed, parts.ctx.rank, position.optimizer_steps))  # dropout
+    window_sums = EpochSums.of(NO_SUMS, parts.device)  # added to the epoch's once the step is applied
+    torch.manual_seed(derive_seed(config.seed, parts.data.placement()[0], position.optimizer_steps))  # dropout
     amp = {"device_type": parts.device.type, "enabled": parts.amp_dtype is not None,
            "dtype": parts.amp_dtype or torch.float32}
     meter.timer.start()
@@ -180,10 +201,18 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
         with utils.profiled(f"micro-batch {count}/{len(window)} ({'sync' if last else 'no sync'})"):
             with utils.profiled("forward"), torch.autocast(**amp):
                 logits = sync.module(inputs)  # the model, or DDP around it
+                faults.at("forward", parts.ctx.rank, position.optimizer_steps, config.replica_group)
                 per_sample = per_sample_loss(logits.float() if parts.amp_dtype else logits, labels)
             with utils.profiled("backward"):
                 scaler.scale(per_sample.sum() / window_samples).backward()
-        meter.add_loss(epoch.sums.add(per_sample, logits, labels))
+                faults.at("backward", parts.ctx.rank, position.optimizer_steps, config.replica_group)
+        window_sums.add(per_sample, logits, labels)
+    # replica groups: the gradients averaged across the quorum's groups too, and applied only if it commits
+    if parts.replicas is not None and not parts.replicas.commit(parts.replicas.average(), position, window):
+        optimizer.zero_grad()
+        return False
+    epoch.sums.merge(window_sums)
+    meter.add_loss(window_sums.loss)
     # the gradients are averaged now (the last backward waited for it): clip, update, schedule
     lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler sets the next one's below
     with utils.profiled("optimizer step"):
@@ -192,6 +221,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
             meter.grad_norms.append(sync.clip_grad_norm_(config.clip_grad_norm))
         meter.measure_state()
         scaler.step(optimizer)  # --zero 1-3: this rank's shards, then the model made whole again
+        faults.at("optimizer", parts.ctx.rank, position.optimizer_steps, config.replica_group)
         scaler.update()
         if parts.scheduler is not None:
             parts.scheduler.step()
@@ -207,14 +237,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
     position.micro_batch = window[-1] + 1
     epoch.samples += window_samples * parts.ctx.world_size
     meter.step_taken(position, window_samples, waited, lr, epoch.bar)
-
-
-def inject_fault(rank: int, step: int) -> None:
-    """DDP_CIFAR100_FAULT="RANK:STEP": that rank kills itself after that step, in a torchrun job's first attempt."""
-    if os.environ.get(FAULT_ENV) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        fault_rank, fault_step = (int(v) for v in os.environ[FAULT_ENV].split(":"))
-        if rank == fault_rank and step == fault_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def is_distributed_failure(exc: BaseException) -> bool:
@@ -248,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         elif launched_by_torchrun:
             time.sleep(5)  # torchrun stops the group when one worker exits: let rank 0 be heard first
         return 2
+    except (replicas.CoordinatorLost, replicas.ReplicaRefused) as exc:  # replica groups: each group's rank 0 says it
+        if rank == 0:
+            print(f"ddp_cifar100.py: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except RuntimeError as exc:
         if not is_distributed_failure(exc):
             raise  # a bug: keep its traceback

@@ -60,6 +60,7 @@ class Parts:
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
     phases: utils.PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
     checkpoint_folders: bool = False  # what checkpoint.save writes: DCP folders, or last.pt (checkpoint.restore says)
+    replicas: Any = None  # fault-tolerant replica groups (trainer/replica_groups.py), made once the run is restored
 
     @property
     def device(self) -> torch.device:
@@ -83,6 +84,8 @@ def build(config: Config) -> Parts:
     if config.deterministic:
         make_deterministic()
     data = load_data(config, ctx, comm_device)
+    if config.coordinator:  # replica group I's place j takes the data of rank I P + j of R P (replica_groups.py)
+        data.placed = (config.replica_group * ctx.world_size + ctx.rank, config.replica_groups * ctx.world_size)
     # the model, the same on every rank: built whole, or on the meta device for the sync to materialize
     model, init = make_model(config, ctx, data)
     # the gradient sync (and the replicas' outer loop), torch.compile, the optimizer through the sync

@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import utils
 import zero
 from models import GPT_SIZES
+from trainer import faults
 from trainer.build import Parts
 from trainer.config import DILOCO_FLAGS, Config
 from utils import UsageError
@@ -119,8 +120,9 @@ def trajectory(parts: Parts) -> dict[str, Any]:
         record.update(context=config.context, val_fraction=config.val_fraction,
                       gpt=dict(GPT_SIZES[config.model], context=config.context))
     # A run is its global batch, not its number of processes: B x K x W samples per step (the same sample
-    # order, and SyncBatchNorm's statistics over the same B x W samples per micro-batch, for any split).
-    world_size = parts.ctx.world_size
+    # order, and SyncBatchNorm's statistics over the same B x W samples per micro-batch, for any split); W is the
+    # data's world (replica groups: R groups of P)
+    world_size = parts.data.placement()[1]
     record["global_batch"] = config.batch_size * config.grad_accum * world_size
     record["dropout"] = config.dropout if config.model == "net" else None
     record["sizes"] = [len(data.train), data.val_size, data.num_classes] if config.dataset != "cifar100" else None
@@ -365,6 +367,7 @@ def save_folder(parts: Parts, state: dict[str, Any]) -> None:
     as rank 0's extra; then rank 0 makes it current."""
     directory, name = parts.config.checkpoint_dir, f"{FOLDER}{state['optimizer_steps']}"
     parts.sync.save_checkpoint(os.path.join(directory, name + PARTIAL), parts.optimizer, state)
+    faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
     if parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are written
         make_current(directory, name)
 
@@ -374,6 +377,7 @@ def save_file(parts: Parts, state: dict[str, Any]) -> None:
     loads (the sharded syncs gather them to rank 0, so every rank calls this), and ``state``."""
     parts.sync.save_checkpoint(os.path.join(parts.config.checkpoint_dir, FILE), parts.optimizer, state,
                                one_file=True)
+    faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
     if parts.ctx.rank == 0:
         forget_folders(parts.config.checkpoint_dir)
 

@@ -225,6 +225,26 @@ class Config:
                                            "own shards; DIR/latest names the current one); otherwise DIR/last.pt, "
                                            "written by rank 0 (the model and optimizer gathered to it)")
     checkpoint_every: int = flag(0, type=int, help="also checkpoint every N optimizer steps (0: epoch ends)")
+    replica_group: int | None = flag(None, type=int, metavar="I",
+                                     help="fault tolerance: this torchrun is replica group I (0 .. R-1) of a run "
+                                          "whose groups train together through --coordinator and carry on when "
+                                          "one is lost, a group that comes back taking the live state from another "
+                                          "(replicas.py; custom --zero 0, each group its own --checkpoint-dir)")
+    replica_groups: int | None = flag(None, type=int, metavar="R",
+                                      help="fault tolerance: the replica groups the run is planned for; group I's "
+                                           "processes take the data of ranks I*P .. I*P+P-1 of one R*P-process run, "
+                                           "which R groups of P processes are without faults")
+    coordinator: str | None = flag(None, metavar="HOST:PORT",
+                                   help="fault tolerance: the coordinator, `python replicas.py serve --port PORT`")
+    min_replica_groups: int = flag(1, type=int, metavar="N",
+                                   help="fault tolerance: a step waits until N replica groups are alive")
+    fault_timeout: float = flag(60.0, type=float, metavar="S",
+                                help="fault tolerance: seconds before a replica group that stopped answering (hung) "
+                                     "is left out of the step")
+    commit_log: str | None = flag(None, metavar="PATH",
+                                  help="fault tolerance: every committed step, its replica groups and the samples "
+                                       "each used (JSON lines, this group's rank 0), from which one process can "
+                                       "replay the run")
     eval_only: bool = flag(False, help="evaluate --checkpoint-dir's checkpoint (or the fresh model) and exit")
     generate: int | None = flag(None, type=int, metavar="N",
                                 help="print N bytes sampled from the GPT of --checkpoint-dir's checkpoint after "
@@ -307,6 +327,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     muon = muon_flags(given)
     outer = outer_flags(given)
     check_syncs(given)
+    check_replica_groups(given)
     if given.log_dir and importlib.util.find_spec("tensorboard") is None:  # every rank, before any collective
         raise UsageError("--log-dir needs the tensorboard package (pip install tensorboard)")
     profile_steps = parse_profile_steps(given.profile_steps, given.profile)
@@ -469,6 +490,51 @@ def check_syncs(given: argparse.Namespace) -> None:
     if given.zero3_accumulate is not None and (stage != 3 or sync != "custom"):
         raise UsageError(f"--zero3-accumulate is for --grad-sync custom --zero 3, not --grad-sync {sync} "
                          f"--zero {stage}")
+
+
+FT_FLAGS = ("replica_group", "replica_groups", "coordinator")  # together or not at all
+FT_OPTIONS = {"min_replica_groups": 1, "fault_timeout": 60.0, "commit_log": None}  # only with them
+
+
+def check_replica_groups(given: argparse.Namespace) -> None:
+    """The fault-tolerant replica groups' flags (trainer/replica_groups.py): together, in range, and with what
+    they support (custom --zero 0 inside a group)."""
+    named = [f"--{key.replace('_', '-')}" for key in FT_FLAGS if getattr(given, key) is not None]
+    options = [f"--{key.replace('_', '-')}" for key, default in FT_OPTIONS.items() if getattr(given, key) != default]
+    if not named:
+        if options:
+            raise UsageError(f"{options[0]} is for fault-tolerant replica groups (--replica-group, --replica-groups, "
+                             f"--coordinator)")
+        return
+    if len(named) < len(FT_FLAGS):
+        raise UsageError("--replica-group, --replica-groups and --coordinator go together (fault-tolerant replica "
+                         "groups)")
+    groups, group = given.replica_groups, given.replica_group
+    if groups < 1 or not 0 <= group < groups:
+        raise UsageError(f"--replica-group must be between 0 and --replica-groups - 1 = {groups - 1}, got {group}")
+    if not 1 <= given.min_replica_groups <= groups:
+        raise UsageError(f"--min-replica-groups must be between 1 and --replica-groups {groups}, got "
+                         f"{given.min_replica_groups}")
+    if not given.fault_timeout > 0:
+        raise UsageError(f"--fault-timeout must be positive, got {given.fault_timeout}")
+    host, _, port = given.coordinator.rpartition(":")
+    if not port.isdigit():
+        raise UsageError(f"--coordinator is HOST:PORT, got {given.coordinator!r}")
+    if given.grad_sync != "custom" or given.zero != 0:
+        raise UsageError(f"fault-tolerant replica groups train --grad-sync custom --zero 0 inside each group; "
+                         f"--grad-sync {given.grad_sync} --zero {given.zero} is not supported (ZeRO inside a group "
+                         f"with fault tolerance across groups, FT-HSDP, is not built yet)")
+    if given.replicas is not None:
+        raise UsageError("--replicas splits one torchrun into replicas; with --replica-groups each torchrun is one "
+                         "group: leave --replicas out")
+    if given.allreduce == "butterfly":
+        raise UsageError("fault-tolerant replica groups average across groups with --allreduce torch or ring")
+    if given.norm != "local" and given.model not in LANGUAGE_MODELS + ("vit", *TORCHVISION_VITS):
+        raise UsageError(f"--model {given.model} with --norm {given.norm}: SyncBatchNorm would normalize over this "
+                         f"group's processes only, not the run's; use --norm local (each process its own)")
+    if given.eval_only or given.generate is not None:
+        raise UsageError("--eval-only and --generate read one group's checkpoint: leave out --replica-group, "
+                         "--replica-groups and --coordinator")
 
 
 def parse_profile_steps(text: str | None, profile_dir: str | None) -> tuple[int, int]:

@@ -62,6 +62,14 @@ class EpochSums:
         self.seen += len(labels)
         return loss
 
+    def merge(self, other: "EpochSums") -> None:
+        self.loss += other.loss
+        self.correct += other.correct
+        self.seen += other.seen
+
+    def values(self) -> list[float]:
+        return [float(self.loss), float(self.correct), float(self.seen)]
+
     def gather(self, comm_device: torch.device) -> list[list[float]]:
         """Every rank's [loss, correct, seen]: what a checkpoint keeps, and what the epoch's figures sum."""
         mine = torch.stack([self.loss, self.correct, self.seen]).to(comm_device)

@@ -1,0 +1,622 @@
+"""Training that never stops for a lost worker: data parallelism across replica groups that die, hang and come back,
+each step taken by the groups alive at its start, and a group that (re)joins given the live state by a healthy peer
+instead of from disk. torchft's design (a quorum per step through a small coordinator, process groups made afresh
+per quorum, a step applied only once every participant finished it) on torch's own parts: the coordinator is a
+TCPStore (torchrun's c10d rendezvous store), each quorum's process group a ProcessGroupGloo over a PrefixStore of
+it, the collectives this toolkit's (collectives.py: torch's, or allreduce.py's ring).
+
+    python replicas.py serve --port 29400                          # the coordinator: a TCPStore and its lighthouse
+    replica = replicas.Replica("host:29400", group=I, planned=R, identity=fingerprint,
+                               state_dict=fn, load_state_dict=fn)   # in every process of replica group I
+    while training:
+        replica.join(step)                    # the groups in this step; a group behind receives the live state
+        loss.backward()                       # the group's own data parallelism inside it (any sync)
+        ok = replica.average(flats)           # the gradients averaged over the quorum's groups
+        if replica.commit(ok, samples_of):    # every participant finished: all apply the step, or none
+            optimizer.step(); step += 1
+        optimizer.zero_grad()
+    replica.close()
+
+Terms. A replica group is P processes that train one model together (a torchrun of its own: its own process group,
+its own checkpoints); R groups are planned, any number are alive. Process j of a group is its place j; the places j
+of a quorum's groups form that quorum's process group at place j, over which gradients are averaged and state is
+sent. The coordinator, ``replicas.py serve``, is a TCPStore with a lighthouse beside it (Lighthouse), the one
+process that decides who is in each quorum; everything else the members settle among themselves through the store.
+``samples_of(g)`` names what group g used in the step (the trainer's data order is a function of group and step).
+
+One step, quorum n, members M:
+1. join: each group's place 0 asks to join (its step, identity and size, in the store's event queue); the
+   lighthouse forms quorum n once every member of n-1 has asked or is gone (a heartbeat older than STALE_S), with
+   every new group that asked, if at least ``min_groups`` did (else it waits), and answers each ticket with it. A
+   group of another identity (model, optimizer, flags: the trainer's fingerprint) is refused in one line, alone.
+2. recovery: a member behind the quorum's step (new, restarted, back from a hang) receives, place j from place j of
+   a member at the step, what ``state_dict`` names (the trainer's: weights, optimizer state, position, scheduler,
+   generators, commit log) and loads it: no disk. It then computes its gradient on the live weights like any member.
+3. average: each member's gradient (its own group's average) summed over the quorum and divided by |M|, on the
+   quorum's process group: the mean over every sample the step used, since groups take equal batches.
+4. commit: every process of every member adds one to the quorum's vote count once its average finished, and the
+   last vote writes "commit"; a failed average writes "abort", and so does the lighthouse for a member silent past
+   the fault timeout. The first word written is the quorum's decision (the store's compare_set): every member applies
+   the step on "commit", none on "abort", and the next quorum takes the aborted step again (one step lost at most).
+
+Why it is exact. A step's update is the mean gradient of the samples its participants used, each computed on the
+same weights (a joiner computes only after receiving them), applied by every participant or by none; so the weights
+after any run are those of one process that applies, step by step, the mean gradient of the committed steps'
+samples: the commit log (per committed step: its quorum, its participants and each one's samples) is enough to
+replay the run, and tests do, within 1e-10 in float64. Without faults every step has every group, and R groups of P
+processes are one data-parallel run of R P processes.
+
+Faults. A SIGKILLed process closes its sockets: the quorum's average fails at once on every member (gloo reports
+the closed peer), they vote abort, ask to join again, and the lighthouse forms the next quorum without the dead
+group once its heartbeat is STALE_S old: the survivors lose the step they were in and about STALE_S of waiting.
+A hung process (SIGSTOP) holds the average until its timeout (``fault_timeout_s``); woken (SIGCONT), it finds its
+quorum decided (abort, or commit if it had voted) and its next join behind, so it recovers. The coordinator gone,
+every store call fails: every process says so in one line (CoordinatorLost) and stops; checkpoints are as they were.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from collectives import Collectives
+
+PREFIX = "replicas/"  # every key of the protocol, under the store's root
+HEARTBEAT_S = 0.1  # how often every process says it is alive
+STALE_S = 1.0  # a heartbeat this old: the process is gone (killed or stopped), for forming the next quorum
+FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group once one has asked
+TICK_S = 0.002  # the lighthouse's poll of its event queue
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator cannot be reached: one line, naming it."""
+
+
+class ReplicaRefused(ValueError):
+    """The lighthouse refused this group (another identity, another size): one line, why."""
+
+
+def connect(address: str, timeout_s: float) -> TCPStore:
+    """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line."""
+    host, _, port = address.rpartition(":")
+    try:
+        return TCPStore(host or "127.0.0.1", int(port), is_master=False, wait_for_workers=False,
+                        timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as error:
+        raise CoordinatorLost(f"coordinator {address} unreachable ({one_line(error)}): start it with `python "
+                              f"replicas.py serve --port {port}`") from None
+
+
+def one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The lighthouse: who is in each quorum
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class Asked:
+    """A group's latest request to join, as the lighthouse holds it."""
+    request: dict[str, Any]
+    at: float  # the lighthouse's clock when it came
+
+
+class Lighthouse:
+    """Forms the quorums (module docstring, step 1) from the join requests in the store's event queue, and aborts a
+    quorum whose member went silent. It keeps no state that the members need besides the store's keys: quorum/n
+    (the quorum), ticket/T (its answer to request T), decision/n (written by members, or by it on silence)."""
+
+    def __init__(self, store: TCPStore):
+        self.store = store
+        self.quorum: dict[str, Any] | None = None  # the last one formed
+        self.asked: dict[int, Asked] = {}  # group -> its request for the next quorum
+        self.beats: dict[str, tuple[bytes, float]] = {}  # heartbeat key -> (value, when it last changed)
+        self.places: dict[int, int] = {}  # group -> its size P, from its requests
+        self.tickets: dict[int, list[str]] = {}  # quorum -> the tickets it answered
+        self.first_asked: float | None = None
+        self.decided_at: float | None = None
+        self.said: str | None = None
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        while stop is None or not stop.is_set():
+            self.tick()
+            time.sleep(TICK_S)
+
+    def tick(self) -> None:
+        self._take_requests()
+        self._watch_heartbeats()
+        if self.quorum is not None and not self._decided():
+            self._abort_if_silent()
+        else:
+            self._form()
+
+    def _take_requests(self) -> None:
+        """The requests in the queue. Once a quorum exists, one of another identity or size is refused at once; a
+        newer start of a group replaces the older's request (which is told so: that process is gone, or is not
+        the group it says)."""
+        queue = PREFIX + "events"
+        while self.store.queue_len(queue):
+            request = json.loads(self.store.queue_pop(queue, False))
+            group = request["group"]
+            why = self._unfit(request, self.quorum) if self.quorum is not None else None
+            older = self.asked.get(group)
+            if why is None and older is not None and older.request["ticket"].split("/")[1] != \
+                    request["ticket"].split("/")[1]:
+                self._refuse(older.request, f"replaced by a newer start of replica group {group}")
+            if why is not None:
+                self._refuse(request, why)
+                continue
+            self.places[group] = request["size"]
+            self.asked[group] = Asked(request, time.monotonic())
+            self.first_asked = self.first_asked or time.monotonic()
+
+    def _unfit(self, request: dict[str, Any], reference: dict[str, Any]) -> str | None:
+        """Why a group may not join the run (None: it may)."""
+        if request["identity"] != reference["identity"]:
+            return "another configuration (its fingerprint differs)"
+        if request["size"] != reference["size"]:
+            return f"{request['size']} processes, where the run's replica groups have {reference['size']}"
+        finished = json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
+        if finished is not None and request["step"] < finished["step"]:
+            return (f"the run finished at step {finished['step']} while this group was away (it is at step "
+                    f"{request['step']}): no group is left to take the live state from")
+        return None
+
+    def _refuse(self, request: dict[str, Any], why: str) -> None:
+        self.store.set(f"{PREFIX}ticket/{request['ticket']}",
+                       json.dumps({"refused": f"replica group {request['group']} refused by the coordinator: {why}"}))
+
+    def _watch_heartbeats(self) -> None:
+        keys = [f"{PREFIX}hb/{g}/{j}" for g, size in self.places.items() for j in range(size)]
+        present = [key for key in keys if self.store.check([key])]
+        now = time.monotonic()
+        for key, value in zip(present, self.store.multi_get(present) if present else []):
+            if self.beats.get(key, (None, 0.0))[0] != value:
+                self.beats[key] = (value, now)
+
+    def _silent_for(self, group: int) -> float:
+        """Seconds since the staler of the group's places last beat (inf: never seen)."""
+        now = time.monotonic()
+        return max(now - self.beats.get(f"{PREFIX}hb/{group}/{j}", (None, -float("inf")))[1]
+                   for j in range(self.places.get(group, 1)))
+
+    def _decided(self) -> bool:
+        decided = self.store.check([f"{PREFIX}decision/{self.quorum['id']}"])
+        if decided and self.decided_at is None:
+            self.decided_at = time.monotonic()
+        return decided
+
+    def _abort_if_silent(self) -> None:
+        quorum = self.quorum
+        silent = [g for g in quorum["members"] if self._silent_for(g) > quorum["fault_timeout"]]
+        if silent:
+            self.store.compare_set(f"{PREFIX}decision/{quorum['id']}", "", "abort")
+
+    def _form(self) -> None:
+        """The next quorum, when its conditions hold (module docstring, step 1)."""
+        alive = {g: asked for g, asked in self.asked.items() if self._silent_for(g) <= STALE_S}
+        if not alive:
+            return
+        if self.quorum is None:
+            planned = max(asked.request["planned"] for asked in alive.values())
+            if len(alive) < planned and time.monotonic() - self.first_asked < FIRST_WAIT_S:
+                return
+        else:
+            late = time.monotonic() - self.decided_at > self.quorum["fault_timeout"]
+            waiting_for = [g for g in self.quorum["members"]
+                           if g not in alive and self._silent_for(g) <= STALE_S and not late]
+            if waiting_for:
+                return
+        needed = max(asked.request["min_groups"] for asked in alive.values())
+        members = sorted(self._admissible(alive))
+        if len(members) < needed:
+            self._say(f"waiting: {len(members)} replica group(s) alive, --min-replica-groups {needed}")
+            return
+        self._publish(members)
+
+    def _admissible(self, alive: dict[int, Asked]) -> list[int]:
+        """The groups that may join: of the quorum's identity and size (the first quorum: the most common), the
+        others refused in one line each."""
+        reference = self.quorum or max(({"identity": a.request["identity"], "size": a.request["size"]}
+                                        for a in alive.values()),
+                                       key=lambda r: sum(a.request["identity"] == r["identity"] for a in alive.values()))
+        members = []
+        for group, asked in alive.items():
+            why = self._unfit(asked.request, reference)
+            if why:
+                self._refuse(asked.request, why)
+                del self.asked[group]
+            else:
+                members.append(group)
+        return members
+
+    def _publish(self, members: list[int]) -> None:
+        previous = self.quorum
+        n = 0 if previous is None else previous["id"] + 1
+        requests = {g: self.asked.pop(g).request for g in members}
+        steps = {g: request["step"] for g, request in requests.items()}
+        step = max(steps.values())
+        healthy = [g for g in members if steps[g] == step]
+        behind = [g for g in members if steps[g] < step]
+        aborted = previous is not None and self.store.get(f"{PREFIX}decision/{previous['id']}") == b"abort"
+        same_groups = previous is not None and previous["members"] == members and not aborted
+        quorum = {"id": n, "members": members, "steps": {str(g): s for g, s in steps.items()}, "step": step,
+                  "sources": {str(g): healthy[i % len(healthy)] for i, g in enumerate(behind)},
+                  "pg": previous["pg"] if same_groups else n, "size": requests[members[0]]["size"],
+                  "identity": requests[members[0]]["identity"],
+                  "fault_timeout": max(request["fault_timeout"] for request in requests.values())}
+        text = json.dumps(quorum)
+        self.store.set(f"{PREFIX}quorum/{n}", text)
+        for request in requests.values():
+            self.store.set(f"{PREFIX}ticket/{request['ticket']}", text)
+        self.tickets[n] = [request["ticket"] for request in requests.values()]
+        self.quorum, self.decided_at, self.said = quorum, None, None
+        if previous is not None:
+            self._forget(previous["id"] - 1)
+
+    def _forget(self, n: int) -> None:
+        """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step)."""
+        for key in (f"quorum/{n}", f"votes/{n}", f"decision/{n}", *(f"ticket/{t}" for t in self.tickets.pop(n, []))):
+            self.store.delete_key(PREFIX + key)
+
+    def _say(self, text: str) -> None:
+        if text != self.said:
+            print(f"replicas.py serve: {text}", flush=True)
+            self.said = text
+
+
+def serve(port: int, host: str = "0.0.0.0") -> None:
+    """The coordinator: a TCPStore server on HOST:PORT and the lighthouse, until the process is stopped."""
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    print(f"replicas.py serve: coordinator on {host}:{store.port}", flush=True)
+    Lighthouse(store).run()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A member: one process of one replica group
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class Quorum:
+    """One step's quorum, as the lighthouse formed it."""
+    id: int
+    members: list[int]
+    steps: dict[int, int]  # each member's step when it asked
+    step: int  # the step the quorum takes: the most advanced member's
+    sources: dict[int, int]  # member behind -> the member it receives the state from
+    pg: int  # the quorum whose process group this one uses (a new one when the members change, or after an abort)
+    size: int  # P, processes per group
+    fault_timeout: float = 60.0
+    voters: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.voters = len(self.members) * self.size
+
+    @classmethod
+    def parse(cls, text: bytes) -> Quorum:
+        raw = json.loads(text)
+        return cls(raw["id"], raw["members"], {int(g): s for g, s in raw["steps"].items()}, raw["step"],
+                   {int(g): s for g, s in raw["sources"].items()}, raw["pg"], raw["size"], raw["fault_timeout"])
+
+
+class Heartbeat:
+    """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own."""
+
+    def __init__(self, address: str, key: str, timeout_s: float):
+        self.store, self.key = connect(address, timeout_s), key
+        self.stop, self.lost = threading.Event(), None
+        self.store.set(key, "0")
+        self.thread = threading.Thread(target=self._beat, name="replica-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        beats = 0
+        while not self.stop.wait(HEARTBEAT_S):
+            beats += 1
+            try:
+                self.store.set(self.key, str(beats))
+            except RuntimeError as error:  # the coordinator is gone: the main thread says so at its next call
+                self.lost = one_line(error)
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class Replica:
+    """One process of replica group ``group`` (module docstring). ``state_dict()`` gives and ``load_state_dict``
+    takes what a joiner needs to continue (any nesting of dicts, lists and tuples of tensors and picklable values);
+    ``group_pg`` is the group's own process group (default: the default group, torchrun's world; None when the
+    group is this process alone), over which the group's places agree on one incarnation. ``collectives``: "torch"
+    or "ring", for the average across groups. ``commit_log``: a file (JSON lines) where place 0 writes every
+    committed step. ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed)
+    and inside a state transfer ("send": half the tensors sent), where a test kills the process."""
+
+    def __init__(self, coordinator: str, group: int, planned: int, identity: str,
+                 state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,
+                 fault_timeout_s: float = 60.0, collectives: str = "torch", group_pg: Any = None,
+                 commit_log: str | None = None, fault: Callable[[str], None] | None = None):
+        self.address, self.group, self.planned, self.identity = coordinator, group, planned, identity
+        self.state_dict, self.load_state_dict = state_dict, load_state_dict
+        self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives
+        alone = not dist.is_initialized()
+        self.place, self.size = (0, 1) if alone else (dist.get_rank(group_pg), dist.get_world_size(group_pg))
+        incarnation = [uuid.uuid4().hex[:12]]
+        if not alone:
+            dist.broadcast_object_list(incarnation, group=group_pg, group_src=0)
+        self.incarnation = incarnation[0]
+        self.store = connect(coordinator, fault_timeout_s)
+        self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", fault_timeout_s)
+        self.quorum: Quorum | None = None
+        self.pg_id: int | None = None
+        self.pg: Any = None
+        self.comm: Collectives | None = None
+        self.requests = 0
+        self.failure: str | None = None  # why the last average failed
+        self.log: list[dict[str, Any]] = []  # every committed step this run knows (a joiner receives the past)
+        self.log_path = commit_log if self.place == 0 else None
+        self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
+        self.fault = fault or (lambda point: None)
+
+    # the store, with the coordinator's loss said in one line
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RuntimeError as error:
+            raise CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone "
+                                  f"({one_line(error)}); this group stops, its checkpoints as they were") from None
+
+    def _wait_for(self, key: str) -> bytes:
+        """The value of ``key`` once it is set (however long: below min_groups the lighthouse waits)."""
+        while True:
+            if self.heartbeat.lost:
+                raise CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone "
+                                      f"({self.heartbeat.lost}); this group stops, its checkpoints as they were")
+            try:
+                self.store.wait([key], timedelta(seconds=self.timeout_s))
+                return self._call(self.store.get, key)
+            except dist.DistStoreError as error:
+                if "timeout" not in str(error).lower():
+                    raise CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone "
+                                          f"({one_line(error)}); this group stops, its checkpoints as they were") \
+                        from None
+
+    # 1. join
+    def join(self, step: int) -> Quorum:
+        """This step's quorum; behind it, the live state received (and loaded) first. Every place calls it. A
+        transfer whose other end dies aborts the quorum, and this process asks again (the state it had is intact:
+        a joiner loads only what it received whole)."""
+        while True:
+            quorum = self._ask(step)
+            try:
+                self._transfer(quorum)
+                return quorum
+            except (RuntimeError, dist.DistError) as error:
+                self.failure = one_line(error)
+                self._call(self.store.compare_set, f"{PREFIX}decision/{quorum.id}", "", "abort")
+                self._drop_group()
+
+    def _ask(self, step: int) -> Quorum:
+        """Ask the lighthouse (place 0 asks, every place waits for the answer to the same ticket)."""
+        self.requests += 1
+        ticket = f"{self.group}/{self.incarnation}/{self.requests}"
+        if self.place == 0:
+            request = {"ticket": ticket, "group": self.group, "step": step, "identity": self.identity,
+                       "size": self.size, "planned": self.planned, "min_groups": self.min_groups,
+                       "fault_timeout": self.timeout_s}
+            self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
+        answer = self._wait_for(f"{PREFIX}ticket/{ticket}")
+        if b"refused" in answer[:12]:
+            raise ReplicaRefused(json.loads(answer)["refused"])
+        quorum = Quorum.parse(answer)
+        if quorum.pg != self.pg_id:
+            self._make_group(quorum)
+        self.quorum = quorum
+        return quorum
+
+    def _transfer(self, quorum: Quorum) -> None:
+        """2. recovery: a member behind receives from its source; a source sends to each joiner it was given."""
+        source = quorum.sources.get(self.group)
+        if source is not None:
+            self._receive_state(quorum.members.index(source), quorum)
+        for joiner, giver in sorted(quorum.sources.items()):
+            if giver == self.group:
+                self._send_state(quorum.members.index(joiner))
+
+    def _make_group(self, quorum: Quorum) -> None:
+        """The quorum's process groups at this place: one for the average and state, one for the ring's thread."""
+        self._drop_group()
+        timeout = timedelta(seconds=quorum.fault_timeout)
+        rank = quorum.members.index(self.group)
+        base = PrefixStore(f"{PREFIX}pg/{quorum.pg}/{self.place}", self.store)
+        self.pg = ProcessGroupGloo(PrefixStore("main", base), rank, len(quorum.members), timeout)
+        thread_pg = None if self.kind == "torch" else ProcessGroupGloo(PrefixStore("ring", base), rank,
+                                                                       len(quorum.members), timeout)
+        self.comm = Collectives(self.pg, self.kind, quorum.fault_timeout, thread_group=thread_pg)
+        self.pg_id = quorum.pg
+
+    def _drop_group(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+        self.comm, self.pg, self.pg_id = None, None, None
+
+    # 2. recovery
+    def _send_state(self, joiner: int) -> None:
+        """This place's state to the joiner's same place: a pickled skeleton (the tensors' places), then each
+        tensor as it is."""
+        skeleton, tensors = split_tensors({"state": self.state_dict(), "log": self.log})
+        header = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
+        outgoing = [torch.tensor([header.numel()], dtype=torch.int64), header, *tensors]
+        for i, tensor in enumerate(outgoing):
+            if i == len(outgoing) // 2:
+                self.fault("send")
+            self.pg.send([tensor.detach().contiguous().cpu()], joiner, 0).wait()  # the group's own calls: see
+            # allreduce.place_in (torch.distributed's blocking send refuses a group it did not make)
+
+    def _receive_state(self, source: int, quorum: Quorum) -> None:
+        started = time.perf_counter()
+        def receive(tensor: torch.Tensor) -> torch.Tensor:
+            self.pg.recv([tensor], source, 0).wait()
+            return tensor
+
+        length = receive(torch.empty(1, dtype=torch.int64))
+        skeleton = pickle.loads(receive(torch.empty(int(length), dtype=torch.uint8)).numpy().tobytes())
+        tensors = [receive(torch.empty(shape, dtype=dtype)) for shape, dtype in skeleton["tensors"]]
+        received = join_tensors(skeleton, tensors)
+        self.log = received["log"]
+        self.load_state_dict(received["state"])
+        self.recovered.append({"step": quorum.step, "source": quorum.members[source],
+                               "seconds": time.perf_counter() - started,
+                               "bytes": int(sum(t.numel() * t.element_size() for t in tensors))})
+        if self.log_path:
+            write_log(self.log_path, self.log)
+
+    # 3. average
+    def average(self, tensors: list[torch.Tensor]) -> bool:
+        """Each tensor averaged over the quorum's groups, in place; False (and ``failure`` says why) where a peer
+        died or timed out, or the quorum was already aborted (a transfer in it failed)."""
+        if self._call(self.store.check, [f"{PREFIX}decision/{self.quorum.id}"]):
+            self.failure = "the quorum was aborted before its average"
+            return False
+        try:
+            pending = [self.comm.all_reduce(t, f"allreduce across replicas {i}") for i, t in enumerate(tensors)]
+            self.fault("allreduce")
+            for work in pending:
+                work.wait()
+        except (RuntimeError, dist.DistError) as error:
+            self.failure = one_line(error)
+            return False
+        return True
+
+    # 4. commit
+    def commit(self, ok: bool, samples_of: Callable[[int], Any] | None = None) -> bool:
+        """Whether the quorum applies this step (module docstring, step 4); every place calls it. ``samples_of``:
+        what group g used in this step (its samples, which every group can name: the trainer's data order is a
+        function of the group and the step), written into the commit log beside the participants."""
+        quorum, key = self.quorum, f"{PREFIX}decision/{self.quorum.id}"
+        if ok and self._call(self.store.add, f"{PREFIX}votes/{quorum.id}", 1) == quorum.voters:
+            self._call(self.store.compare_set, key, "", "commit")
+        elif not ok:
+            self._call(self.store.compare_set, key, "", "abort")
+        committed = self._wait_for(key) == b"commit"
+        if not committed:
+            self._drop_group()  # a peer failed in it: the next quorum makes a new one
+            return False
+        entry = {"step": quorum.step, "quorum": quorum.id, "participants": quorum.members, "time": time.time()}
+        if samples_of is not None:
+            entry["samples"] = {str(g): samples_of(g) for g in quorum.members}
+        self.log.append(entry)
+        if self.log_path:
+            append_log(self.log_path, entry)
+        return True
+
+    def finish(self, step: int) -> None:
+        """This group is done at ``step``: a group that comes back later, behind it, has no one to take the state
+        from, and is told so in one line instead of training on alone."""
+        if self.place == 0:
+            self._call(self.store.compare_set, PREFIX + "finished", "", json.dumps({"step": step, "group": self.group}))
+
+    def note(self, entry: dict[str, Any]) -> None:
+        """Something else worth keeping beside the committed steps (a recovery's timings), in the commit log."""
+        self.log.append(entry)
+        if self.log_path:
+            append_log(self.log_path, entry)
+
+    def close(self) -> None:
+        self.heartbeat.close()
+        self._drop_group()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State in transit, and the commit log
+# ----------------------------------------------------------------------------------------------------------
+def split_tensors(value: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """``value`` (dicts, lists, tuples; tensors and picklable leaves) as a skeleton whose tensors are numbered
+    places, and the tensors in that order."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(item: Any) -> Any:
+        if torch.is_tensor(item):
+            tensors.append(item)
+            return TensorPlace(len(tensors) - 1)
+        if isinstance(item, dict):
+            return {key: walk(v) for key, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return type(item)(walk(v) for v in item)
+        return item
+
+    body = walk(value)
+    return {"body": body, "tensors": [(tuple(t.shape), t.dtype) for t in tensors]}, tensors
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    index: int
+
+
+def join_tensors(skeleton: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+    def walk(item: Any) -> Any:
+        if isinstance(item, TensorPlace):
+            return tensors[item.index]
+        if isinstance(item, dict):
+            return {key: walk(v) for key, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return type(item)(walk(v) for v in item)
+        return item
+    return walk(skeleton["body"])
+
+
+def append_log(path: str, entry: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def write_log(path: str, entries: list[dict[str, Any]]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(entry) + "\n" for entry in entries)
+    os.replace(tmp, path)
+
+
+def read_log(path: str, steps_only: bool = True) -> list[dict[str, Any]]:
+    """A commit log's entries: the committed steps (``steps_only``), or everything noted too."""
+    with open(path) as f:
+        entries = [json.loads(line) for line in f if line.strip()]
+    return [entry for entry in entries if "step" in entry] if steps_only else entries
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="replicas.py", description="the coordinator of fault-tolerant replica "
+                                                                     "groups (see the module docstring)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serving = commands.add_parser("serve", help="a TCPStore and the lighthouse that forms the quorums")
+    serving.add_argument("--port", type=int, required=True, help="the port to listen on (0: one the OS picks)")
+    serving.add_argument("--host", default="0.0.0.0", help="the address to listen on")
+    args = parser.parse_args(argv)
+    try:
+        serve(args.port, args.host)
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as error:
+        print(f"replicas.py serve: {one_line(error)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

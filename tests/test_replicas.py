@@ -1,0 +1,157 @@
+"""Fault-tolerant replica groups (replicas.py, trainer/replica_groups.py), on the tiny GPT in float64.
+
+Without faults: 2 replica groups of 2 processes, each its own process group and coordinated only through the
+coordinator's store, give the weights of one run of 4 processes at --zero 0, and one process replaying the commit
+log gives them too; a group of another configuration that asks to join is refused in one line and changes nothing.
+
+Why 1e-10 in float64: the groups' arithmetic differs from one 4-process run only in how the sums associate (each
+group averages its 2 ranks, then the quorum its 2 groups; the replay adds 4 ranks' scaled gradients), a few units
+of 2^-53 relative per step, which AdamW carries at about that relative size into updates of about lr = 1e-2: some
+1e-15 after a few steps. A real error (a step applied by one group and not the other, a group's samples counted
+twice or dropped, a gradient averaged over the wrong number of groups) moves the weights at first order, by about
+lr x O(0.1) = 1e-3.
+"""
+import contextlib
+import json
+import os
+import random
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+import ddp_cifar100 as trainer
+import replicas
+from data import derive_seed
+from harness import LocalGroup
+from trainer.build import build
+from trainer_testing import collect_all, main_in_group, max_difference, train_in_group
+
+WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
+
+
+@contextlib.contextmanager
+def coordinator():
+    """A coordinator in this process: a TCPStore on a port the OS hands out, and the lighthouse on a thread."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    stop = threading.Event()
+    lighthouse = threading.Thread(target=replicas.Lighthouse(store).run, args=(stop,), daemon=True)
+    lighthouse.start()
+    try:
+        yield f"127.0.0.1:{store.port}"
+    finally:
+        stop.set()
+        lighthouse.join()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root, rng = tmp_path_factory.mktemp("corpus"), random.Random(7)
+    for i in range(10):
+        (root / f"doc{i}.py").write_text(" ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160))))
+    return root
+
+
+def argv_of(corpus, *flags):
+    """6 steps of AdamW on 16 windows of 16 bytes a step (2 per micro-batch x 2 micro-batches x 4 data ranks)."""
+    return ["--device", "cpu", "--dataset", "text", "--model", "gpt-tiny", "--context", "16", "--val-fraction",
+            "0.3", "--data-dir", str(corpus), "--batch-size", "2", "--grad-accum", "2", "--epochs", "1",
+            "--max-steps", "6", "--seed", "5", "--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1",
+            "--timeout", "120", *flags]
+
+
+def wait_for_lines(path, count, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not (os.path.exists(path) and sum(1 for _ in open(path)) >= count):
+        assert time.monotonic() < deadline, f"{path}: fewer than {count} lines in {timeout_s} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def two_groups(local_group, corpus, tmp_path_factory):
+    """Groups 0 and 1 of 2 processes each (two process groups of their own) through one coordinator, a third of
+    another --lr asking to join once they train; and one run of the 4 processes, which the groups must equal."""
+    out = tmp_path_factory.mktemp("groups")
+    with coordinator() as address, LocalGroup(2) as first, LocalGroup(2) as second, LocalGroup(1) as stranger:
+        flags = ["--replica-groups", "2", "--coordinator", address, "--fault-timeout", "30"]
+        pending = {group: where.submit(train_in_group, argv_of(
+                       corpus, *flags, "--replica-group", str(group), "--commit-log", str(out / f"log{group}")),
+                       "float64") for group, where in enumerate((first, second))}
+        wait_for_lines(out / "log0", 1)
+        refused = stranger.run(main_in_group, argv_of(corpus, *flags, "--replica-group", "1", "--lr", "0.02"))
+        groups = collect_all(pending)
+    whole = local_group(4).run(train_in_group, argv_of(corpus), "float64")
+    return {"groups": groups, "whole": whole, "refused": refused[0], "logs": out}
+
+
+def test_two_groups_of_two_are_one_run_of_four(two_groups):
+    whole = two_groups["whole"][0]
+    for group, ranks in two_groups["groups"].items():
+        for rank in ranks:
+            assert rank["metrics"]["optimizer_steps"] == 6
+            assert max_difference(rank["state"], ranks[0]["state"]) == 0  # a group's ranks alike
+        worst = max_difference(ranks[0]["state"], whole["state"])
+        print(f"\nreplica group {group} (2 of 2 processes) vs one run of 4 processes, float64: max |dw| = {worst:.1e}")
+        assert worst < 1e-10
+    zero, one = (two_groups["groups"][g][0]["state"] for g in (0, 1))
+    assert max_difference(zero, one) == 0  # every group applies the same average
+
+
+def test_the_commit_log_names_every_step_its_groups_and_their_samples(two_groups):
+    for group in (0, 1):
+        log = replicas.read_log(two_groups["logs"] / f"log{group}")
+        assert [entry["step"] for entry in log] == list(range(6))
+        for entry in log:
+            assert entry["participants"] == [0, 1]
+            assert entry["samples"] == {str(g): {"epoch": 0, "micro_batches": [2 * entry["step"], 2 * entry["step"] + 2],
+                                                 "ranks": [2 * g, 2 * g + 1]} for g in (0, 1)}
+
+
+def test_a_group_of_another_configuration_is_refused_in_one_line(two_groups):
+    refused = two_groups["refused"]
+    assert refused["code"] == 1
+    lines = refused["stderr"].strip().splitlines()
+    assert len(lines) == 1 and "refused by the coordinator: another configuration" in lines[0], refused["stderr"]
+
+
+def replay_in_group(rank, world_size, argv, log, data_world):
+    """One process replaying a commit log (float64): for each committed step, every participant's data ranks'
+    micro-batches (data.py's order at ``data_world``), their mean gradient, the trainer's update. The reference
+    the groups' weights are held to; returns the model's state."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        config = trainer.parse_args(argv)
+        parts = build(config)
+        for entry in log:
+            ranks = [r for group in entry["participants"] for r in entry["samples"][str(group)]["ranks"]]
+            sample = entry["samples"][str(entry["participants"][0])]  # every group takes the same window
+            for data_rank in ranks:
+                parts.data.placed = (data_rank, data_world)
+                torch.manual_seed(derive_seed(config.seed, data_rank, entry["step"]))
+                start, end = sample["micro_batches"]
+                sizes = parts.data.batch_sizes()
+                batches = parts.data.train_batches(sample["epoch"], start)
+                for j in range(start, end):
+                    inputs, labels = next(batches)
+                    loss = trainer.per_sample_loss(parts.model(inputs), labels).sum()
+                    (loss / sum(sizes[start:end]) / len(ranks)).backward()
+                batches.close()
+            parts.optimizer.step()
+            if parts.scheduler is not None:
+                parts.scheduler.step()
+            parts.optimizer.zero_grad()
+        return {k: v.detach().clone() for k, v in parts.model.state_dict().items()}
+    finally:
+        parts.sync.close()
+        torch.set_default_dtype(torch.float32)
+
+
+def test_one_process_replaying_the_commit_log_reaches_the_groups_weights(local_group, two_groups, corpus):
+    log = replicas.read_log(two_groups["logs"] / "log1")
+    replayed = local_group(1).run(replay_in_group, argv_of(corpus), log, 4)[0]
+    worst = max_difference(two_groups["groups"][1][0]["state"], replayed)
+    print(f"\none process replaying the commit log vs replica group 1, float64: max |dw| = {worst:.1e}")
+    assert worst < 1e-10
