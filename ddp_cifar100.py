@@ -72,7 +72,8 @@ def train(config: Config) -> dict[str, Any]:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpoint.restore(parts)
         if config.coordinator:  # fault-tolerant replica groups: this group trains with the others through it
-            parts.replicas = ReplicaGroups(parts, checkpoint.fingerprint(checkpoint.trajectory(parts)))
+            parts.replicas = ReplicaGroups(parts, checkpoint.fingerprint(checkpoint.trajectory(parts)),
+                                           position.optimizer_steps)
         meter.start(position)
         epoch, final = None, None
         while not config.eval_only and position.epoch < config.epochs and not stop_requested(config, position):

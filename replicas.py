@@ -77,7 +77,9 @@ PREFIX = "replicas/"  # every key of the protocol, under the store's root
 HEARTBEAT_S = 0.1  # how often every process says it is alive
 STALE_S = 1.0  # a heartbeat this old: the process is gone (killed or stopped), for forming the next quorum
 FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group once one has asked
-TICK_S = 0.002  # the lighthouse's poll of its event queue
+TICK_S = 0.005  # the lighthouse's poll of its event queue and of the open quorum's decision
+WATCH_S = 0.05  # ... and of the heartbeats, when no request came meanwhile
+CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's process group (a loaded machine's processes)
 
 
 class CoordinatorLost(RuntimeError):
@@ -130,24 +132,26 @@ class Lighthouse:
         self.said: str | None = None
 
     def run(self, stop: threading.Event | None = None) -> None:
+        watched = 0.0
         while stop is None or not stop.is_set():
-            self.tick()
+            asked = self._take_requests()
+            decided = self.quorum is None or self._decided()
+            if asked or time.monotonic() - watched > WATCH_S:
+                self._watch_heartbeats()
+                watched = time.monotonic()
+                if decided:
+                    self._form()
+                else:
+                    self._abort_if_silent()
             time.sleep(TICK_S)
 
-    def tick(self) -> None:
-        self._take_requests()
-        self._watch_heartbeats()
-        if self.quorum is not None and not self._decided():
-            self._abort_if_silent()
-        else:
-            self._form()
-
-    def _take_requests(self) -> None:
-        """The requests in the queue. Once a quorum exists, one of another identity or size is refused at once; a
-        newer start of a group replaces the older's request (which is told so: that process is gone, or is not
-        the group it says)."""
-        queue = PREFIX + "events"
+    def _take_requests(self) -> int:
+        """The requests in the queue (how many). Once a quorum exists, one of another identity or size is refused at
+        once; a newer start of a group replaces the older's request (which is told so: that process is gone, or is
+        not the group it says)."""
+        queue, taken = PREFIX + "events", 0
         while self.store.queue_len(queue):
+            taken += 1
             request = json.loads(self.store.queue_pop(queue, False))
             group = request["group"]
             why = self._unfit(request, self.quorum) if self.quorum is not None else None
@@ -161,6 +165,7 @@ class Lighthouse:
             self.places[group] = request["size"]
             self.asked[group] = Asked(request, time.monotonic())
             self.first_asked = self.first_asked or time.monotonic()
+        return taken
 
     def _unfit(self, request: dict[str, Any], reference: dict[str, Any]) -> str | None:
         """Why a group may not join the run (None: it may)."""
@@ -251,10 +256,12 @@ class Lighthouse:
         healthy = [g for g in members if steps[g] == step]
         behind = [g for g in members if steps[g] < step]
         aborted = previous is not None and self.store.get(f"{PREFIX}decision/{previous['id']}") == b"abort"
-        same_groups = previous is not None and previous["members"] == members and not aborted
+        processes = {str(g): request["ticket"].split("/")[1] for g, request in requests.items()}  # incarnations
+        same_groups = previous is not None and previous["processes"] == processes and not aborted
         quorum = {"id": n, "members": members, "steps": {str(g): s for g, s in steps.items()}, "step": step,
                   "sources": {str(g): healthy[i % len(healthy)] for i, g in enumerate(behind)},
-                  "pg": previous["pg"] if same_groups else n, "size": requests[members[0]]["size"],
+                  "pg": previous["pg"] if same_groups else n, "processes": processes,
+                  "size": requests[members[0]]["size"],
                   "identity": requests[members[0]]["identity"],
                   "fault_timeout": max(request["fault_timeout"] for request in requests.values())}
         text = json.dumps(quorum)
@@ -295,7 +302,7 @@ class Quorum:
     steps: dict[int, int]  # each member's step when it asked
     step: int  # the step the quorum takes: the most advanced member's
     sources: dict[int, int]  # member behind -> the member it receives the state from
-    pg: int  # the quorum whose process group this one uses (a new one when the members change, or after an abort)
+    pg: int  # the quorum whose process group this one uses (a new one when a member is a new process, after an abort)
     size: int  # P, processes per group
     fault_timeout: float = 60.0
     voters: int = field(init=False)
@@ -341,13 +348,15 @@ class Replica:
     ``group_pg`` is the group's own process group (default: the default group, torchrun's world; None when the
     group is this process alone), over which the group's places agree on one incarnation. ``collectives``: "torch"
     or "ring", for the average across groups. ``commit_log``: a file (JSON lines) where place 0 writes every
-    committed step. ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed)
-    and inside a state transfer ("send": half the tensors sent), where a test kills the process."""
+    committed step; ``step``: the step this process starts from (its checkpoint's), so that a log left by this
+    group's earlier processes keeps only the steps those weights have taken (the later ones are taken again).
+    ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed) and inside a state
+    transfer ("send": half the tensors sent), where a test kills the process."""
 
     def __init__(self, coordinator: str, group: int, planned: int, identity: str,
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,
                  fault_timeout_s: float = 60.0, collectives: str = "torch", group_pg: Any = None,
-                 commit_log: str | None = None, fault: Callable[[str], None] | None = None):
+                 commit_log: str | None = None, fault: Callable[[str], None] | None = None, step: int = 0):
         self.address, self.group, self.planned, self.identity = coordinator, group, planned, identity
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives
@@ -357,8 +366,8 @@ class Replica:
         if not alone:
             dist.broadcast_object_list(incarnation, group=group_pg, group_src=0)
         self.incarnation = incarnation[0]
-        self.store = connect(coordinator, fault_timeout_s)
-        self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", fault_timeout_s)
+        self.store = connect(coordinator, max(fault_timeout_s, CONNECT_S))
+        self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S))
         self.quorum: Quorum | None = None
         self.pg_id: int | None = None
         self.pg: Any = None
@@ -367,31 +376,35 @@ class Replica:
         self.failure: str | None = None  # why the last average failed
         self.log: list[dict[str, Any]] = []  # every committed step this run knows (a joiner receives the past)
         self.log_path = commit_log if self.place == 0 else None
+        if self.log_path and os.path.exists(self.log_path):  # an earlier process of this group's: up to ``step``
+            self.log = [entry for entry in read_log(self.log_path, steps_only=False)
+                        if entry.get("step", entry.get("recovered", {}).get("step", 0)) < step]
+            write_log(self.log_path, self.log)
         self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
         self.fault = fault or (lambda point: None)
 
     # the store, with the coordinator's loss said in one line
+    def _lost(self, why: str) -> CoordinatorLost:
+        return CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone ({why}); this "
+                               f"group stops, its checkpoints as they were")
+
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except RuntimeError as error:
-            raise CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone "
-                                  f"({one_line(error)}); this group stops, its checkpoints as they were") from None
+        except RuntimeError as error:  # torch.distributed's DistError and its kin
+            raise self._lost(one_line(error)) from None
 
     def _wait_for(self, key: str) -> bytes:
         """The value of ``key`` once it is set (however long: below min_groups the lighthouse waits)."""
         while True:
             if self.heartbeat.lost:
-                raise CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone "
-                                      f"({self.heartbeat.lost}); this group stops, its checkpoints as they were")
+                raise self._lost(self.heartbeat.lost)
             try:
                 self.store.wait([key], timedelta(seconds=self.timeout_s))
                 return self._call(self.store.get, key)
-            except dist.DistStoreError as error:
-                if "timeout" not in str(error).lower():
-                    raise CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone "
-                                          f"({one_line(error)}); this group stops, its checkpoints as they were") \
-                        from None
+            except RuntimeError as error:
+                if not (isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()):
+                    raise self._lost(one_line(error)) from None
 
     # 1. join
     def join(self, step: int) -> Quorum:
@@ -401,12 +414,22 @@ class Replica:
         while True:
             quorum = self._ask(step)
             try:
+                if quorum.pg != self.pg_id:
+                    self._make_group(quorum)
                 self._transfer(quorum)
                 return quorum
-            except (RuntimeError, dist.DistError) as error:
-                self.failure = one_line(error)
-                self._call(self.store.compare_set, f"{PREFIX}decision/{quorum.id}", "", "abort")
-                self._drop_group()
+            except (RuntimeError, dist.DistError) as error:  # a member died before the group was made or the state
+                self._abort(quorum, f"joining quorum {quorum.id} failed ({one_line(error)})")  # arrived
+
+    def _abort(self, quorum: Quorum, why: str) -> None:
+        """This quorum's step is not taken: decided so (if nobody decided first), said once per group, and the
+        process group left behind (a peer failed in it)."""
+        self._call(self.store.compare_set, f"{PREFIX}decision/{quorum.id}", "", "abort")
+        self.failure = why
+        if self.place == 0:
+            print(f"replicas: group {self.group}: step {quorum.step} not taken by quorum {quorum.id} "
+                  f"{quorum.members}: {why}", file=sys.stderr, flush=True)
+        self._drop_group()
 
     def _ask(self, step: int) -> Quorum:
         """Ask the lighthouse (place 0 asks, every place waits for the answer to the same ticket)."""
@@ -420,11 +443,8 @@ class Replica:
         answer = self._wait_for(f"{PREFIX}ticket/{ticket}")
         if b"refused" in answer[:12]:
             raise ReplicaRefused(json.loads(answer)["refused"])
-        quorum = Quorum.parse(answer)
-        if quorum.pg != self.pg_id:
-            self._make_group(quorum)
-        self.quorum = quorum
-        return quorum
+        self.quorum = Quorum.parse(answer)
+        return self.quorum
 
     def _transfer(self, quorum: Quorum) -> None:
         """2. recovery: a member behind receives from its source; a source sends to each joiner it was given."""
@@ -438,12 +458,14 @@ class Replica:
     def _make_group(self, quorum: Quorum) -> None:
         """The quorum's process groups at this place: one for the average and state, one for the ring's thread."""
         self._drop_group()
-        timeout = timedelta(seconds=quorum.fault_timeout)
+        connect = timedelta(seconds=max(quorum.fault_timeout, CONNECT_S))
         rank = quorum.members.index(self.group)
         base = PrefixStore(f"{PREFIX}pg/{quorum.pg}/{self.place}", self.store)
-        self.pg = ProcessGroupGloo(PrefixStore("main", base), rank, len(quorum.members), timeout)
-        thread_pg = None if self.kind == "torch" else ProcessGroupGloo(PrefixStore("ring", base), rank,
-                                                                       len(quorum.members), timeout)
+        groups = []
+        for name in ("main",) if self.kind == "torch" else ("main", "ring"):
+            groups.append(ProcessGroupGloo(PrefixStore(name, base), rank, len(quorum.members), connect))
+            groups[-1].set_timeout(timedelta(seconds=quorum.fault_timeout))  # its collectives': a hang's limit
+        self.pg, thread_pg = groups[0], groups[1] if len(groups) > 1 else None
         self.comm = Collectives(self.pg, self.kind, quorum.fault_timeout, thread_group=thread_pg)
         self.pg_id = quorum.pg
 
@@ -475,7 +497,8 @@ class Replica:
         skeleton = pickle.loads(receive(torch.empty(int(length), dtype=torch.uint8)).numpy().tobytes())
         tensors = [receive(torch.empty(shape, dtype=dtype)) for shape, dtype in skeleton["tensors"]]
         received = join_tensors(skeleton, tensors)
-        self.log = received["log"]
+        notes = [entry for entry in self.log if "step" not in entry and entry not in received["log"]]
+        self.log = received["log"] + notes  # the source's steps (this group's own are another branch), every note
         self.load_state_dict(received["state"])
         self.recovered.append({"step": quorum.step, "source": quorum.members[source],
                                "seconds": time.perf_counter() - started,
@@ -509,7 +532,7 @@ class Replica:
         if ok and self._call(self.store.add, f"{PREFIX}votes/{quorum.id}", 1) == quorum.voters:
             self._call(self.store.compare_set, key, "", "commit")
         elif not ok:
-            self._call(self.store.compare_set, key, "", "abort")
+            self._abort(quorum, f"its average failed ({self.failure})")
         committed = self._wait_for(key) == b"commit"
         if not committed:
             self._drop_group()  # a peer failed in it: the next quorum makes a new one

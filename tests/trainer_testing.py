@@ -1,6 +1,6 @@
-"""What the trainer's tests share (test_ddp_cifar100, test_gradsync, test_zero): the tiny run's flags, the worker
-functions a LocalGroup runs (module level, so the spawned workers import them), and a seeded model with a
-labelled set. Not a test file: pytest collects nothing here."""
+"""What the trainer's tests share (test_ddp_cifar100, test_gradsync, test_zero, the replica groups'): the tiny run's
+flags, the worker functions a LocalGroup runs (module level, so the spawned workers import them), a seeded model with
+a labelled set, and the replay of a commit log. Not a test file: pytest collects nothing here."""
 import io
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
@@ -8,8 +8,9 @@ from contextlib import redirect_stderr, redirect_stdout
 import torch
 
 import ddp_cifar100 as trainer
-from data import CIFAR100_MEAN, CIFAR100_STD, make_synthetic, normalize
+from data import CIFAR100_MEAN, CIFAR100_STD, derive_seed, make_synthetic, normalize
 from models import build_model
+from trainer.build import build
 
 TINY = ["--device", "cpu", "--dataset", "synthetic", "--train-size", "128", "--val-size", "50", "--batch-size", "8",
         "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4"]
@@ -93,3 +94,35 @@ def model_and_labelled_set(val_size, seed):
     wrong = torch.arange(val_size) % 3 == 0
     data.labels = torch.where(wrong, (predictions + 1) % 100, predictions)
     return model, data
+
+
+def replay_in_group(rank, world_size, argv, log, data_world):
+    """One process replaying a commit log (float64): for each committed step, every participant's data ranks'
+    micro-batches (data.py's order at ``data_world``), their mean gradient, the trainer's update. The reference
+    the groups' weights are held to; returns the model's state."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        config = trainer.parse_args(argv)
+        parts = build(config)
+        for entry in log:
+            ranks = [r for group in entry["participants"] for r in entry["samples"][str(group)]["ranks"]]
+            sample = entry["samples"][str(entry["participants"][0])]  # every group takes the same window
+            for data_rank in ranks:
+                parts.data.placed = (data_rank, data_world)
+                torch.manual_seed(derive_seed(config.seed, data_rank, entry["step"]))
+                start, end = sample["micro_batches"]
+                sizes = parts.data.batch_sizes()
+                batches = parts.data.train_batches(sample["epoch"], start)
+                for j in range(start, end):
+                    inputs, labels = next(batches)
+                    loss = trainer.per_sample_loss(parts.model(inputs), labels).sum()
+                    (loss / sum(sizes[start:end]) / len(ranks)).backward()
+                batches.close()
+            parts.optimizer.step()
+            if parts.scheduler is not None:
+                parts.scheduler.step()
+            parts.optimizer.zero_grad()
+        return {k: v.detach().clone() for k, v in parts.model.state_dict().items()}
+    finally:
+        parts.sync.close()
+        torch.set_default_dtype(torch.float32)

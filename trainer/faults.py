@@ -1,14 +1,16 @@
 """Faults on purpose, for the tests of elastic restarts and of fault-tolerant replica groups: a process SIGKILLs itself
-at a chosen point of a chosen optimizer step, in the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT
-unset or 0), so that the restarted processes run through.
+at a chosen point of a chosen optimizer step, in one attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT: unset
+or 0 for the first, the default), so that the restarted processes run through.
 
-    DDP_CIFAR100_FAULT="RANK:STEP"                         rank RANK, right after optimizer step STEP
-    DDP_CIFAR100_FAULT="[GROUP/]RANK:STEP[:POINT],..."     replica group GROUP's rank RANK, at POINT of step STEP
+    DDP_CIFAR100_FAULT="RANK:STEP"                      rank RANK, right after optimizer step STEP
+    DDP_CIFAR100_FAULT="[GROUP/]RANK:STEP[:POINT[:ATTEMPT]],..."
 
-POINT is one of POINTS: inside the step's forward or backward, inside the all-reduce across replica groups (its
-messages launched, not landed), inside the optimizer's step (half the parameters updated), while this rank sends
-its live state to a replica group that joins (half the tensors sent), while it saves a checkpoint (its files
-written, the save not made current), or after the step (the default).
+the second: replica group GROUP's rank RANK (any group's, without GROUP), at POINT, with STEP optimizer steps done
+(*: at any step), in torchrun's attempt ATTEMPT (default 0). POINT is one of POINTS: inside the step's forward or
+backward, inside the all-reduce across replica groups (its messages launched, not landed), inside the optimizer's
+step (the update applied, the step not yet counted), while this rank sends its live state to a replica group that
+joins (half the tensors sent), while it saves a checkpoint (its files written, the save not yet made current), or
+after the step (the default).
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ POINTS = ("forward", "backward", "allreduce", "optimizer", "send", "save", "afte
 class Fault:
     group: int | None
     rank: int
-    step: int
+    step: int | None  # None: any
     point: str
+    attempt: int = 0
 
 
 def parse(text: str) -> list[Fault]:
@@ -35,24 +38,23 @@ def parse(text: str) -> list[Fault]:
         try:
             where, _, rest = item.rpartition("/") if "/" in item else ("", "", item)
             rank, step, *point = rest.split(":")
-            fault = Fault(int(where) if where else None, int(rank), int(step), point[0] if point else "after")
+            fault = Fault(int(where) if where else None, int(rank), None if step == "*" else int(step),
+                          point[0] if point else "after", int(point[1]) if len(point) > 1 else 0)
         except (ValueError, IndexError):
-            raise ValueError(f"{ENV}: {item!r} is not [GROUP/]RANK:STEP[:POINT]") from None
+            raise ValueError(f"{ENV}: {item!r} is not [GROUP/]RANK:STEP[:POINT[:ATTEMPT]]") from None
         if fault.point not in POINTS:
             raise ValueError(f"{ENV}: point {fault.point!r} is not one of {', '.join(POINTS)}")
         faults.append(fault)
     return faults
 
 
-def first_attempt() -> bool:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-
-
 def at(point: str, rank: int, step: int, group: int | None = None) -> None:
     """SIGKILL this process if DDP_CIFAR100_FAULT names this point of this step for it (module docstring)."""
     text = os.environ.get(ENV)
-    if not text or not first_attempt():
+    if not text:
         return
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for fault in parse(text):
-        if (fault.point, fault.rank, fault.step) == (point, rank, step) and fault.group in (None, group):
+        if (fault.point, fault.rank, fault.attempt) == (point, rank, attempt) and fault.step in (None, step) \
+                and fault.group in (None, group):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -43,9 +43,10 @@ NO_SUMS = [0.0, 0.0, 0.0]  # a rank's [loss, correct, seen] at an epoch's start
 
 class ReplicaGroups:
     """The loop's side of replicas.Replica for the trainer: its live state and its records. ``identity``: the run's
-    fingerprint (checkpoint.fingerprint), which every group must share."""
+    fingerprint (checkpoint.fingerprint), which every group must share; ``step``: where this process starts (its
+    checkpoint's optimizer steps)."""
 
-    def __init__(self, parts: Parts, identity: str):
+    def __init__(self, parts: Parts, identity: str, step: int):
         config = parts.config
         self.parts = parts
         self.position: Any = None  # checkpoint.Position, the loop's
@@ -56,7 +57,7 @@ class ReplicaGroups:
         self.replica = replicas.Replica(
             config.coordinator, config.replica_group, config.replica_groups, identity, self.live_state,
             self.take_live_state, min_groups=config.min_replica_groups, fault_timeout_s=config.fault_timeout,
-            collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault)
+            collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step)
 
     def _fault(self, point: str) -> None:
         """trainer/faults.py's injection, inside the average and the state transfer."""
@@ -71,7 +72,8 @@ class ReplicaGroups:
         quorum = self.replica.join(position.optimizer_steps)
         if self.recovered:
             transfer = self.replica.recovered[-1]
-            self.replica.note({"recovered": {"step": quorum.step, "quorum": quorum.id, "source": transfer["source"],
+            self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
+                                             "quorum": quorum.id, "source": transfer["source"],
                                              "started": STARTED, "asked": asked,
                                              "quorum_s": time.time() - asked - transfer["seconds"],
                                              "transfer_s": transfer["seconds"], "bytes": transfer["bytes"]}})

@@ -1,0 +1,130 @@
+"""Fault scenarios of replica groups, run as processes of their own (benchmarks/replica_runs.py: a coordinator and a
+torchrun per group, the trainer in float64): ``python tests/replica_scenarios.py OUT [NAME ...]``, each scenario in
+OUT/NAME,
+its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. Not a test file.
+
+- kills: 3 groups, --min-replica-groups 3 (a step waits for all three), each group SIGKILLed twice at a point of
+  its own (trainer/faults.py), paired so that restarts overlap: groups 1 and 2 in step 2's forward and backward;
+  group 0, their only source, while sending them the live state (every group lost: all start again from their
+  checkpoints); groups 1 and 2 at the end of step 3, one in its optimizer's step and one saving its checkpoint
+  (group 1 recovers from group 0); group 0 inside step 6's all-reduce across groups (it recovers from another).
+- alone: 3 groups, --min-replica-groups 1: groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
+  back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery.
+- coordinator: 2 groups, --max-restarts 0, and the coordinator killed: each group says so in one line and stops.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.replica_runs import ReplicaRun  # noqa: E402
+
+WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
+FAULT_TIMEOUT_S = 3.0
+STEPS = {"kills": 10, "alone": 450}  # alone: enough that the killed groups are back well before group 0 ends
+KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
+
+
+def corpus(root: str) -> str:
+    import random
+    rng, folder = random.Random(7), os.path.join(root, "corpus")
+    os.makedirs(folder, exist_ok=True)
+    for i in range(10):
+        with open(os.path.join(folder, f"doc{i}.py"), "w") as f:
+            f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160))))
+    return folder
+
+
+def flags(data: str, steps: int, *more: str) -> list[str]:
+    """The tiny GPT on windows of 16 bytes, 2 x 2 windows a step per group, SGD with momentum: a smooth map, over
+    which the replay's tolerance holds for hundreds of steps (tests/test_replica_faults.py's argument)."""
+    return ["--device", "cpu", "--dataset", "text", "--model", "gpt-tiny", "--context", "16", "--val-fraction", "0.3",
+            "--data-dir", data, "--batch-size", "2", "--grad-accum", "2", "--epochs", "1000", "--max-steps",
+            str(steps), "--seed", "5", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--timeout", "120",
+            *more]
+
+
+def kills(out: str, data: str) -> dict:
+    env = {group: {"DDP_CIFAR100_FAULT": faults} for group, faults in KILLS.items()}
+    run = ReplicaRun(out, 3, flags(data, STEPS["kills"], "--checkpoint-every", "4"), entry="tests/float64_trainer.py",
+                     group_env=env, min_groups=3, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=4)
+    return finish(run, lambda: None, timeout_s=400)
+
+
+def alone(out: str, data: str) -> dict:
+    run = ReplicaRun(out, 3, flags(data, STEPS["alone"], "--checkpoint-every", "50"), entry="tests/float64_trainer.py",
+                     min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+    events = {}
+
+    def act() -> None:
+        run.wait_for_step(0, 5, 120)
+        events["killed"] = run.signal(1, signal.SIGKILL) + run.signal(2, signal.SIGKILL)
+        events["killed_at"] = time.time()
+        run.wait_for(2, "recovery", lambda entries: any(e.get("recovered", {}).get("group") == 2 for e in entries),
+                     120)  # group 2 back
+        back = max(entry["step"] for entry in run.committed(2))
+        run.wait_for_step(2, back + 3, 120)  # ... and stepping
+        events["stopped"] = run.signal(2, signal.SIGSTOP)
+        events["stopped_at"] = time.time()
+        time.sleep(FAULT_TIMEOUT_S + 2)
+        run.signal(2, signal.SIGCONT)
+        events["continued_at"] = time.time()
+    return {**finish(run, act, timeout_s=400), "events": events}
+
+
+def coordinator(out: str, data: str) -> dict:
+    run = ReplicaRun(out, 2, flags(data, 100000, "--checkpoint-every", "3"), entry="tests/float64_trainer.py",
+                     min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=0)
+    events = {}
+
+    def act() -> None:
+        run.wait_for_step(0, 7, 120)
+        run.kill_coordinator()
+        events["killed_at"] = time.time()
+    outcome = finish(run, act, timeout_s=120)
+    outcome["ended_at"] = time.time()
+    return {**outcome, "events": events}
+
+
+def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
+    """Start the run, act on it, wait for every group; what the tests read."""
+    started = time.time()
+    try:
+        run.start()
+        act()
+        codes = run.wait(timeout_s)
+    finally:
+        run.close()
+    return {"codes": {str(g): code for g, code in codes.items()}, "seconds": time.time() - started,
+            "logs": {str(g): run.committed(g, steps_only=False) for g in range(run.groups)},
+            "outputs": {str(g): run.output(g)[-4000:] for g in range(run.groups)},
+            "restarts": {str(g): run.output(g).count("failed (exitcode: -9)") for g in range(run.groups)},
+            "checkpoints": {str(g): run.path(g, "checkpoints") for g in range(run.groups)},
+            "metrics": {str(g): run.path(g, "metrics") for g in range(run.groups)}}
+
+
+SCENARIOS = {"kills": kills, "alone": alone, "coordinator": coordinator}
+
+
+def main(out: str, names: list[str]) -> int:
+    data = corpus(out)
+    for name, scenario in ((name, SCENARIOS[name]) for name in names or SCENARIOS):
+        folder = os.path.join(out, name)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            outcome = scenario(folder, data)
+        except Exception:  # noqa: BLE001 - the test shows it
+            outcome = {"error": traceback.format_exc()}
+        with open(os.path.join(folder, "outcome.json"), "w") as f:
+            json.dump(outcome, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

@@ -1,0 +1,131 @@
+"""Faults of fault-tolerant replica groups, caused for real (tests/replica_scenarios.py, started with the session:
+a coordinator and a torchrun per group, the trainer in float64), each run compared with what it must equal.
+
+- kills: each of 3 groups SIGKILLed twice, at a different point of a step each time (forward, backward, inside the
+  all-reduce across groups, inside the optimizer's step, while sending the live state to a joiner, while saving a
+  checkpoint), with --min-replica-groups 3: every step is taken once, by all three groups, none below the minimum
+  (the kill mid-transfer loses every group's live state: all start again from their checkpoints, and their logs
+  keep only what those checkpoints hold); every group ends with the same weights, bit for bit, and one process
+  replaying the commit log reaches them.
+- alone: groups 1 and 2 SIGKILLed at once: group 0 goes on alone (--min-replica-groups 1), they come back and
+  recover; then group 2 stopped past the fault timeout and woken: left out while hung, it rejoins by recovery, not
+  by applying what it had in flight; every group ends with the same weights, which the replay reaches.
+- coordinator: the coordinator killed: each group says so in one line and stops, its checkpoint whole.
+
+Why 1e-10 for the replay, over hundreds of steps: the replay's sums associate otherwise than the groups' (a few units
+of 2^-53 relative per step), and SGD with momentum at lr 0.05 on the tiny GPT is a smooth map that carries such a
+difference on without blowing it up: a perturbation of 1e-15 of the weights stays below 2e-13 over 450 steps
+(measured here, float64; AdamW at lr 0.01 turns the same 1e-15 into 9e-9 in 17 steps and 5e-2 in 50: Adam's
+normalized first steps flip with the sign of tiny gradients, which is why these runs use SGD). A real error (a step
+applied by one group and not another, a gradient computed on stale weights, samples counted twice or dropped)
+moves the weights at first order, by about lr x O(0.1) = 5e-3.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import processes
+import replica_scenarios
+from trainer_testing import max_difference, replay_in_group
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test waits for the scenarios
+OUT: list[str] = []  # the scenarios' folder, made when the session starts them
+
+
+def early_processes():
+    OUT.append(OUT[0] if OUT else tempfile.mkdtemp(prefix="replica-faults-"))
+    return {"scenarios": ([sys.executable, "tests/replica_scenarios.py", OUT[0]], None)}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    done = processes.results_of(sys.modules[__name__], timeout=900)["scenarios"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = {}
+    for name in ("kills", "alone", "coordinator"):
+        with open(os.path.join(OUT[0], name, "outcome.json")) as f:
+            found[name] = json.load(f)
+        assert "error" not in found[name], found[name].get("error")
+    return found
+
+
+def steps_of(log):
+    return [entry for entry in log if "step" in entry]
+
+
+def final_weights(outcome, group):
+    path = os.path.join(outcome["checkpoints"][str(group)], "last.pt")
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def replayed(local_group, outcome, group, steps):
+    log = steps_of(outcome["logs"][str(group)])
+    argv = replica_scenarios.flags(os.path.join(OUT[0], "corpus"), steps)  # without the replica groups' flags
+    return local_group(1).run(replay_in_group, argv, log, 3)[0]
+
+
+def test_every_step_is_taken_once_by_all_three_groups_through_six_kills(outcomes):
+    kills = outcomes["kills"]
+    assert kills["codes"] == {"0": 0, "1": 0, "2": 0}
+    for group in ("0", "1", "2"):
+        assert kills["restarts"][group] == 2, kills["outputs"][group][-2000:]  # killed twice, restarted twice
+        log = steps_of(kills["logs"][group])
+        assert [entry["step"] for entry in log] == list(range(replica_scenarios.STEPS["kills"]))
+        assert all(entry["participants"] == [0, 1, 2] for entry in log)  # none below --min-replica-groups 3
+    recovered = {note["recovered"]["group"] for group in ("0", "1", "2") for note in kills["logs"][group]
+                 if "recovered" in note}
+    assert recovered == {0, 1}  # group 1 from group 0, group 0 from another (group 2 from its own checkpoint)
+
+
+@pytest.mark.parametrize("scenario", ["kills", "alone"])
+def test_every_group_ends_with_the_same_weights_and_the_replay_reaches_them(local_group, outcomes, scenario):
+    outcome = outcomes[scenario]
+    weights = [final_weights(outcome, group) for group in range(3)]
+    for other in weights[1:]:
+        assert max_difference(weights[0], other) == 0
+    worst = max_difference(weights[0], replayed(local_group, outcome, 0, replica_scenarios.STEPS[scenario]))
+    print(f"\n{scenario}: one process replaying the commit log vs the groups, float64: max |dw| = {worst:.1e}")
+    assert worst < 1e-10
+
+
+def test_one_group_goes_on_alone_and_the_others_come_back(outcomes):
+    alone = outcomes["alone"]
+    assert alone["codes"] == {"0": 0, "1": 0, "2": 0}
+    log = steps_of(alone["logs"]["0"])
+    assert [entry["step"] for entry in log] == list(range(replica_scenarios.STEPS["alone"]))  # every step once
+    killed_at = alone["events"]["killed_at"]
+    after = [entry for entry in log if entry["time"] > killed_at]
+    assert any(entry["participants"] == [0] for entry in after)  # alone at --min-replica-groups 1
+    assert after[-1]["participants"] == [0, 1, 2]  # and all three again
+    notes = [note["recovered"] for group in ("0", "1", "2") for note in alone["logs"][group] if "recovered" in note]
+    assert {1, 2} <= {note["group"] for note in notes}
+
+
+def test_a_hung_group_is_left_out_and_rejoins_by_recovery(outcomes):
+    alone = outcomes["alone"]
+    stopped_at, continued_at = alone["events"]["stopped_at"], alone["events"]["continued_at"]
+    log = steps_of(alone["logs"]["0"])
+    while_hung = [entry for entry in log if stopped_at + 4.0 < entry["time"] < continued_at]
+    assert while_hung and all(2 not in entry["participants"] for entry in while_hung)  # left out past the timeout
+    rejoined = [note["recovered"] for note in alone["logs"]["2"] if "recovered" in note
+                and note["recovered"]["group"] == 2 and note["recovered"]["asked"] > stopped_at]
+    assert rejoined, "group 2 did not rejoin by recovery after its hang"
+
+
+def test_the_coordinator_lost_is_one_line_and_the_checkpoints_are_whole(outcomes):
+    lost = outcomes["coordinator"]
+    for group in ("0", "1"):
+        assert lost["codes"][group] not in (0, None)
+        lines = [line for line in lost["outputs"][group].splitlines() if line.startswith("ddp_cifar100.py: error:")]
+        assert len(lines) == 1 and "coordinator" in lines[0], lost["outputs"][group][-2000:]
+        path = os.path.join(lost["checkpoints"][group], "last.pt")
+        opened = subprocess.run([sys.executable, "-c", "import sys, torch; state = torch.load(sys.argv[1], "
+                                 "weights_only=True); print(sorted(state)[:3], state['optimizer_steps'])", path],
+                                capture_output=True, text=True, cwd=tempfile.gettempdir())
+        assert opened.returncode == 0, opened.stderr  # with torch alone, outside the repository
+    assert lost["ended_at"] - lost["events"]["killed_at"] < 60  # every group stopped, none waiting on
