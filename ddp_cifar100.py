@@ -227,16 +227,17 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
         if parts.scheduler is not None:
             parts.scheduler.step()
         optimizer.zero_grad()
-    # diloco, localsgd: the replicas meet when one of their all-reduces is due
-    if parts.outer is not None:
-        with utils.profiled("outer step"):
-            parts.outer.step()
-    meter.timer.stop()
-    # where the run stands now; the profiler's window, the bar and --log-every's figures
+    # where the run stands now
     position.optimizer_steps += 1
     position.micro_batches += len(window)
     position.micro_batch = window[-1] + 1
     epoch.samples += window_samples * parts.ctx.world_size
+    # diloco, localsgd: the replicas meet when one of their all-reduces is due (replica groups: at this position)
+    if parts.outer is not None:
+        with utils.profiled("outer step"):
+            parts.outer.step()
+    meter.timer.stop()
+    # the profiler's window, the bar and --log-every's figures
     meter.step_taken(position, window_samples, waited, lr, epoch.bar)
     return True
 

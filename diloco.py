@@ -261,7 +261,8 @@ class DiLoCo:
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, local_steps: int = 500,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, compress: str = "none",
                  fragments: int = 1, delay: int = 0, timeout_s: float | None = None,
-                 params: list[torch.Tensor] | None = None, after_write: Callable[[], None] | None = None):
+                 params: list[torch.Tensor] | None = None, after_write: Callable[[], None] | None = None,
+                 meet: Callable[[torch.Tensor | None], torch.Tensor] | None = None):
         if compress not in CODECS:
             raise ValueError(f"compress is one of {', '.join(CODECS)}, not {compress!r}")
         if local_steps < 1 or fragments < 1 or local_steps < fragments:
@@ -269,6 +270,9 @@ class DiLoCo:
         if not 0 <= delay <= local_steps // fragments:
             raise ValueError(f"delay must be in [0, local_steps // fragments = {local_steps // fragments}] (one "
                              f"fragment in flight at a time), got {delay}")
+        if meet is not None and (fragments, delay, compress) != (1, 0, "none"):
+            raise ValueError("meetings through fault-tolerant replica groups take one fragment, no delay and no "
+                             "compression")
         self.model, self.local_steps, self.compress, self.delay = model, local_steps, compress, delay
         self.per_rank = params is not None  # the outer state is this rank's shards' (ZeRO-3 inside the replicas)
         # the tensors the outer step reads and writes: the model's parameters, or (ZeRO-3 inside the replicas)
@@ -283,7 +287,10 @@ class DiLoCo:
         self.error = [torch.zeros_like(s) for s in self.start] if compress != "none" else None
         self.outer_optimizer = torch.optim.SGD(self.start, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=nesterov and outer_momentum > 0)
-        self.thread = AllreduceThread("ring", timeout_s, group=group)
+        # meet: the meeting done by the caller (fault-tolerant replica groups: trainer/replica_groups.py), given the
+        # pseudo-gradient and giving back its average once the quorum committed it; else our ring, on its thread
+        self.meet = meet
+        self.thread = None if meet is not None else AllreduceThread("ring", timeout_s, group=group)
         self.inner_steps = 0
         self.in_flight: list[InFlight] = []
         self.log: list[dict[str, Any]] = []  # one entry per outer all-reduce: step, fragment, bytes, wait
@@ -319,6 +326,10 @@ class DiLoCo:
     def _launch(self, f: int) -> None:
         local = self._flatten(f)
         pseudo = self.start[f] - local  # Delta_r: the shared point minus this replica's
+        if self.meet is not None:  # averaged over the replica groups alive, applied now (delay 0)
+            self.log.append({"step": self.inner_steps, "fragment": f, "elements": pseudo.numel(), "bytes": None})
+            self.in_flight.append(InFlight(f, self.inner_steps, self.meet(pseudo), None, None, None))
+            return
         if self.error is not None:
             pseudo += self.error[f]  # error feedback: what earlier roundings lost, sent now
         operation = partial(ring_allreduce_compressed, codec=self.compress,
@@ -364,6 +375,14 @@ class DiLoCo:
             for f, weights in enumerate(own):
                 self._write(f, weights)
 
+    def meet_as_joiner(self) -> None:
+        """A replica that has just taken the live state at a meeting (fault-tolerant replica groups): no progress of
+        its own to bring, it takes the meeting's average (``meet(None)``) and its outer step like the others (none
+        where no replica brought a pseudo-gradient: a meeting of replicas that all just started)."""
+        average = self.meet(None)
+        if average is not None:
+            self._apply(InFlight(0, self.inner_steps, average, None, None, None))
+
     def wait(self) -> None:
         """Wait until every outer all-reduce in flight has landed (they stay unapplied until their step)."""
         for item in self.in_flight:
@@ -404,7 +423,8 @@ class DiLoCo:
     def close(self) -> None:
         """Wait for what is in flight (unapplied), stop the thread and its group; a second call does nothing."""
         self.wait()
-        self.thread.close()
+        if self.thread is not None:
+            self.thread.close()
 
 
 class DiLoCoSync:

@@ -374,6 +374,7 @@ class Replica:
         self.comm: Collectives | None = None
         self.requests = 0
         self.failure: str | None = None  # why the last average failed
+        self.total_weight: float | None = None  # the last weighted average's sum of the groups' weights
         self.log: list[dict[str, Any]] = []  # every committed step this run knows (a joiner receives the past)
         self.log_path = commit_log if self.place == 0 else None
         if self.log_path and os.path.exists(self.log_path):  # an earlier process of this group's: up to ``step``
@@ -507,20 +508,29 @@ class Replica:
             write_log(self.log_path, self.log)
 
     # 3. average
-    def average(self, tensors: list[torch.Tensor]) -> bool:
+    def average(self, tensors: list[torch.Tensor], weight: float | None = None) -> bool:
         """Each tensor averaged over the quorum's groups, in place; False (and ``failure`` says why) where a peer
-        died or timed out, or the quorum was already aborted (a transfer in it failed)."""
+        died or timed out, or the quorum was already aborted (a transfer in it failed). ``weight`` (every member
+        gives one, or none does): each group's tensors count by their group's weight, sum(w t) / sum(w) (a group
+        with nothing to bring: 0)."""
         if self._call(self.store.check, [f"{PREFIX}decision/{self.quorum.id}"]):
             self.failure = "the quorum was aborted before its average"
             return False
+        weights = [] if weight is None else [torch.tensor([weight], dtype=torch.float64)]
+        if weights:
+            torch._foreach_mul_(tensors, weight)
         try:
-            pending = [self.comm.all_reduce(t, f"allreduce across replicas {i}") for i, t in enumerate(tensors)]
+            pending = [self.comm.all_reduce(t, f"allreduce across replicas {i}")
+                       for i, t in enumerate(tensors + weights)]
             self.fault("allreduce")
             for work in pending:
                 work.wait()
         except (RuntimeError, dist.DistError) as error:
             self.failure = one_line(error)
             return False
+        self.total_weight = None if weight is None else weights[0].item() * len(self.quorum.members)
+        if weights and weights[0].item() > 0:  # (all 0: the tensors are 0, and stay so)
+            torch._foreach_div_(tensors, weights[0].item())
         return True
 
     # 4. commit

@@ -11,6 +11,9 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
 - alone: 3 groups, --min-replica-groups 1: groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
   back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery.
 - coordinator: 2 groups, --max-restarts 0, and the coordinator killed: each group says so in one line and stops.
+- diloco: 2 groups as DiLoCo's replicas (meeting every 3 steps), --min-replica-groups 2: group 1 SIGKILLed inside a
+  window (steps 4 and 7), back from its checkpoint, recovering at the next meeting (6), then again (9), where group
+  0 is SIGKILLed while sending it the state (both start again from their checkpoints, at one meeting).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 450}  # alone: enough that the killed groups are back well before group 0 ends
+STEPS = {"kills": 10, "alone": 450, "diloco": 12}  # alone: enough that the killed groups are back well before group 0 ends
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
 
 
@@ -92,6 +95,14 @@ def coordinator(out: str, data: str) -> dict:
     return {**outcome, "events": events}
 
 
+def diloco(out: str, data: str) -> dict:
+    env = {0: {"DDP_CIFAR100_FAULT": "0/0:9:send"}, 1: {"DDP_CIFAR100_FAULT": "1/0:4:forward,1/0:7:forward:1"}}
+    run = ReplicaRun(out, 2, flags(data, STEPS["diloco"], "--checkpoint-every", "3", "--grad-sync", "diloco",
+                                   "--local-steps", "3"), entry="tests/float64_trainer.py", group_env=env,
+                     min_groups=2, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+    return finish(run, lambda: None, timeout_s=400)
+
+
 def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
     """Start the run, act on it, wait for every group; what the tests read."""
     started = time.time()
@@ -109,7 +120,7 @@ def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
             "metrics": {str(g): run.path(g, "metrics") for g in range(run.groups)}}
 
 
-SCENARIOS = {"kills": kills, "alone": alone, "coordinator": coordinator}
+SCENARIOS = {"kills": kills, "alone": alone, "diloco": diloco, "coordinator": coordinator}
 
 
 def main(out: str, names: list[str]) -> int:

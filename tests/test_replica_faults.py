@@ -10,6 +10,8 @@ a coordinator and a torchrun per group, the trainer in float64), each run compar
 - alone: groups 1 and 2 SIGKILLed at once: group 0 goes on alone (--min-replica-groups 1), they come back and
   recover; then group 2 stopped past the fault timeout and woken: left out while hung, it rejoins by recovery, not
   by applying what it had in flight; every group ends with the same weights, which the replay reaches.
+- diloco: DiLoCo's replicas as groups: one killed inside a window recovers at the next meeting, bringing nothing to
+  it; the one that sends it the state killed mid-transfer: both start again from their checkpoints; they end equal.
 - coordinator: the coordinator killed: each group says so in one line and stops, its checkpoint whole.
 
 Why 1e-10 for the replay, over hundreds of steps: the replay's sums associate otherwise than the groups' (a few units
@@ -47,7 +49,7 @@ def outcomes():
     done = processes.results_of(sys.modules[__name__], timeout=900)["scenarios"]
     assert done.returncode == 0, done.stderr[-3000:]
     found = {}
-    for name in ("kills", "alone", "coordinator"):
+    for name in replica_scenarios.SCENARIOS:
         with open(os.path.join(OUT[0], name, "outcome.json")) as f:
             found[name] = json.load(f)
         assert "error" not in found[name], found[name].get("error")
@@ -115,6 +117,15 @@ def test_a_hung_group_is_left_out_and_rejoins_by_recovery(outcomes):
     rejoined = [note["recovered"] for note in alone["logs"]["2"] if "recovered" in note
                 and note["recovered"]["group"] == 2 and note["recovered"]["asked"] > stopped_at]
     assert rejoined, "group 2 did not rejoin by recovery after its hang"
+
+
+def test_diloco_replica_groups_recover_at_a_meeting_and_end_equal(outcomes):
+    run = outcomes["diloco"]
+    assert run["codes"] == {"0": 0, "1": 0}
+    assert run["restarts"] == {"0": 1, "1": 2}
+    assert max_difference(final_weights(run, 0), final_weights(run, 1)) == 0  # the run ends on a meeting
+    recovered = [note["recovered"] for group in ("0", "1") for note in run["logs"][group] if "recovered" in note]
+    assert [(note["group"], note["step"]) for note in recovered] == [(1, 6)]  # at the meeting after its death
 
 
 def test_the_coordinator_lost_is_one_line_and_the_checkpoints_are_whole(outcomes):

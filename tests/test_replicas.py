@@ -119,3 +119,28 @@ def test_one_process_replaying_the_commit_log_reaches_the_groups_weights(local_g
     worst = max_difference(two_groups["groups"][1][0]["state"], replayed)
     print(f"\none process replaying the commit log vs replica group 1, float64: max |dw| = {worst:.1e}")
     assert worst < 1e-10
+
+
+DILOCO = ["--grad-sync", "diloco", "--local-steps", "2", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+
+
+@pytest.fixture(scope="module")
+def diloco_groups(local_group, corpus):
+    """DiLoCo's replicas as 2 replica groups of one process (meeting through the quorum every 2 steps), and as one
+    run of 2 processes with --replicas 2 (meeting on diloco.py's ring)."""
+    with coordinator() as address, LocalGroup(1) as first, LocalGroup(1) as second:
+        flags = [*DILOCO, "--replica-groups", "2", "--coordinator", address]
+        pending = {group: where.submit(train_in_group, argv_of(corpus, *flags, "--replica-group", str(group)),
+                                       "float64") for group, where in enumerate((first, second))}
+        groups = collect_all(pending)
+    whole = local_group(2).run(train_in_group, argv_of(corpus, *DILOCO, "--replicas", "2"), "float64")
+    return groups, whole
+
+
+def test_diloco_replica_groups_are_one_diloco_run(diloco_groups):
+    groups, whole = diloco_groups
+    for group, ranks in groups.items():
+        worst = max_difference(ranks[0]["state"], whole[group]["state"])  # replica `group` is rank `group` there
+        print(f"\ndiloco replica group {group} vs replica {group} of one run, float64: max |dw| = {worst:.1e}")
+        assert worst < 1e-10
+    assert max_difference(groups[0][0]["state"], groups[1][0]["state"]) == 0  # the run ends on a meeting

@@ -165,8 +165,8 @@ def replica_groups(config: Config, ctx: utils.DistContext) -> tuple[Any, Any, in
     sharded over the replica and replicated across (zero.shard's group and replicate_group). fsdp: make_sync builds
     its DeviceMesh itself. (None, None, 0, 1) without replicas."""
     hybrid = config.replicas is not None and config.grad_sync == "custom"
-    if config.grad_sync not in OUTER_SYNCS and not hybrid:
-        return None, None, 0, 1
+    if config.grad_sync not in OUTER_SYNCS and not hybrid or config.coordinator:  # replica groups: this torchrun is one
+        return None, None, 0, ctx.world_size if config.coordinator else 1
     world, replicas = ctx.world_size, config.replicas or ctx.world_size
     if world % replicas:
         raise UsageError(f"--replicas {replicas} does not divide the {world} processes into equal replicas")
@@ -227,12 +227,18 @@ def make_outer(config: Config, model: nn.Module, across: Any, sync: DataParallel
     if config.grad_sync not in OUTER_SYNCS:
         return None
     sharded = {"params": sync.weights, "after_write": sync.drop_gathered} if config.zero == 3 else {}
+    meets = {"meet": meeting_not_ready} if config.coordinator else {}  # replica groups meet through the quorum
     try:
         return DiLoCo(model, across, config.local_steps, config.outer_lr, config.outer_momentum,
                       config.outer_optimizer == "nesterov", config.outer_compress, config.fragments,
-                      config.outer_delay, config.timeout, **sharded)
+                      config.outer_delay, config.timeout, **sharded, **meets)
     except ValueError as exc:  # e.g. more fragments than the model has parameters
         raise UsageError(f"--grad-sync {config.grad_sync}: {exc}") from None
+
+
+def meeting_not_ready(pseudo: Any) -> Any:
+    """DiLoCo's meeting before the replica groups are joined (trainer/replica_groups.py sets the real one)."""
+    raise RuntimeError("the replica groups' meeting is not set up yet")
 
 
 def dynamo_counts() -> dict[str, int]:

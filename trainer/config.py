@@ -520,13 +520,17 @@ def check_replica_groups(given: argparse.Namespace) -> None:
     host, _, port = given.coordinator.rpartition(":")
     if not port.isdigit():
         raise UsageError(f"--coordinator is HOST:PORT, got {given.coordinator!r}")
-    if given.grad_sync != "custom" or given.zero != 0:
-        raise UsageError(f"fault-tolerant replica groups train --grad-sync custom --zero 0 inside each group; "
-                         f"--grad-sync {given.grad_sync} --zero {given.zero} is not supported (ZeRO inside a group "
-                         f"with fault tolerance across groups, FT-HSDP, is not built yet)")
+    if given.grad_sync not in ("custom", *OUTER_SYNCS) or given.zero != 0:
+        raise UsageError(f"fault-tolerant replica groups train --grad-sync custom, diloco or localsgd with --zero 0 "
+                         f"inside each group; --grad-sync {given.grad_sync} --zero {given.zero} is not supported (ZeRO "
+                         f"inside a group with fault tolerance across groups, FT-HSDP, is not built yet)")
     if given.replicas is not None:
         raise UsageError("--replicas splits one torchrun into replicas; with --replica-groups each torchrun is one "
-                         "group: leave --replicas out")
+                         "group (one replica): leave --replicas out")
+    if given.grad_sync in OUTER_SYNCS and ((given.fragments or 1) != 1 or (given.outer_delay or 0) != 0
+                                           or (given.outer_compress or "none") != "none"):
+        raise UsageError(f"--grad-sync {given.grad_sync} with --replica-groups meets through the quorum: one "
+                         f"fragment, no --outer-delay and no --outer-compress (not built yet with fault tolerance)")
     if given.allreduce == "butterfly":
         raise UsageError("fault-tolerant replica groups average across groups with --allreduce torch or ring")
     if given.norm != "local" and given.model not in LANGUAGE_MODELS + ("vit", *TORCHVISION_VITS):

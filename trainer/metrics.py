@@ -261,11 +261,14 @@ def announce(meter: Meter) -> None:
                      f"{meter.baselines['gzip_bits_per_byte']:.3f} bits/byte under gzip -9 and "
                      f"{meter.baselines['unigram_bits_per_byte']:.3f} by byte frequencies alone (unigram entropy)")
     world = parts.ctx.world_size
+    groups = (f" as replica group {config.replica_group} of {config.replica_groups} (fault-tolerant, through "
+              f"{config.coordinator})") if config.coordinator else ""
+    per_step = f"{config.batch_size} x {config.grad_accum} x {world}" + (
+        f" x {config.replica_groups} groups" if config.coordinator else "")
     utils.print0(f"{config.model} ({trainable_parameters(parts):,} parameters, {parts.data.num_classes} classes) on "
-                 f"{world} x {parts.device.type} ({parts.ctx.backend}), grad-sync {config.grad_sync}"
+                 f"{world} x {parts.device.type} ({parts.ctx.backend}){groups}, grad-sync {config.grad_sync}"
                  f"{describe_outer(parts)}{f' --zero {config.zero}' if config.zero else ''}, {config.optimizer}, "
-                 f"norm {config.norm}, {config.batch_size} x {config.grad_accum} x {world} samples per step, "
-                 f"{parts.steps_per_epoch} steps per epoch")
+                 f"norm {config.norm}, {per_step} samples per step, {parts.steps_per_epoch} steps per epoch")
 
 
 def describe_outer(parts: Parts) -> str:
@@ -274,7 +277,7 @@ def describe_outer(parts: Parts) -> str:
     if parts.outer is None:  # custom --zero 1-3 and fsdp: hybrid sharding, or none
         replicas = config.replicas or 1
         return f" ({replicas} replicas x {parts.ctx.world_size // replicas} shards)" if replicas > 1 else ""
-    replicas = parts.ctx.world_size // parts.replica_size
+    replicas = config.replica_groups or parts.ctx.world_size // parts.replica_size
     text = f" ({replicas} replicas of {parts.replica_size}, meeting every {config.local_steps} steps"
     if config.grad_sync == "diloco":
         text += f", outer {config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"

@@ -18,6 +18,12 @@ by the sync, then across the quorum's groups). Each optimizer step:
 - the step is applied only if the quorum commits it (``commit``); else the loop takes the same micro-batches again
   in the next quorum.
 
+With --grad-sync diloco (or localsgd) each group is one DiLoCo replica: its inner steps are its own, and the groups
+meet only at the outer step (diloco.DiLoCo's ``meet``), where the quorum is formed, the pseudo-gradients averaged
+over the groups alive and the outer step applied only if the quorum commits it (else averaged again in the next
+one). A group that comes back joins at the next meeting: it takes the live state (the shared point and the outer
+optimizer's state among it) and brings no pseudo-gradient of its own (weight 0), then steps like the others.
+
 The commit log (--commit-log PATH, written by each group's rank 0) holds every committed step: its quorum, the
 groups that took part and the samples each used (``samples_of``: epoch, micro-batches and data ranks, which name
 them: data.py's order), so one process can replay the run (``replay``) and reach the survivors' weights; a group
@@ -54,10 +60,13 @@ class ReplicaGroups:
         self.epoch: Any = None  # the loop's epoch under way (its sums), or None between epochs
         self.sums: list[float] = list(NO_SUMS)  # this rank's sums of the epoch under way, once the live state is taken
         self.recovered = False
+        self.joined = False  # diloco: whether this process has joined once (then it meets only at outer steps)
         self.replica = replicas.Replica(
             config.coordinator, config.replica_group, config.replica_groups, identity, self.live_state,
             self.take_live_state, min_groups=config.min_replica_groups, fault_timeout_s=config.fault_timeout,
             collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step)
+        if parts.outer is not None:
+            parts.outer.meet = self.meet
 
     def _fault(self, point: str) -> None:
         """trainer/faults.py's injection, inside the average and the state transfer."""
@@ -66,10 +75,23 @@ class ReplicaGroups:
     def join(self, position: Any, history: list[dict[str, Any]], epoch: Any) -> bool:
         """This step's quorum; whether the live state was taken (``position`` and ``history`` then hold the
         group's, and ``sums`` this rank's sums of the epoch under way). ``epoch``: the loop's epoch under way, or
-        None between epochs."""
+        None between epochs. diloco: only this process's first join asks (the others are the meetings'), and it
+        takes its part at once in its quorum's meeting with nothing to bring (DiLoCo.meet_as_joiner): the groups
+        there at a meeting bring theirs, and a quorum of groups that all just started brings none, and applies no
+        outer step."""
         self.position, self.history, self.epoch, self.recovered = position, history, epoch, False
+        if self.parts.outer is not None and self.joined:
+            return False
+        self.joined = True
+        self._join()
+        if self.parts.outer is not None:
+            self.parts.outer.meet_as_joiner()
+        return self.recovered
+
+    def _join(self) -> None:
         asked = time.time()
-        quorum = self.replica.join(position.optimizer_steps)
+        self.recovered = False
+        quorum = self.replica.join(self.position.optimizer_steps)
         if self.recovered:
             transfer = self.replica.recovered[-1]
             self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
@@ -77,7 +99,22 @@ class ReplicaGroups:
                                              "started": STARTED, "asked": asked,
                                              "quorum_s": time.time() - asked - transfer["seconds"],
                                              "transfer_s": transfer["seconds"], "bytes": transfer["bytes"]}})
-        return self.recovered
+
+    def meet(self, pseudo: torch.Tensor | None) -> torch.Tensor | None:
+        """diloco's meeting (diloco.DiLoCo's ``meet``): this group's pseudo-gradient (None: it has just joined and
+        brings nothing, weight 0) averaged over the groups alive, once their quorum has committed it; None where no
+        group brought one (no outer step then); an aborted quorum is followed by another, with the same
+        pseudo-gradient. The meeting's quorum: a new one, unless this process has just joined (it is in one)."""
+        joined = pseudo is None
+        while True:
+            if not joined:
+                self._join()
+                if self.recovered:  # this group was behind (back from a hang): its pseudo-gradient is stale
+                    pseudo = None
+            joined = False
+            average = torch.zeros_like(self.parts.outer.start[0]) if pseudo is None else pseudo.clone()
+            if self.replica.commit(self.replica.average([average], 0.0 if pseudo is None else 1.0)):
+                return average if self.replica.total_weight else None
 
     def live_state(self) -> dict[str, Any]:
         """What a joiner needs to continue from this rank's place (module docstring)."""
@@ -86,7 +123,7 @@ class ReplicaGroups:
                 "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
                 "scaler": parts.scaler.state_dict(), "position": dataclasses.asdict(self.position),
                 "history": self.history, "sums": self.epoch.sums.values() if self.epoch is not None else NO_SUMS,
-                "rng": torch.get_rng_state()}
+                "rng": torch.get_rng_state(), "outer": parts.outer.state_dict() if parts.outer is not None else None}
 
     def take_live_state(self, state: dict[str, Any]) -> None:
         parts = self.parts
@@ -100,15 +137,21 @@ class ReplicaGroups:
         self.history[:] = state["history"]
         self.sums = list(state["sums"])
         torch.set_rng_state(state["rng"])
+        if parts.outer is not None:
+            parts.outer.load_state_dict(state["outer"])
         self.recovered = True
 
     def average(self) -> bool:
-        """The sync's gradient buckets (averaged in the group) averaged across the quorum's groups."""
-        return self.replica.average(self.parts.sync.held_gradient_buffers())
+        """The sync's gradient buckets (averaged in the group) averaged across the quorum's groups (diloco: an inner
+        step's are the group's own)."""
+        return self.parts.outer is not None or self.replica.average(self.parts.sync.held_gradient_buffers())
 
     def commit(self, ok: bool, position: Any, window: range) -> bool:
-        """Whether the quorum applies this step; the commit log names what each participant used."""
+        """Whether the quorum applies this step; the commit log names what each participant used (diloco: an inner
+        step is the group's own, applied)."""
         config, per = self.parts.config, self.parts.ctx.world_size
+        if self.parts.outer is not None:
+            return True
 
         def samples_of(group: int) -> dict[str, Any]:
             return {"epoch": position.epoch, "micro_batches": [window[0], window[-1] + 1],
