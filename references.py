@@ -265,6 +265,9 @@ class FSDPSync:
         optimizers = as_optimizers(optimizer)
         with self._fsdp2_state_dicts():
             model_state, optimizer_state = get_state_dict(self.model, optimizers)
+        if dist.get_rank() != 0:  # rank 0's buffers alone: zero/checkpoint/state_dict.py's [Note: one definition of a
+            for name, _ in self.model.named_buffers():  # buffer]
+                model_state.pop(name, None)
         state = {"model": model_state, "optimizer": optimizer_state}
         if extra is not None and dist.get_rank() == 0:  # DCP's coordinator: one copy, as zero.checkpoint writes it
             state["extra"] = checkpoint.encode_extra(extra)

@@ -234,9 +234,9 @@ class Lighthouse:
     def _admissible(self, alive: dict[int, Asked]) -> list[int]:
         """The groups that may join: of the quorum's identity and size (the first quorum: the most common), the
         others refused in one line each."""
-        reference = self.quorum or max(({"identity": a.request["identity"], "size": a.request["size"]}
-                                        for a in alive.values()),
-                                       key=lambda r: sum(a.request["identity"] == r["identity"] for a in alive.values()))
+        requests = [asked.request for asked in alive.values()]
+        reference = self.quorum or max(({"identity": r["identity"], "size": r["size"]} for r in requests),
+                                       key=lambda ref: sum(r["identity"] == ref["identity"] for r in requests))
         members = []
         for group, asked in alive.items():
             why = self._unfit(asked.request, reference)

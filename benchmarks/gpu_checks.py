@@ -48,6 +48,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: benchmarks/)
@@ -83,20 +84,16 @@ class Check:
 def plan(tag: str = "gpu-<name>", cores: str = "<cores>") -> list[Check]:
     """The checks in the order they run, on a machine whose utils.machine_tag is ``tag`` (gpu-h100-80gb-hbm3; on a
     CPU cpu-<cores>core) and which has ``cores`` CPU cores (the placeholders: as docs/gpu.md shows them)."""
-    gpu = tag
-    run_dir = f"results/{run_name(tag)}"
+    return [*test_checks(tag), *benchmark_checks(tag), *zero_checks(tag), *machine_checks(tag, cores)]
+
+
+def test_checks(gpu: str) -> list[Check]:
+    """The CUDA tests: the fused kernels alone first, then the others."""
+    run_dir = f"results/{run_name(gpu)}"
     # The CUDA tests record their worst errors in a file of the GPU's own, beside the CPU's
     # results/syncbn-test-errors.json (test_syncbn.py writes the file SYNCBN_ERRORS_JSON names, and none without it).
     test_errors = {"SYNCBN_ERRORS_JSON": f"results/syncbn-test-errors-{gpu}.json"}
     pytest = ("python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs")
-
-    def zero(check_name: str, what: str, flags: str, json_name: str, estimate_s: float, timeout_s: float,
-             sizes: str) -> Check:
-        path = f"results/{json_name}-{gpu}-{'4' if '--nprocs 4' in flags else '2'}xgloo.json"
-        return Check(check_name, what, ("python3", "-m", "benchmarks.zero_benchmark", "--device", "cuda",
-                                        *flags.split(), "--json", path), estimate_s, timeout_s, (path,), sizes=sizes)
-
-    gpt2 = "--models gpt2 --nprocs 2 --grad-accums 1 --allreduces torch --repeats 1"
     return [
         Check("pytest-fused", "SyncBatchNorm's fused Triton kernels on the GPU, world of one, against nn.BatchNorm "
               "in float64 (output, gradients, running statistics; float32, float16, bfloat16; channels-last, "
@@ -112,6 +109,12 @@ def plan(tag: str = "gpu-<name>", cores: str = "<cores>") -> list[Check]:
               (*pytest, "-k", "cuda", "--deselect", FUSED_TEST, "--junitxml", f"{run_dir}/pytest-cuda.xml"), 60,
               180, may_write=(test_errors["SYNCBN_ERRORS_JSON"],), env=test_errors,
               junit=f"{run_dir}/pytest-cuda.xml", needs_gpu=False),
+    ]
+
+
+def benchmark_checks(gpu: str) -> list[Check]:
+    """SyncBatchNorm's benchmarks and the trainer's, on the GPU."""
+    return [
         Check("bn-grid-2xgloo", "SyncBatchNorm forward + backward against nn.SyncBatchNorm, the (N, C) grid, two "
               "ranks sharing the GPU over gloo: time and extra memory",
               ("torchrun", "--standalone", "--nproc_per_node", "2", "bn_benchmark.py", "--device", "cuda",
@@ -142,6 +145,22 @@ def plan(tag: str = "gpu-<name>", cores: str = "<cores>") -> list[Check]:
                f"results/training-{gpu}.json"), 130, 240, (f"results/training-{gpu}.json",),
               sizes="--quick as it is: 6 trainer runs of ~20 s each, mostly start-up (121 s on the H100 in "
                     "November)"),
+    ]
+
+
+def zero_check(gpu: str, check_name: str, what: str, flags: str, json_name: str, estimate_s: float, timeout_s: float,
+               sizes: str) -> Check:
+    """A zero_benchmark run on the GPU, its JSON named by the GPU and the processes."""
+    path = f"results/{json_name}-{gpu}-{'4' if '--nprocs 4' in flags else '2'}xgloo.json"
+    return Check(check_name, what, ("python3", "-m", "benchmarks.zero_benchmark", "--device", "cuda",
+                                    *flags.split(), "--json", path), estimate_s, timeout_s, (path,), sizes=sizes)
+
+
+def zero_checks(gpu: str) -> list[Check]:
+    """ZeRO against FSDP2 on the GPU: ViT, GPT-2 small's shape (fp32, bf16 over fp32, hybrid), ResNet-50."""
+    gpt2 = "--models gpt2 --nprocs 2 --grad-accums 1 --allreduces torch --repeats 1"
+    zero = partial(zero_check, gpu)
+    return [
         zero("zero-vit", "ZeRO stages 0-3 against FSDP2 (fully_shard, stage 3) on ViT-B/16 (86M parameters, "
              "32-pixel images), 2 ranks over gloo on the GPU, bf16 autocast: per stage the peak of "
              "torch.cuda.max_memory_allocated beside state_bytes, and step time",
@@ -172,6 +191,12 @@ def plan(tag: str = "gpu-<name>", cores: str = "<cores>") -> list[Check]:
              "--models resnet50 --nprocs 2 --grad-accums 1 --amp bf16 --batch-size 32 --allreduces torch "
              "--rows stage0,stage1,stage2,stage3,fsdp3", "zero-resnet50", 100, 240,
              "as zero-vit: 5 runs instead of 14"),
+    ]
+
+
+def machine_checks(gpu: str, cores: str) -> list[Check]:
+    """What the machine's size makes worth measuring: ImageNet's step on the GPU, the all-reduces on its cores."""
+    return [
         Check("imagenet", "where a ResNet-50 step goes at ImageNet scale (224-pixel JPEGs, batch 128, bf16, "
               "channels-last, one process): every --norm custom|torch|local x --grad-sync custom|ddp pair against "
               "a plain loop on tensors already on the GPU",

@@ -32,7 +32,8 @@ class ReplicaRun:
                  entry: str = "ddp_cifar100.py", env: dict[str, str] | None = None,
                  group_env: dict[int, dict[str, str]] | None = None, min_groups: int = 1, fault_timeout_s: float = 10):
         self.workdir, self.groups, self.flags, self.processes = workdir, groups, flags, processes
-        self.max_restarts, self.entry, self.min_groups, self.timeout_s = max_restarts, entry, min_groups, fault_timeout_s
+        self.max_restarts, self.entry = max_restarts, entry
+        self.min_groups, self.timeout_s = min_groups, fault_timeout_s
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.group_env = group_env or {}
         self.coordinator: subprocess.Popen | None = None

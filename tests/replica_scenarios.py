@@ -30,7 +30,7 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 450, "diloco": 12}  # alone: enough that the killed groups are back well before group 0 ends
+STEPS = {"kills": 10, "alone": 450, "diloco": 12}  # alone: the killed groups back well before group 0 ends
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
 
 

@@ -102,8 +102,9 @@ def test_the_commit_log_names_every_step_its_groups_and_their_samples(two_groups
         assert [entry["step"] for entry in log] == list(range(6))
         for entry in log:
             assert entry["participants"] == [0, 1]
-            assert entry["samples"] == {str(g): {"epoch": 0, "micro_batches": [2 * entry["step"], 2 * entry["step"] + 2],
-                                                 "ranks": [2 * g, 2 * g + 1]} for g in (0, 1)}
+            window = [2 * entry["step"], 2 * entry["step"] + 2]
+            assert entry["samples"] == {str(g): {"epoch": 0, "micro_batches": window, "ranks": [2 * g, 2 * g + 1]}
+                                        for g in (0, 1)}
 
 
 def test_a_group_of_another_configuration_is_refused_in_one_line(two_groups):

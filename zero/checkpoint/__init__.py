@@ -26,8 +26,8 @@ parameter's own (global) shape and the model's own dtype (the masters under para
 ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` makes ours an ordinary state dict, an FSDP2 program
 loads ours with ``dcp.load`` + ``set_state_dict``, and ours loads FSDP2's (``load`` then returns None: no extra).
 
-The chunk arithmetic ([Note: boxes], zero/pieces.py). A rank's shard of a stage-1-3 bucket is a contiguous range of a flat buffer
-that crosses parameters; inside each parameter it is a contiguous range [start, end) of the parameter's elements in
+The chunk arithmetic ([Note: boxes], zero/pieces.py). A rank's shard of a stage-1-3 bucket is a contiguous range of a
+flat buffer that crosses parameters; inside each parameter it is a contiguous range [start, end) of the parameter's elements in
 its memory order (gradsync.gradient_view: a channels-last weight is laid out by its strides). DCP describes a
 rank's part of a tensor as n-D boxes (ChunkStorageMetadata: offsets, sizes), so each range is written as the boxes
 it covers: ``range_boxes`` cuts a range of a row-major shape into at most 2(n-1)+1 boxes, each one contiguous in
@@ -41,10 +41,11 @@ What each rank holds is said by the sync itself, through the methods of ``Checkp
 bucket, its range and a 1-D view of the masters: zero/pieces.py's ``flat_pieces``) and, for each optimizer,
 ``optimizer_view(optimizer)`` (its parameters in torch.optim's numbering and, at stages 1-3, its runs:
 zero/optimizer.py, one inner tensor per run of a bucket's chunk, each run's ``covers`` cutting its state into the
-same per-parameter ranges; Muon's and Adafactor's runs are pieces of one parameter each, zero/matrix.py). Whatever no stage shards (buffers, frozen
-parameters, stage 0's whole model and plain optimizer, Adafactor's factored statistics: [Note: state kept whole]) is
-a whole tensor on every rank that holds it: each offers it and DCP's de-duplication of identical write items keeps
-one copy, as it does for the replicas of hybrid sharding, whose equal shards give equal boxes.
+same per-parameter ranges; Muon's and Adafactor's runs are pieces of one parameter each, zero/matrix.py). Whatever
+no stage shards (frozen parameters, stage 0's whole model and plain optimizer, Adafactor's factored statistics:
+[Note: state kept whole]) is a whole tensor on every rank that holds it: each offers it and DCP's de-duplication of
+identical write items keeps one copy, as it does for the replicas of hybrid sharding, whose equal shards give equal
+boxes. Buffers are rank 0's alone ([Note: one definition of a buffer]: each rank's running statistics may differ).
 
 Memory, per rank (Psi parameters, W ranks of the shard group), on top of what the rank holds anyway:
 - save: nothing gathered, no collective but DCP's planning (objects: [Note: no tensor collective in save]) and no
@@ -88,6 +89,6 @@ from zero.checkpoint.state_dict import Checkpointable, encode_extra, model_entri
 from zero.checkpoint.whole import load_any, load_file, read_file, save_file
 from zero.pieces import Piece, Shards, flat_pieces, layout_boxes, memory_order, range_boxes
 
-__all__ = ["save", "load", "read_extra", "read_whole", "save_file", "load_file", "read_file", "load_any", "CheckpointError", "one_line", "Checkpointable",
-           "encode_extra", "model_entries", "optimizer_entries", "ShardSavePlanner", "ShardLoadPlanner", "Piece",
+__all__ = ["save", "load", "read_extra", "read_whole", "save_file", "load_file", "read_file", "load_any",
+           "CheckpointError", "one_line", "Checkpointable", "encode_extra", "model_entries", "optimizer_entries", "ShardSavePlanner", "ShardLoadPlanner", "Piece",
            "Shards", "flat_pieces", "layout_boxes", "memory_order", "range_boxes"]

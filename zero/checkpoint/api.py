@@ -50,7 +50,7 @@ def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None) 
     path = os.fspath(path)
     group = checkpoint_group(sync)
     optimizers = as_optimizers(optimizer)
-    state = {"model": model_entries(sync)}
+    state = {"model": model_entries(sync, saving=True)}
     if optimizers:
         state["optimizer"] = optimizer_entries(sync, optimizers)
     if extra is not None and dist.get_rank(group) == 0:  # DCP's coordinator; the others' are not written

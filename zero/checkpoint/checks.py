@@ -162,7 +162,8 @@ def optimizer_problem(metadata: Metadata, slots_: list[Slot], kinds: dict[str, d
     strangers = set(state) - set(ours)
     if strangers:
         return f"its optimizer state holds {listed(strangers)}, which these optimizers do not step"
-    stateless = [slot.name for slot in slots_ if slot.name not in state]
+    stateless = [slot.name for slot in slots_ if slot.name not in state and kinds[slot.name]]  # (SGD without
+    # momentum keeps nothing)
     if stepped and stateless:
         return (f"its optimizer state is incomplete: {listed(stateless)} ({len(stateless)} of {len(slots_)} "
                 f"parameters) have none, and the run that saved it had stepped every parameter")

@@ -54,14 +54,19 @@ class Checkpointable(Protocol):
         """After a load wrote into them: the model made ready to train."""
 
 
-def model_entries(sync: Checkpointable) -> dict[str, Any]:
+def model_entries(sync: Checkpointable, saving: bool = False) -> dict[str, Any]:
     """The "model" part, name by name as in model.state_dict(): a Shards of this rank's pieces where the sync
     keeps the tensor in pieces (nothing where it holds none of it), else the whole tensor (buffers, frozen
-    parameters at stages 0-2, stage 0's parameters)."""
+    parameters at stages 0-2, stage 0's parameters). ``saving``: the buffers are offered by the group's rank 0
+    alone ([Note: one definition of a buffer])."""
     held = sync.held_pieces()
     pieces = shards_by_name(piece for pieces in held.values() for piece in pieces)
+    others = saving and dist.get_rank(sync.checkpoint_group()) != 0
+    buffers = {name for name, _ in sync.model.named_buffers()} if others else set()
     entries = {}
     for name, value in sync.model.state_dict(keep_vars=True).items():
+        if name in buffers:
+            continue
         if not torch.is_tensor(value):
             raise ValueError(f"zero.checkpoint: the model's state_dict holds {name!r}, a {type(value).__name__} "
                              f"(a module's extra state), which these checkpoints do not carry")
@@ -70,6 +75,13 @@ def model_entries(sync: Checkpointable) -> dict[str, Any]:
         elif name not in held:
             entries[name] = value.detach()
     return entries
+
+
+# [Note: one definition of a buffer] A buffer (BatchNorm's running statistics) is whole on every rank, but with
+# per-process normalization (--norm local) every rank's differs, and DCP keeps whichever identical-looking copy its
+# planner picks: a checkpoint would hold some rank's, another sync's another's, and a resumed run evaluate otherwise.
+# So the group's rank 0 alone offers them, as last.pt holds rank 0's and DistributedDataParallel broadcasts rank 0's
+# before each forward; the trainer evaluates with rank 0's too (its validation broadcasts them first).
 
 
 def first_names(model: nn.Module) -> dict[int, str]:

@@ -1,0 +1,408 @@
+"""Goodput under faults: the byte GPT (--model gpt) on 4 MB of the standard library's source, 3 replicas, one SIGKILL
+of a random replica every --kill-every seconds (30) during the first --seconds (300), on one fault schedule, three
+ways:
+
+- ours: replicas.py's fault-tolerant replica groups (3 torchruns of 1 process, a coordinator): the survivors go on,
+  a restarted group takes the live state from one of them (benchmarks/replica_runs.py);
+- elastic: one torchrun of 3 processes with --max-restarts and --checkpoint-every 25, as the trainer is run today:
+  every fault restarts every process, which resume from the last checkpoint and redo the steps since it;
+- torchft: torchft 0.2.0 itself (its Manager, its Lighthouse, its ProcessGroupGloo, its HTTP checkpoint transport),
+  the same model, data and optimizer, installed in this benchmark's own folder (--torchft-dir), not in
+  requirements.txt (pip install --target; it needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http).
+
+Each way runs the same --steps once without faults and once with them, in this call. Per fault (ours, torchft): the
+survivors' stall (their last committed step before the kill to the first after it), the steps they took again, and
+the killed group's time to its first committed step after the kill, split into the process's start, its quorum
+and its state transfer (torchft's Manager reports the last two together). Over a run: goodput, committed samples
+per second against the same way's run without faults, and the final validation loss. Writes
+results/faults-<machine>.json (``--out``); the report plots it.
+
+    python3 -m benchmarks.fault_benchmark [--seconds 300] [--kill-every 30] [--steps 300] [--ways ours,elastic,torchft]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import utils
+from benchmarks.replica_runs import ROOT, ReplicaRun
+from replicas import STALE_S
+
+PROG = "fault_benchmark"
+TORCHFT = ["torchft==0.2.0", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"]
+WAYS = ("ours", "elastic", "torchft")
+
+
+def recipe(steps: int, text: str) -> list[str]:
+    """The byte GPT's run every way trains: AdamW, 8 windows of 128 bytes per process and step, on ``text``."""
+    return ["--device", "cpu", "--dataset", "text", "--data-dir", text, "--model", "gpt", "--val-fraction", "0.05",
+            "--batch-size", "8", "--optimizer", "adamw", "--lr", "1e-3", "--weight-decay", "0.1", "--epochs", "1000",
+            "--max-steps", str(steps), "--seed", "0", "--timeout", "120"]
+
+
+def text_folder(root: str, megabytes: float = 4.0) -> str:
+    """The standard library's .py files, in path order, up to ``megabytes``: the corpus every way reads (the whole
+    of it takes a restarted process tens of seconds to read, which would measure the disk, not the recovery)."""
+    from data import default_text_dir
+    source, folder, total = default_text_dir(), os.path.join(root, "text"), 0
+    for directory, _, files in sorted(os.walk(source)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(directory, name)
+            target = os.path.join(folder, os.path.relpath(path, source))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(path, "rb") as f, open(target, "wb") as out:
+                total += out.write(f.read())
+            if total > megabytes * 1e6:
+                return folder
+    return folder
+
+
+def schedule(args: argparse.Namespace) -> list[tuple[float, int]]:
+    """(seconds after the start, which replica): one kill every --kill-every seconds during --seconds."""
+    rng = random.Random(args.seed)
+    return [(t, rng.randrange(args.groups)) for t in range(args.kill_every, args.seconds + 1, args.kill_every)]
+
+
+def killing(faults: list[tuple[float, int]], kill: Any, done: Any, started: float) -> list[dict[str, Any]]:
+    """Run the schedule against a run until it is done; each kill's time and target."""
+    record = []
+    for at, target in faults:
+        while time.time() - started < at:
+            if done():
+                return record
+            time.sleep(0.05)
+        pids = kill(target)
+        record.append({"at_s": time.time() - started, "at": time.time(), "replica": target, "pids": pids})
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ours
+# ----------------------------------------------------------------------------------------------------------
+def run_ours(args: argparse.Namespace, workdir: str, faults: list[tuple[float, int]]) -> dict[str, Any]:
+    run = ReplicaRun(workdir, args.groups, recipe(args.steps, args.text), fault_timeout_s=10, max_restarts=100)
+    started = time.time()
+    try:
+        run.start()
+        kills = killing(faults, lambda g: run.signal(g, signal.SIGKILL),
+                        lambda: all(a.poll() is not None for a in run.agents.values()), started)
+        codes = run.wait(args.timeout)
+    finally:
+        run.close()
+    wall = time.time() - started
+    logs = {g: run.committed(g, steps_only=False) for g in range(args.groups)}
+    steps = max((e for g in logs for e in logs[g] if "step" in e), key=lambda e: e["step"])
+    log = next(logs[g] for g in logs if steps in logs[g])  # the log that holds the last committed step
+    committed = [e for e in log if "step" in e]
+    metrics = read_json(run.path(0, "metrics"))
+    return {"wall_s": wall, "codes": codes, "steps": len(committed),
+            "samples": sum(len(e["participants"]) for e in committed) * 8,
+            "final_val_loss": metrics.get("val_loss") if metrics else None,
+            "faults": [fault_figures(k, committed, logs, started) for k in kills]}
+
+
+def fault_figures(kill: dict[str, Any], committed: list[dict[str, Any]], logs: dict[int, list], started: float
+                  ) -> dict[str, Any]:
+    """A kill's figures from the commit logs: the survivors' stall and the steps they took again; the killed
+    group's time to its first committed step, and its parts (start, quorum, transfer: its recovery note)."""
+    at, group = kill["at"], kill["replica"]
+    before = [e for e in committed if e["time"] <= at]
+    after = [e for e in committed if e["time"] > at]
+    notes = [n["recovered"] for n in logs[group] if "recovered" in n and n["recovered"]["group"] == group
+             and n["recovered"]["asked"] > at]
+    back = next((e for e in after if group in e["participants"]), None)
+    figures = {"at_s": kill["at_s"], "replica": group,
+               "stall_s": after[0]["time"] - before[-1]["time"] if before and after else None,
+               "steps_again": (before[-1]["step"] + 1 - after[0]["step"]) if before and after else None,
+               "rejoined_s": back["time"] - at if back else None}
+    if notes:
+        note = notes[0]
+        figures.update(start_s=note["started"] - at, quorum_s=note["quorum_s"], transfer_s=note["transfer_s"],
+                       transfer_bytes=note["bytes"], asked_s=note["asked"] - at)
+    return figures
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torchrun's elastic restart
+# ----------------------------------------------------------------------------------------------------------
+def run_elastic(args: argparse.Namespace, workdir: str, faults: list[tuple[float, int]]) -> dict[str, Any]:
+    """One torchrun of --groups processes (the same global batch), --checkpoint-every 25, restarted whole."""
+    metrics = os.path.join(workdir, "metrics.json")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.groups),
+            "--max-restarts", "100", "--monitor-interval", "0.1", "ddp_cifar100.py", *recipe(args.steps, args.text),
+            "--checkpoint-dir", os.path.join(workdir, "checkpoints"), "--checkpoint-every", "25",
+            "--metrics-out", metrics]
+    agent = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in agent.stdout), daemon=True)
+    reader.start()
+    started = time.time()
+
+    def kill(rank: int) -> list[int]:
+        workers = children(agent.pid)
+        if rank < len(workers):
+            os.kill(sorted(workers)[rank], signal.SIGKILL)
+            return [sorted(workers)[rank]]
+        return []
+    try:
+        kills = killing(faults, kill, lambda: agent.poll() is not None, started)
+        agent.wait(timeout=args.timeout)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+        reader.join(timeout=5)
+    resumed = [(t, line) for t, line in lines if line.startswith("resuming from")]
+    for kill_ in kills:
+        after = next(((t, line) for t, line in resumed if t > kill_["at"]), None)
+        kill_.update(restart_s=after[0] - kill_["at"] if after else None,
+                     resumed_step=int(after[1].rsplit("optimizer step", 1)[1]) if after else None)
+    figures = read_json(metrics)
+    return {"wall_s": time.time() - started, "code": agent.returncode, "steps": args.steps,
+            "samples": args.steps * 8 * args.groups, "restarts": len(resumed),
+            "final_val_loss": figures.get("val_loss") if figures else None,
+            "faults": [{k: v for k, v in f.items() if k != "pids"} for f in kills]}
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torchft
+# ----------------------------------------------------------------------------------------------------------
+def install_torchft(folder: str) -> str | None:
+    """torchft and what it needs, in ``folder`` (pip install --target), once; None, or why it cannot be had."""
+    if os.path.exists(os.path.join(folder, "torchft", "__init__.py")):
+        return None
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", folder, "--no-deps",
+                           *TORCHFT[:1]], capture_output=True, text=True)
+    if done.returncode == 0:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", folder, *TORCHFT[1:]],
+                              capture_output=True, text=True)
+    return None if done.returncode == 0 else " ".join((done.stderr or done.stdout).split())[-300:]
+
+
+def run_torchft(args: argparse.Namespace, workdir: str, faults: list[tuple[float, int]]) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([args.torchft_dir, ROOT]))
+    port = free_port()
+    # its console script (the Rust lighthouse reads the process's own arguments), with our liveness threshold
+    lighthouse = subprocess.Popen([os.path.join(args.torchft_dir, "bin", "torchft_lighthouse"), "--min_replicas", "1",
+                                   "--quorum_tick_ms", "100", "--join_timeout_ms", "10000", "--heartbeat_timeout_ms",
+                                   str(int(1000 * STALE_S)), "--bind", f"127.0.0.1:{port}"], env=env,
+                                  stdout=open(os.path.join(workdir, "lighthouse.log"), "w"), stderr=subprocess.STDOUT)
+    agents: dict[int, subprocess.Popen] = {}
+    started = time.time()
+    try:
+        time.sleep(2)
+        for g in range(args.groups):
+            log = open(os.path.join(workdir, f"group-{g}.log"), "w")
+            agents[g] = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                 "--max-restarts", "100", "--monitor-interval", "0.1", "-m", "benchmarks.fault_benchmark",
+                 "torchft-worker", str(g), str(args.groups), str(args.steps), f"http://127.0.0.1:{port}", workdir,
+                 args.text],
+                cwd=ROOT, env=dict(env, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}"), stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        kills = killing(faults, lambda g: kill_all(children(agents[g].pid)),
+                        lambda: all(a.poll() is not None for a in agents.values()), started)
+        for agent in agents.values():
+            agent.wait(timeout=args.timeout)
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+        lighthouse.kill()
+    wall = time.time() - started
+    logs = {g: read_lines(os.path.join(workdir, f"commits-{g}.jsonl")) for g in range(args.groups)}
+    last = max(logs.values(), key=lambda log: max((e["step"] for e in log), default=-1))
+    committed = sorted({e["step"]: e for e in last}.values(), key=lambda e: e["step"])
+    figures = []
+    for kill_ in kills:
+        before = [e for e in committed if e["time"] <= kill_["at"]]
+        after = [e for e in committed if e["time"] > kill_["at"]]
+        mine = [e for e in logs[kill_["replica"]] if e["time"] > kill_["at"]]
+        starts = [e for e in read_lines(os.path.join(workdir, f"starts-{kill_['replica']}.jsonl"))
+                  if e["started"] > kill_["at"]]
+        figures.append({"at_s": kill_["at_s"], "replica": kill_["replica"],
+                        "stall_s": after[0]["time"] - before[-1]["time"] if before and after else None,
+                        "steps_again": before[-1]["step"] + 1 - after[0]["step"] if before and after else None,
+                        "rejoined_s": mine[0]["time"] - kill_["at"] if mine else None,
+                        "start_s": starts[0]["started"] - kill_["at"] if starts else None,
+                        "quorum_and_transfer_s": mine[0]["time"] - starts[0]["ready"] if mine and starts else None})
+    final = read_json(os.path.join(workdir, "final-0.json"))
+    return {"wall_s": wall, "steps": len(committed), "samples": sum(e["participants"] for e in committed) * 8,
+            "final_val_loss": final.get("val_loss") if final else None, "faults": figures}
+
+
+def kill_all(pids: list[int]) -> list[int]:
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def torchft_worker(group: int, groups: int, steps: int, lighthouse: str, workdir: str, text_dir: str) -> None:
+    """One torchft replica group of one process (under torchrun): the same GPT, data and AdamW, torchft's loop."""
+    from datetime import timedelta
+
+    import torch
+    import torch.nn.functional as F
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.optim import OptimizerWrapper
+
+    import data as data_module
+    from models import build_model
+    started = time.time()
+    torch.manual_seed(0)
+    text = data_module.TextData(text_dir, 128, 0.05, 0, 8, torch.device("cpu"))
+    text.placed = (group, groups)
+    model = build_model("gpt", 0.0, "local", 256, 32, 128)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+                      load_state_dict=lambda state: (model.load_state_dict(state["model"]),
+                                                     inner.load_state_dict(state["optimizer"])),
+                      state_dict=lambda: {"model": model.state_dict(), "optimizer": inner.state_dict()},
+                      replica_id=f"group{group}", timeout=timedelta(seconds=10), lighthouse_addr=lighthouse)
+    optimizer = OptimizerWrapper(manager, inner)
+    append_line(os.path.join(workdir, f"starts-{group}.jsonl"), {"started": started, "ready": time.time()})
+    per_epoch = len(text.batch_sizes())
+    while manager.current_step() < steps:
+        step = manager.current_step()
+        optimizer.zero_grad()  # starts the quorum (torchft's)
+        batches = text.train_batches(step // per_epoch, step % per_epoch)
+        inputs, targets = next(batches)
+        batches.close()
+        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        for p in model.parameters():
+            manager.allreduce(p.grad).wait()
+        participants = manager.num_participants()
+        optimizer.step()  # applied if the quorum should commit
+        if manager.current_step() > step:
+            append_line(os.path.join(workdir, f"commits-{group}.jsonl"),
+                        {"step": step, "time": time.time(), "participants": participants})
+    if group == 0:
+        with torch.no_grad():
+            shard = torch.arange(len(text.val))
+            losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+                      for x, y in text.val_batches(shard, 64)]
+        utils.write_json(os.path.join(workdir, "final-0.json"),
+                         {"val_loss": sum(losses) / (len(text.val) * 128)})
+    manager.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers, the table, the command line
+# ----------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def append_line(path: str, entry: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def read_lines(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def summarize(way: str, clean: dict[str, Any], faulty: dict[str, Any]) -> dict[str, Any]:
+    rate = {name: run["samples"] / run["wall_s"] for name, run in (("clean", clean), ("faulty", faulty))}
+    return {"way": way, "clean": clean, "faulty": faulty, "samples_per_s": rate,
+            "goodput": rate["faulty"] / rate["clean"], "kills": len(faulty["faults"])}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'way':8} {'clean s':>8} {'faulty s':>9} {'goodput':>8} {'kills':>6} {'stall s (median)':>17} "
+             f"{'rejoin s (median)':>18} {'final val loss':>15}"]
+    for row in rows:
+        faults = row["faulty"]["faults"]
+        stalls = [f["stall_s"] for f in faults if f.get("stall_s") is not None]
+        rejoins = [f.get("rejoined_s") or f.get("restart_s") for f in faults]
+        rejoins = [r for r in rejoins if r is not None]
+        loss = row["faulty"].get("final_val_loss")
+        lines.append(f"{row['way']:8} {row['clean']['wall_s']:8.1f} {row['faulty']['wall_s']:9.1f} "
+                     f"{row['goodput']:8.3f} {row['kills']:6d} "
+                     f"{(utils.median(stalls) if stalls else float('nan')):17.2f} "
+                     f"{(utils.median(rejoins) if rejoins else float('nan')):18.2f} "
+                     f"{(loss if loss is not None else float('nan')):15.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "torchft-worker":
+        torchft_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
+        return 0
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=300, help="how long the kills go on")
+    parser.add_argument("--kill-every", type=int, default=30, help="seconds between kills")
+    parser.add_argument("--groups", type=int, default=3, help="replicas (processes, for elastic)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps every run takes")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"which of {', '.join(WAYS)}")
+    parser.add_argument("--seed", type=int, default=0, help="the fault schedule's")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
+    parser.add_argument("--torchft-dir", default=os.path.expanduser("~/.cache/dataparallel/torchft-0.2.0"),
+                        help="where torchft is installed for this benchmark (pip install --target)")
+    parser.add_argument("--out", default=None, help="the JSON (default: results/faults-<machine>.json)")
+    args = parser.parse_args(argv)
+    ways = [w for w in args.ways.split(",") if w]
+    unknown = [w for w in ways if w not in WAYS]
+    if unknown:
+        parser.error(f"--ways: {unknown[0]!r} is not one of {', '.join(WAYS)}")
+    faults = schedule(args)
+    rows, skipped = [], {}
+    runners = {"ours": run_ours, "elastic": run_elastic, "torchft": run_torchft}
+    with tempfile.TemporaryDirectory(prefix="faultbench-") as tmp:
+        args.text = text_folder(tmp)
+        for way in ways:
+            if way == "torchft":
+                why = install_torchft(args.torchft_dir)
+                if why:
+                    skipped[way] = f"torchft could not be installed: {why}"
+                    print(f"{PROG}: {skipped[way]}", file=sys.stderr)
+                    continue
+            runs = {}
+            for name, schedule_ in (("clean", []), ("faulty", faults)):
+                workdir = os.path.join(tmp, f"{way}-{name}")
+                os.makedirs(workdir)
+                print(f"{PROG}: {way}, {name} ({args.steps} steps, {len(schedule_)} kills) ...", file=sys.stderr,
+                      flush=True)
+                runs[name] = runners[way](args, workdir, schedule_)
+            rows.append(summarize(way, runs["clean"], runs["faulty"]))
+    print(table(rows))
+    out = args.out or os.path.join(ROOT, "results", f"faults-{utils.machine_tag()}.json")
+    utils.write_json(out, {"command": "python3 -m benchmarks.fault_benchmark " + " ".join(argv or sys.argv[1:]),
+                           "machine": utils.machine_info(), "schedule": faults, "steps": args.steps,
+                           "groups": args.groups, "rows": rows, "skipped": skipped})
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
