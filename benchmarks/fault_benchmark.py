@@ -44,7 +44,7 @@ WAYS = ("ours", "elastic", "torchft")
 
 def recipe(steps: int, text: str) -> list[str]:
     """The byte GPT's run every way trains: AdamW, 8 windows of 128 bytes per process and step, on ``text``."""
-    return ["--device", "cpu", "--dataset", "text", "--data-dir", text, "--model", "gpt", "--val-fraction", "0.05",
+    return ["--device", "cpu", "--dataset", "text", "--data-dir", text, "--model", "gpt", "--val-fraction", "0.01",
             "--batch-size", "8", "--optimizer", "adamw", "--lr", "1e-3", "--weight-decay", "0.1", "--epochs", "1000",
             "--max-steps", str(steps), "--seed", "0", "--timeout", "120"]
 
@@ -267,7 +267,7 @@ def torchft_worker(group: int, groups: int, steps: int, lighthouse: str, workdir
     from models import build_model
     started = time.time()
     torch.manual_seed(0)
-    text = data_module.TextData(text_dir, 128, 0.05, 0, 8, torch.device("cpu"))
+    text = data_module.TextData(text_dir, 128, 0.01, 0, 8, torch.device("cpu"))
     text.placed = (group, groups)
     model = build_model("gpt", 0.0, "local", 256, 32, 128)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
