@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import sys
@@ -79,6 +80,7 @@ STALE_S = 1.0  # a heartbeat this old: the process is gone (killed or stopped), 
 FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group once one has asked
 TICK_S = 0.005  # the lighthouse's poll of its event queue and of the open quorum's decision
 WATCH_S = 0.05  # ... and of the heartbeats, when no request came meanwhile
+MESSAGE_BYTES = 64 * 2**20  # a state transfer's message
 CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's process group (a loaded machine's processes)
 
 
@@ -477,32 +479,44 @@ class Replica:
 
     # 2. recovery
     def _send_state(self, joiner: int) -> None:
-        """This place's state to the joiner's same place: a pickled skeleton (the tensors' places), then each
-        tensor as it is."""
+        """This place's state to the joiner's same place: a pickled skeleton (the tensors' places, shapes and
+        dtypes), then the tensors in messages of about MESSAGE_BYTES (gloo moves one large message over loopback
+        about twice as fast as many small ones: 0.8 against 0.4 GB/s measured here), a tensor larger than that alone.
+        The group's own send (allreduce.place_in: torch.distributed's blocking send refuses a group it did not make)."""
         skeleton, tensors = split_tensors({"state": self.state_dict(), "log": self.log})
         header = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
-        outgoing = [torch.tensor([header.numel()], dtype=torch.int64), header, *tensors]
-        for i, tensor in enumerate(outgoing):
-            if i == len(outgoing) // 2:
+        messages = [[torch.tensor([header.numel()], dtype=torch.int64)], [header]]
+        messages += [[tensors[i] for i in message] for message in messages_of(skeleton["tensors"])]
+        for n, message in enumerate(messages):
+            if n == len(messages) // 2:
                 self.fault("send")
-            self.pg.send([tensor.detach().contiguous().cpu()], joiner, 0).wait()  # the group's own calls: see
-            # allreduce.place_in (torch.distributed's blocking send refuses a group it did not make)
+            flat = message[0].detach().reshape(-1) if len(message) == 1 else torch.cat(
+                [t.detach().reshape(-1) for t in message])
+            self.pg.send([flat.contiguous().cpu()], joiner, 0).wait()
 
     def _receive_state(self, source: int, quorum: Quorum) -> None:
         started = time.perf_counter()
-        def receive(tensor: torch.Tensor) -> torch.Tensor:
-            self.pg.recv([tensor], source, 0).wait()
-            return tensor
 
-        length = receive(torch.empty(1, dtype=torch.int64))
-        skeleton = pickle.loads(receive(torch.empty(int(length), dtype=torch.uint8)).numpy().tobytes())
-        tensors = [receive(torch.empty(shape, dtype=dtype)) for shape, dtype in skeleton["tensors"]]
-        received = join_tensors(skeleton, tensors)
+        def receive(count: int, dtype: torch.dtype) -> torch.Tensor:
+            flat = torch.empty(count, dtype=dtype)
+            self.pg.recv([flat], source, 0).wait()
+            return flat
+
+        length = receive(1, torch.int64)
+        skeleton = pickle.loads(receive(int(length), torch.uint8).numpy().tobytes())
+        shapes = skeleton["tensors"]
+        tensors: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+        for message in messages_of(shapes):
+            sizes = [math.prod(shapes[i][0]) for i in message]
+            flat = receive(sum(sizes), shapes[message[0]][1])
+            for i, part in zip(message, flat.split(sizes)):
+                tensors[i] = part.view(shapes[i][0])  # a view of the message: nothing copied here
+        received, arrived = join_tensors(skeleton, tensors), time.perf_counter()
         notes = [entry for entry in self.log if "step" not in entry and entry not in received["log"]]
         self.log = received["log"] + notes  # the source's steps (this group's own are another branch), every note
         self.load_state_dict(received["state"])
-        self.recovered.append({"step": quorum.step, "source": quorum.members[source],
-                               "seconds": time.perf_counter() - started,
+        self.recovered.append({"step": quorum.step, "source": quorum.members[source], "seconds": arrived - started,
+                               "load_s": time.perf_counter() - arrived,
                                "bytes": int(sum(t.numel() * t.element_size() for t in tensors))})
         if self.log_path:
             write_log(self.log_path, self.log)
@@ -575,6 +589,22 @@ class Replica:
 # ----------------------------------------------------------------------------------------------------------
 # State in transit, and the commit log
 # ----------------------------------------------------------------------------------------------------------
+def messages_of(tensors: list[tuple[tuple[int, ...], torch.dtype]]) -> list[list[int]]:
+    """The tensors (shape, dtype) a state transfer sends, grouped into messages: consecutive tensors of one dtype
+    up to MESSAGE_BYTES together, a larger one alone. Both ends group them alike, from the skeleton."""
+    messages: list[list[int]] = []
+    size = 0
+    for i, (shape, dtype) in enumerate(tensors):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if messages and tensors[messages[-1][0]][1] == dtype and size + nbytes <= MESSAGE_BYTES:
+            messages[-1].append(i)
+            size += nbytes
+        else:
+            messages.append([i])
+            size = nbytes
+    return messages
+
+
 def split_tensors(value: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """``value`` (dicts, lists, tuples; tensors and picklable leaves) as a skeleton whose tensors are numbered
     places, and the tensors in that order."""

@@ -304,6 +304,66 @@ def torchft_worker(group: int, groups: int, steps: int, lighthouse: str, workdir
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The state transfer alone: GPT-2 small's shape with AdamW's state, from a group at the step to one behind it
+# ----------------------------------------------------------------------------------------------------------
+def transfer(args: argparse.Namespace) -> dict[str, Any]:
+    """Two processes (replica groups of one) and a coordinator on this machine: group 1 is at step 1, group 0 at
+    step 0, so the first quorum has group 0 take group 1's live state, GPT-2 small's weights and AdamW's state
+    (--model gpt2: 86M parameters, 1.03 GB with the two moments)."""
+    import threading as threads
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    import replicas
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    stop = threads.Event()
+    lighthouse = threads.Thread(target=replicas.Lighthouse(store).run, args=(stop,), daemon=True)
+    lighthouse.start()
+    with tempfile.TemporaryDirectory(prefix="transfer-") as tmp:
+        workers = [subprocess.Popen([sys.executable, "-m", "benchmarks.fault_benchmark", "transfer-worker", str(g),
+                                     f"127.0.0.1:{store.port}", tmp], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                   for g in (0, 1)]
+        for worker in workers:
+            worker.wait(timeout=args.timeout)
+        stop.set()
+        found = read_json(os.path.join(tmp, "joiner.json"))
+    if found is None:
+        raise SystemExit(f"{PROG}: the transfer run failed (exit codes {[w.returncode for w in workers]})")
+    return found
+
+
+def transfer_worker(group: int, address: str, workdir: str) -> None:
+    import torch
+
+    import replicas
+    from models import build_model
+    torch.manual_seed(0)
+    model = build_model("gpt2", 0.0, "local", 256, 32, 1024)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():  # AdamW's state, made by a step
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    step = [group]  # group 1 at step 1, group 0 behind it
+
+    def load(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step[0] = state["step"]
+    replica = replicas.Replica(address, group, 2, "gpt2", lambda: {"model": model.state_dict(), "optimizer":
+                               optimizer.state_dict(), "step": step[0]}, load, min_groups=2, fault_timeout_s=120)
+    replica.join(step[0])
+    replica.commit(True)
+    if group == 0:
+        figures = replica.recovered[-1]
+        utils.write_json(os.path.join(workdir, "joiner.json"), {
+            "seconds": figures["seconds"], "load_s": figures["load_s"], "bytes": figures["bytes"],
+            "gb_per_s": figures["bytes"] / figures["seconds"] / 1e9,
+            "peak_rss_mb": utils.proc_status_mb("VmHWM")})
+    replica.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Helpers, the table, the command line
 # ----------------------------------------------------------------------------------------------------------
 def free_port() -> int:
@@ -359,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "torchft-worker":
         torchft_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
         return 0
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "transfer-worker":
+        transfer_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        return 0
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=300, help="how long the kills go on")
     parser.add_argument("--kill-every", type=int, default=30, help="seconds between kills")
@@ -370,7 +433,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torchft-dir", default=os.path.expanduser("~/.cache/dataparallel/torchft-0.2.0"),
                         help="where torchft is installed for this benchmark (pip install --target)")
     parser.add_argument("--out", default=None, help="the JSON (default: results/faults-<machine>.json)")
+    parser.add_argument("--transfer-only", action="store_true",
+                        help="measure only the state transfer of GPT-2 small's shape with AdamW (1.03 GB), and merge "
+                             "it into --out")
     args = parser.parse_args(argv)
+    out = args.out or os.path.join(ROOT, "results", f"faults-{utils.machine_tag()}.json")
+    if args.transfer_only:
+        moved = transfer(args)
+        print(f"state transfer: {moved['bytes'] / 1e9:.2f} GB in {moved['seconds']:.2f} s ({moved['gb_per_s']:.2f} "
+              f"GB/s), loaded in {moved['load_s']:.2f} s more; the joiner's peak RSS {moved['peak_rss_mb']:.0f} MB")
+        payload = read_json(out) or {"machine": utils.machine_info()}
+        utils.write_json(out, {**payload, "transfer": {**moved, "command": "python3 -m benchmarks.fault_benchmark "
+                                                                          "--transfer-only"}})
+        print(f"wrote {out}")
+        return 0
     ways = [w for w in args.ways.split(",") if w]
     unknown = [w for w in ways if w not in WAYS]
     if unknown:
@@ -396,10 +472,10 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name] = runners[way](args, workdir, schedule_)
             rows.append(summarize(way, runs["clean"], runs["faulty"]))
     print(table(rows))
-    out = args.out or os.path.join(ROOT, "results", f"faults-{utils.machine_tag()}.json")
-    utils.write_json(out, {"command": "python3 -m benchmarks.fault_benchmark " + " ".join(argv or sys.argv[1:]),
-                           "machine": utils.machine_info(), "schedule": faults, "steps": args.steps,
-                           "groups": args.groups, "rows": rows, "skipped": skipped})
+    command = "python3 -m benchmarks.fault_benchmark " + " ".join(argv or sys.argv[1:])
+    utils.write_json(out, {**(read_json(out) or {}), "command": command, "machine": utils.machine_info(),
+                           "schedule": faults, "steps": args.steps, "groups": args.groups, "rows": rows,
+                           "skipped": skipped})
     print(f"wrote {out}")
     return 0
 

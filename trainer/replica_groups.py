@@ -97,8 +97,9 @@ class ReplicaGroups:
             self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
                                              "quorum": quorum.id, "source": transfer["source"],
                                              "started": STARTED, "asked": asked,
-                                             "quorum_s": time.time() - asked - transfer["seconds"],
-                                             "transfer_s": transfer["seconds"], "bytes": transfer["bytes"]}})
+                                             "quorum_s": time.time() - asked - transfer["seconds"] - transfer["load_s"],
+                                             "transfer_s": transfer["seconds"], "load_s": transfer["load_s"],
+                                             "bytes": transfer["bytes"]}})
 
     def meet(self, pseudo: torch.Tensor | None) -> torch.Tensor | None:
         """diloco's meeting (diloco.DiLoCo's ``meet``): this group's pseudo-gradient (None: it has just joined and
