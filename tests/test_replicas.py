@@ -122,13 +122,15 @@ def test_one_process_replaying_the_commit_log_reaches_the_groups_weights(local_g
     assert worst < 1e-10
 
 
-DILOCO = ["--grad-sync", "diloco", "--local-steps", "2", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+DILOCO = ["--grad-sync", "diloco", "--local-steps", "2", "--outer-lr", "0.7", "--outer-momentum", "0.9",
+          "--allreduce", "ring"]  # the quorum's average on allreduce.py's ring (the groups of 2 above: torch's)
 
 
 @pytest.fixture(scope="module")
 def diloco_groups(local_group, corpus):
-    """DiLoCo's replicas as 2 replica groups of one process (meeting through the quorum every 2 steps), and as one
-    run of 2 processes with --replicas 2 (meeting on diloco.py's ring)."""
+    """DiLoCo's replicas as 2 replica groups of one process (meeting through the quorum every 2 steps, averaged on
+    allreduce.py's ring over the quorum's own process groups), and as one run of 2 processes with --replicas 2
+    (meeting on diloco.py's ring)."""
     with coordinator() as address, LocalGroup(1) as first, LocalGroup(1) as second:
         flags = [*DILOCO, "--replica-groups", "2", "--coordinator", address]
         pending = {group: where.submit(train_in_group, argv_of(corpus, *flags, "--replica-group", str(group)),

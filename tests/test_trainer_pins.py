@@ -103,14 +103,16 @@ def test_a_checkpoint_written_before_the_rooms_resumes_exactly(image_folder, tmp
 # Every flag of --help, and what parsing makes of it
 # ----------------------------------------------------------------------------------------------------------
 FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--betas",
-         "--bucket-mb", "--channels-last", "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--compile",
-         "--compile-backend", "--context", "--data-dir", "--dataset", "--decay-steps", "--deterministic", "--device",
-         "--dropout", "--epochs", "--eval-every", "--eval-only", "--fragments", "--generate", "--grad-accum",
-         "--grad-sync", "--help", "--image-size", "--local-steps", "--log-dir", "--log-every", "--lr",
-         "--malloc-mmap-threshold", "--max-steps", "--metrics-out", "--min-lr", "--model", "--momentum", "--muon-lr",
+         "--bucket-mb", "--channels-last", "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--commit-log",
+         "--compile", "--compile-backend", "--context", "--coordinator", "--data-dir", "--dataset", "--decay-steps",
+         "--deterministic", "--device", "--dropout", "--epochs", "--eval-every", "--eval-only", "--fault-timeout",
+         "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help", "--image-size", "--local-steps",
+         "--log-dir", "--log-every", "--lr", "--malloc-mmap-threshold", "--max-steps", "--metrics-out", "--min-lr",
+         "--min-replica-groups", "--model", "--momentum", "--muon-lr",
          "--muon-momentum", "--muon-weight-decay", "--norm", "--norm-weight-decay", "--optimizer", "--outer-compress",
          "--outer-delay", "--outer-lr", "--outer-momentum", "--outer-optimizer", "--param-dtype", "--profile",
-         "--profile-steps", "--prompt", "--reduce-dtype", "--replicas", "--scheduler", "--seed", "--sync-mode",
+         "--profile-steps", "--prompt", "--reduce-dtype", "--replica-group", "--replica-groups", "--replicas",
+         "--scheduler", "--seed", "--sync-mode",
          "--temperature", "--timeout", "--top-k",
          "--train-size", "--val-fraction", "--val-size", "--warmup-steps", "--weight-decay", "--workers", "--zero",
          "--zero3-accumulate"]
@@ -128,7 +130,9 @@ DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "betas": None, "muon_lr": None, "muon_momentum": None, "muon_weight_decay": None,
     "norm_weight_decay": None, "clip_grad_norm": None, "scheduler": "none", "warmup_steps": None,
     "min_lr": None, "decay_steps": None, "amp": "off", "device": "auto", "backend": "auto", "seed": 0,
-    "deterministic": False, "checkpoint_dir": None, "checkpoint_every": 0, "eval_only": False, "generate": None,
+    "deterministic": False, "checkpoint_dir": None, "checkpoint_every": 0, "replica_group": None,
+    "replica_groups": None, "coordinator": None, "min_replica_groups": 1, "fault_timeout": 60.0, "commit_log": None,
+    "eval_only": False, "generate": None,
     "prompt": "", "temperature": 0.8, "top_k": None, "log_dir": None, "log_every": 10, "profile": None,
     "profile_steps": (3, 6), "metrics_out": None, "eval_every": 0, "timeout": 1800.0,
     "malloc_mmap_threshold": 128}
@@ -136,6 +140,11 @@ DILOCO_DEFAULTS = {"local_steps": 50, "outer_optimizer": "nesterov", "outer_lr":
                    "outer_compress": "none", "fragments": 1, "outer_delay": 0}
 PARSED = [  # argv, what differs from DEFAULTS after parsing
     ([], {}),
+    (["--dataset", "text", "--model", "gpt", "--replica-group", "1", "--replica-groups", "3", "--coordinator",
+      "host:29400", "--min-replica-groups", "2", "--fault-timeout", "5", "--commit-log", "log"],
+     dict(dataset="text", model="gpt", data_dir="TEXT", image_size=None, augment="none", context=128,
+          replica_group=1, replica_groups=3, coordinator="host:29400", min_replica_groups=2, fault_timeout=5.0,
+          commit_log="log")),
     (["--dataset", "text", "--model", "gpt"], dict(dataset="text", model="gpt", data_dir="TEXT", image_size=None,
                                                    augment="none", context=128)),
     (["--dataset", "text", "--model", "gpt-tiny", "--context", "0"],  # 0: the model's context

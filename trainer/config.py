@@ -235,7 +235,8 @@ class Config:
                                            "processes take the data of ranks I*P .. I*P+P-1 of one R*P-process run, "
                                            "which R groups of P processes are without faults")
     coordinator: str | None = flag(None, metavar="HOST:PORT",
-                                   help="fault tolerance: the coordinator, `python replicas.py serve --port PORT`")
+                                   help="fault tolerance: the coordinator's address (`python replicas.py serve` "
+                                        "starts one, listening on PORT)")
     min_replica_groups: int = flag(1, type=int, metavar="N",
                                    help="fault tolerance: a step waits until N replica groups are alive")
     fault_timeout: float = flag(60.0, type=float, metavar="S",
