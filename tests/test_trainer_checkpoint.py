@@ -165,3 +165,26 @@ def test_generate_samples_from_a_folder(runs, capsysbinary):
     assert trainer.main(argv) == 0
     out = capsysbinary.readouterr().out
     assert out.startswith(b"def ") and len(out) == 4 + 12 + 1, out
+
+
+TORCH_ALONE = """
+import sys, torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], "whole.pt")
+for path in ("whole.pt", sys.argv[2]):
+    state = torch.load(path, weights_only=True)
+    print(path, sorted(state))
+"""
+
+
+def test_checkpoints_open_with_torch_alone(runs, tmp_path):
+    """A folder (through dcp_to_torch_save) and last.pt (DDP's, written after its resume from the folder), read by
+    torch.load(weights_only=True) in a Python without this repository on its path and away from it: nothing in them
+    but tensors and Python's builtins."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", TORCH_ALONE, str(runs["root"] / "saved" / "step-2"),
+                           str(runs["root"] / "ddp" / "last.pt")], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "")}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "whole.pt ['extra', 'model', 'optimizer']" in done.stdout, done.stdout

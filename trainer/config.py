@@ -229,7 +229,8 @@ class Config:
                                      help="fault tolerance: this torchrun is replica group I (0 .. R-1) of a run "
                                           "whose groups train together through --coordinator and carry on when "
                                           "one is lost, a group that comes back taking the live state from another "
-                                          "(replicas.py; custom --zero 0, each group its own --checkpoint-dir)")
+                                          "(replicas.py; custom --zero 0, or diloco and localsgd with each group a "
+                                          "replica; each group its own --checkpoint-dir)")
     replica_groups: int | None = flag(None, type=int, metavar="R",
                                       help="fault tolerance: the replica groups the run is planned for; group I's "
                                            "processes take the data of ranks I*P .. I*P+P-1 of one R*P-process run, "

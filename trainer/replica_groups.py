@@ -40,11 +40,9 @@ import torch
 import replicas
 from trainer import faults
 from trainer.build import Parts
+from trainer.checkpoint import NO_SUMS
 
 STARTED = time.time()  # this process's start (near enough: the trainer's import), for a joiner's timings
-
-
-NO_SUMS = [0.0, 0.0, 0.0]  # a rank's [loss, correct, seen] at an epoch's start
 
 
 class ReplicaGroups:

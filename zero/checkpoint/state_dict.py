@@ -248,32 +248,29 @@ def plain_destinations(optimizer: torch.optim.Optimizer, slots_: list[Slot], lay
 # ----------------------------------------------------------------------------------------------------------
 # extra: the caller's structure, through DCP's flattening and back ([Note: extra])
 # ----------------------------------------------------------------------------------------------------------
-class KeptWhole:
-    """A mapping DCP's flattening would not give back as it was (empty, a key that is not a str, not a plain dict):
-    kept whole, as one pickled item."""
-
-    def __init__(self, value: Any):
-        self.value = value
+KEPT_WHOLE = "zero.checkpoint: a mapping kept whole"  # the first item of a tuple that stands for a dict
 
 
 def encode_extra(value: Any) -> Any:
     """[Note: extra] DCP flattens nested dicts into one key per leaf (each tensor an item of its own, each other
     leaf pickled whole: a tuple, a number, a scheduler's list of rates) and rebuilds them from the paths in its
     metadata, with every key made a str and an empty dict gone. So a plain dict of str keys and a list are opened;
-    any other mapping is kept whole (KeptWhole): what load returns equals what was saved, its tensors on the CPU.
-    (dcp_to_torch_save shows a KeptWhole as it is: torch.load that file with weights_only=False.)"""
+    any other mapping (empty, a key that is not a str) is kept whole as a tuple, (KEPT_WHOLE, ((key, value), ...)),
+    one pickled leaf of Python's builtins and tensors: what load returns equals what was saved (a plain dict, its
+    tensors on the CPU), and a checkpoint holds nothing but tensors and builtins, so torch.load(weights_only=True)
+    reads what dcp_to_torch_save makes of it, without this repository."""
     if type(value) is dict and value and all(type(key) is str for key in value):
         return {key: encode_extra(item) for key, item in value.items()}
     if isinstance(value, Mapping):
-        return KeptWhole(value)
+        return (KEPT_WHOLE, tuple((key, encode_extra(item)) for key, item in value.items()))
     if type(value) is list:
         return [encode_extra(item) for item in value]
     return value
 
 
 def decode_extra(value: Any) -> Any:
-    if isinstance(value, KeptWhole):
-        return value.value
+    if type(value) is tuple and len(value) == 2 and value[0] == KEPT_WHOLE:
+        return {key: decode_extra(item) for key, item in value[1]}
     if type(value) is dict:
         return {key: decode_extra(item) for key, item in value.items()}
     if type(value) is list:
