@@ -78,8 +78,10 @@ def stage_variants(world_size):
 
 @pytest.fixture(scope="module")
 def all_stage_runs(local_group):
-    """{world size: every rank's runs}, the 2- and 3-process groups working at once (5 processes on the cores)."""
-    pending = {n: local_group(n).submit(train_variants, BASE + OPTIMIZERS[n], stage_variants(n)) for n in (2, 3)}
+    """{world size: every rank's runs}, the 2- and 3-process groups working at once (5 processes on the cores):
+    some 80 s on an idle 2-core machine, so 240 s of time (the default 120 s ran out while other work shared it)."""
+    pending = {n: local_group(n).submit(train_variants, BASE + OPTIMIZERS[n], stage_variants(n), timeout_s=240)
+               for n in (2, 3)}
     return collect_all(pending)
 
 
