@@ -106,10 +106,14 @@ def test_sharded_stages_match_stage_0(stage_runs):
         # every rank ends with the same weights: the all-gather made the model whole everywhere
         assert all(max_difference(ranks[0][name]["state"], r[name]["state"]) == 0 for r in ranks), name
         reference = references[" channels-last" if name.endswith(" channels-last") else ""]
+        if reference is ranks[0][name]["state"]:
+            # a reference itself: stage 0, and stage 0 channels-last (whose convolutions sum in another order than
+            # stage 0's, 4e-12 apart here: the channels-last runs' own reference)
+            continue
         worst = max_difference(reference, ranks[0][name]["state"])
         print(f"\n{world_size} processes, {OPTIMIZERS[world_size][1]}, {name} vs stage 0 (float64): max |dw| = "
               f"{worst:.1e}")
-        if name in ("stage 1 torch", "stage 0 channels-last") or (world_size == 2 and (
+        if name == "stage 1 torch" or (world_size == 2 and (
                 name == "stage 3 torch unsharded" or not name.startswith(("stage 2", "stage 3", "fsdp")))):
             # the same sums in the same order as stage 0: gloo's reduce-scatter adds the ranks as its all-reduce
             # does; and a sum of two ranks is the same in any order (the ring's, DDP's)
