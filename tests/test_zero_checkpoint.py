@@ -43,8 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from test_zero_contract import (CONTEXT, K, SEED, VOCAB, WEIGHT_TOL, attempt, cloned, configure_optimizers,
-                                loss_sum, make_model, plain_optimizer, warmup)
+from test_zero_contract import (CONTEXT, K, SEED, VOCAB, WEIGHT_TOL, configure_optimizers, loss_sum, make_model,
+                                plain_optimizer, warmup)
+from zero_testing import attempt, cloned, identical
 
 GLOBAL = 24  # sequences per optimizer step over all ranks: 2, 3 and 4 processes each take K micro-batches of it
 STEPS, MORE = 3, 2  # steps before the checkpoint; steps after it is loaded
@@ -754,17 +755,6 @@ def four(loaded):
 def max_difference(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
-def identical(a, b) -> bool:
-    """Nested dicts, lists and tuples of tensors and values: equal keys, types, dtypes, shapes and values."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict) or isinstance(b, dict):
-        return type(a) is type(b) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def converted(path: str) -> dict:

@@ -28,8 +28,6 @@ orders of magnitude or more above 1e-10. One error only the norms show: the clip
 sees gradients of norm MAX_NORM whatever their scale, and a gradient summed over the ranks rather than averaged
 leaves the weights as they are but returns a norm W times too large.
 """
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
+from zero_testing import attempt, cloned
 
 # The model: byte-level-ish vocabulary, width 16, 2 blocks of 2 heads, a context of 8 tokens (float64).
 VOCAB, WIDTH, DEPTH, HEADS, CONTEXT = 32, 16, 2, 2, 8
@@ -143,17 +142,6 @@ def micro_batch(data: torch.Tensor, step: int, rank: int, k: int) -> torch.Tenso
 def loss_sum(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="sum")
-
-
-def cloned(tree):
-    """A deep copy of (nested dicts and lists of) tensors, detached: nothing aliases the live model or state."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: cloned(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(cloned(v) for v in tree)
-    return copy.deepcopy(tree)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -277,15 +265,6 @@ def align_group_counters():
     counters = [None] * dist.get_world_size()
     dist.all_gather_object(counters, distributed_c10d._world.group_count)
     distributed_c10d._world.group_count = max(counters)
-
-
-def attempt(fn):
-    """(exception type name, message) of what ``fn()`` raised, or (None, None)."""
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the test inspects it
-        return type(error).__name__, str(error)
-    return None, None
 
 
 def hooks_left(model: nn.Module) -> list[str]:

@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zero
-from test_zero_contract import (MAX_NORM, NORM_RTOL, SEED, VOCAB, WEIGHT_TOL, attempt, cloned,
-                                compare_optimizer_states, configure_optimizers, make_data, make_model,
-                                plain_optimizer, train_steps, warmup)
+from test_zero_contract import (MAX_NORM, NORM_RTOL, SEED, VOCAB, WEIGHT_TOL, compare_optimizer_states,
+                                configure_optimizers, make_data, make_model, plain_optimizer, train_steps, warmup)
 from test_zero_precision import fsdp2, ours
+from zero_testing import attempt, cloned
 
 REPLICAS, SHARDS = 2, 2
 STEPS = 2

@@ -26,7 +26,6 @@ is off by bf16's rounding at least, 2^-9 relative of an update of lr ~ 1e-2: ~1e
 above the tolerance. A Newton-Schulz run on each rank's slice instead of the whole matrix is off by far more (its
 norm and Gram matrix are the slice's). Adafactor: ADAFACTOR_TOL, argued at ``test_adafactor_is_torchs_own``.
 """
-import contextlib
 import functools
 import math
 import os
@@ -38,9 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from test_zero_checkpoint import identical
-from test_zero_contract import attempt, cloned
-from test_zero_optimizers import state_difference, weight_difference
+from zero_testing import (GlobalBatches, attempt, cloned, identical, one_thread, seeded_model, state_difference,
+                          weight_difference)
 
 FEATURES, HIDDEN, WIDE, CLASSES, DEPTH = 6, 16, 24, 5, 2
 GLOBAL_BATCH, K = 12, 2        # samples per step over all ranks (2 and 3 divide it); micro-batches per step
@@ -54,6 +52,8 @@ TOL = 1e-12
 STAGES, COLLECTIVES = (1, 2, 3), ("torch", "ring")
 RECIPES = ("muon", "adafactor")
 CONFIGS = [(recipe, stage, collectives) for recipe in RECIPES for stage in STAGES for collectives in COLLECTIVES]
+BATCHES = GlobalBatches(steps=STEPS + MORE, size=GLOBAL_BATCH, features=FEATURES, classes=CLASSES, micro_batches=K,
+                        seed=SEED)
 
 
 class Block(nn.Module):
@@ -89,8 +89,7 @@ class Net(nn.Module):
 
 
 def make_model() -> Net:
-    torch.manual_seed(SEED)
-    return Net().double()
+    return seeded_model(Net, SEED)
 
 
 def build_optimizers(factory, recipe: str, model: Net) -> list[torch.optim.Optimizer]:
@@ -110,20 +109,6 @@ def build_optimizers(factory, recipe: str, model: Net) -> list[torch.optim.Optim
     return [muon, adamw]
 
 
-def data() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(SEED)
-    x = torch.randn(STEPS + MORE, GLOBAL_BATCH, FEATURES, generator=generator, dtype=torch.float64)
-    y = torch.randint(0, CLASSES, (STEPS + MORE, GLOBAL_BATCH), generator=generator)
-    return x, y
-
-
-def micro_batch(step: int, rank: int, world_size: int, k: int):
-    x, y = data()
-    per = GLOBAL_BATCH // world_size // K
-    first = (rank * K + k) * per
-    return x[step, first:first + per], y[step, first:first + per]
-
-
 def reference(recipe: str, skip: int | None = None, summed_over: int | None = None, device: str = "cpu") -> dict:
     """One process, torch's optimizers: the state dicts and weights after STEPS steps, and after STEPS + MORE. The
     gradient is the global batch's mean; with ``summed_over`` W, the same gradient summed as W ranks' micro-batches
@@ -132,7 +117,7 @@ def reference(recipe: str, skip: int | None = None, summed_over: int | None = No
     unsharded = lambda cls, groups, **s: cls(groups, **s)  # noqa: E731
     model = make_model().to(device)
     optimizers = build_optimizers(unsharded, recipe, model)
-    x, y = (t.to(device) for t in data())
+    x, y = (t.to(device) for t in BATCHES.tensors())
     out = {}
     for step in range(STEPS + MORE):
         if summed_over is None:
@@ -140,7 +125,7 @@ def reference(recipe: str, skip: int | None = None, summed_over: int | None = No
         else:
             for rank in range(summed_over):
                 for k in range(K):
-                    xs, ys = (t.to(device) for t in micro_batch(step, rank, summed_over, k))
+                    xs, ys = (t.to(device) for t in BATCHES.micro_batch(step, rank, summed_over, k))
                     (F.cross_entropy(model(xs), ys, reduction="sum") / GLOBAL_BATCH).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         for i, optimizer in enumerate(optimizers):
@@ -179,7 +164,7 @@ def sharded_run(recipe: str, stage: int, collectives: str, steps: range, load: d
     for step in steps:
         for k in range(K):
             sharded.set_requires_gradient_sync(k == K - 1)
-            x, y = (t.to(device) for t in micro_batch(step, rank, world_size, k))
+            x, y = (t.to(device) for t in BATCHES.micro_batch(step, rank, world_size, k))
             (F.cross_entropy(model(x), y, reduction="sum") / (GLOBAL_BATCH / world_size)).backward()
         sharded.clip_grad_norm_(MAX_NORM)
         for i, optimizer in enumerate(optimizers):
@@ -267,18 +252,6 @@ def three_started(local_group, root):
     results = functools.cache(local_group(3).submit(train_configs, CONFIGS, root, timeout_s=240))
     yield results
     results()  # if no test of the module did, so that the group takes calls again
-
-
-@contextlib.contextmanager
-def one_thread():
-    """This process computes on one thread while the workers run: two threads on the 2 cores the workers use take
-    ~50x longer (measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +370,7 @@ def test_adafactor_is_torchs_own(runs, references, world_size):
 def test_a_sharded_state_loads_into_plain_torch_optimizers(runs, references, recipe):
     """The state dicts saved on 3 processes at every stage, loaded by torch.optim's own optimizers over an ordinary
     model (with the saved weights), MORE steps on one process: where the reference's STEPS + MORE end."""
-    x, y = data()
+    x, y = BATCHES.tensors()
     worst = 0.0
     for stage in STAGES:
         for collectives in COLLECTIVES:

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from test_zero_contract import attempt, cloned
+from zero_testing import GlobalBatches, attempt, cloned, seeded_model, state_difference, weight_difference
 
 FEATURES, HIDDEN, CLASSES = 6, 10, 5
 GLOBAL_BATCH, K = 12, 2       # samples per optimizer step over all ranks (2 and 3 divide it); micro-batches per step
@@ -39,6 +39,8 @@ STEPS, MORE = 3, 2            # steps before the state dict is taken; steps afte
 MAX_NORM, SEED = 0.5, 7
 BUCKET_MB = 400 / 2**20       # 50 float64 elements: several buckets, runs cut at the group boundaries
 STATE_TOL, WEIGHT_TOL = 1e-12, 1e-10
+BATCHES = GlobalBatches(steps=STEPS + MORE, size=GLOBAL_BATCH, features=FEATURES, classes=CLASSES, micro_batches=K,
+                        seed=SEED)
 
 # name -> (class, settings): every element-wise optimizer of torch.optim, and the settings that add state
 OPTIMIZERS = {
@@ -74,8 +76,7 @@ class Net(nn.Module):
 
 
 def make_model() -> Net:
-    torch.manual_seed(SEED)
-    return Net().double()
+    return seeded_model(Net, SEED)
 
 
 def parameter_groups(model: nn.Module) -> list[dict]:
@@ -93,20 +94,6 @@ def build_optimizer(factory, name: str, model: nn.Module) -> torch.optim.Optimiz
     return factory(cls, groups, **settings)
 
 
-def data() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(SEED)
-    x = torch.randn(STEPS + MORE, GLOBAL_BATCH, FEATURES, generator=generator, dtype=torch.float64)
-    y = torch.randint(0, CLASSES, (STEPS + MORE, GLOBAL_BATCH), generator=generator)
-    return x, y
-
-
-def micro_batch(step: int, rank: int, world_size: int, k: int):
-    x, y = data()
-    per = GLOBAL_BATCH // world_size // K
-    first = (rank * K + k) * per
-    return x[step, first:first + per], y[step, first:first + per]
-
-
 def reference(name: str) -> dict:
     """One process, the global batch, the unsharded optimizer: its state dicts and weights, uninterrupted; and the
     state after MORE steps of an optimizer that loaded the STEPS-step state, as a resume does (torch.optim's own
@@ -114,7 +101,7 @@ def reference(name: str) -> dict:
     unsharded = lambda cls, groups, **s: cls(groups, **s)  # noqa: E731
     model = make_model()
     optimizer = build_optimizer(unsharded, name, model)
-    x, y = data()
+    x, y = BATCHES.tensors()
     out = {"state at 0": cloned(optimizer.state_dict())}
     for step in range(STEPS + MORE):
         F.cross_entropy(model(x[step]), y[step]).backward()
@@ -156,7 +143,7 @@ def sharded_run(name: str, stage: int, collectives: str, steps: range, load: dic
     for step in steps:
         for k in range(K):
             sharded.set_requires_gradient_sync(k == K - 1)
-            x, y = micro_batch(step, rank, world_size, k)
+            x, y = BATCHES.micro_batch(step, rank, world_size, k)
             (F.cross_entropy(model(x), y, reduction="sum") / (GLOBAL_BATCH / world_size)).backward()
         sharded.clip_grad_norm_(MAX_NORM)
         optimizer.step()
@@ -211,7 +198,7 @@ def refusals(rank, world_size):
     # Loads that cannot be honoured: one parameter's momentum missing (the others have it), an AdamW entry
     # without its second moment, two parameters stepped together with different step counts, and a momentum
     # buffer of another shape than its parameter
-    x, y = micro_batch(0, rank, world_size, 0)
+    x, y = BATCHES.micro_batch(0, rank, world_size, 0)
     for case, (cls, settings) in {"momentum": OPTIMIZERS["SGD momentum"], "moment": OPTIMIZERS["AdamW"],
                                   "steps": OPTIMIZERS["AdamW"], "shape": OPTIMIZERS["SGD momentum"]}.items():
         model = make_model()
@@ -265,29 +252,6 @@ def runs(local_group, three_started, references):
 @pytest.fixture(scope="module")
 def refused(local_group):
     return local_group(2).run(refusals, timeout_s=120)
-
-
-def state_difference(ours: dict, theirs: dict) -> float:
-    """The largest difference between two optimizer state dicts, after checking that they hold the same groups
-    (hyperparameters and parameter indices), the same parameters' entries, keys, shapes and dtypes."""
-    assert ours["param_groups"] == theirs["param_groups"]
-    assert sorted(ours["state"]) == sorted(theirs["state"]), (sorted(ours["state"]), sorted(theirs["state"]))
-    worst = 0.0
-    for index, entry in theirs["state"].items():
-        mine = ours["state"][index]
-        assert mine.keys() == entry.keys(), (index, sorted(mine), sorted(entry))
-        for key, value in entry.items():
-            if not torch.is_tensor(value):
-                assert mine[key] == value, (index, key)
-                continue
-            assert (mine[key].dtype, mine[key].shape) == (value.dtype, value.shape), (index, key)
-            worst = max(worst, (mine[key] - value).abs().max().item() if value.numel() else 0.0)
-    return worst
-
-
-def weight_difference(ours: dict, theirs: dict) -> float:
-    assert ours.keys() == theirs.keys()
-    return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 import zero
-from test_zero_contract import (B, CONTEXT, K, MAX_NORM, SEED, attempt, cloned, configure_optimizers,
-                                loss_sum, make_data, make_model, micro_batch, plain_optimizer, warmup)
+from test_zero_contract import (B, CONTEXT, K, MAX_NORM, SEED, configure_optimizers, loss_sum, make_data, make_model,
+                                micro_batch, plain_optimizer, warmup)
+from zero_testing import attempt, cloned
 
 STEPS = 2
 FP64_TOL = 1e-9
