@@ -66,7 +66,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 import utils
 import zero
@@ -403,6 +402,8 @@ def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     # the sync reads its model and optimizer (the weights alone with --eval-only); under fp16 the scaler may have
     # skipped every step, and left some parameters without state
     stepped = position.optimizer_steps > 0 and config.amp != "fp16"
+    # imported here, not at the top: DCP (and DTensor under it) is 1.4 s of every launched process's start
+    from torch.distributed.checkpoint.api import CheckpointException
     try:
         parts.sync.load_checkpoint(found.path, None if config.eval_only else parts.optimizer, stepped=stepped)
     except (zero.checkpoint.CheckpointError, CheckpointException) as exc:
