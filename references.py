@@ -257,7 +257,7 @@ class FSDPSync:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from zero import checkpoint
-        from zero.optimizer import as_optimizers
+        from zero.optimizer_kinds import as_optimizers
 
         if one_file:
             checkpoint.save_file(path, self, optimizer, extra)
@@ -284,7 +284,7 @@ class FSDPSync:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from zero import checkpoint
-        from zero.optimizer import as_optimizers
+        from zero.optimizer_kinds import as_optimizers
 
         if os.path.isfile(path):
             return checkpoint.load_file(path, self, optimizer, stepped)

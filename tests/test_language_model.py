@@ -354,4 +354,4 @@ def check_muon_and_adamw_as_one_optimizer(Optimizers):
         optimizer.zero_grad()
     state = optimizer.state_dict()
     assert sorted(state) == ["adamw", "muon"] and "momentum_buffer" in state["muon"]["state"][0]
-    assert zero.optimizer.as_optimizers(optimizer) == [adamw, muon]  # what zero.checkpoint saves and loads
+    assert zero.optimizer_kinds.as_optimizers(optimizer) == [adamw, muon]  # what zero.checkpoint saves and loads

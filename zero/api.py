@@ -33,7 +33,7 @@ from collectives import Collectives
 from gradsync import GradientSync, assign_buckets, broadcast_state
 from zero import init as init_module
 from zero.hybrid import Replicas, check_grid
-from zero.optimizer import as_optimizers
+from zero.optimizer_kinds import as_optimizers
 from zero.precision import resolve
 from zero.stage3 import ZeroStage3
 from zero.stages import ZeroStage1, ZeroStage2
@@ -188,7 +188,7 @@ def stage_3_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Mod
 # ----------------------------------------------------------------------------------------------------------
 def state_bytes(model: nn.Module, optimizer: Any, sync: Any) -> dict[str, int]:
     """Bytes this rank holds for the weights, the gradients and the optimizer state: the storages behind the
-    model's parameters and the optimizer's (one or several: zero.optimizer.as_optimizers), behind every .grad they
+    model's parameters and the optimizer's (one or several: zero.optimizer_kinds.as_optimizers), behind every .grad they
     have and the sync's gradient buffers (its ``held_gradient_buffers``) and other shards (``held_shards``: stage
     3's frozen parameters), and behind the optimizer's state tensors (ZeroRedundancyOptimizer: its local
     optimizer's), each storage counted once. Taken just before a step: the gradients averaged, stage 3's units all

@@ -3,7 +3,8 @@ this rank's runs of the flat buckets as the tensors of any element-wise torch.op
 Adafactor, its pieces of each parameter, stepped by zero/matrix.py), their parameter groups, several optimizers
 over one model ([Note: several optimizers]), the whole model's clipping norm, and the optimizer's state in
 torch.optim's ordinary, unsharded form and back. Which optimizers the runs can carry ([Note: which optimizers]) and
-the probe of what state an optimizer keeps are zero/optimizer_kinds.py's.
+the probe of what state an optimizer keeps, and the forms an optimizer argument takes (one or several),
+are zero/optimizer_kinds.py's.
 """
 from __future__ import annotations
 
@@ -66,30 +67,6 @@ def _own_copy(value: Any) -> Any:
 
 def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
-
-
-def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """One optimizer, a list or tuple of them, an object that holds several as ``.optimizers`` (the trainer's
-    --optimizer muon: AdamW and Muon stepped as one), or None: as a list (zero.checkpoint, zero.state_bytes)."""
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, (list, tuple)):
-        return list(optimizer)
-    return list(getattr(optimizer, "optimizers", [optimizer]))
-
-
-def optimizer_parts(optimizer: Any, state: Any) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
-    """Each optimizer of ``optimizer`` (as_optimizers) with its part of ``state``, which is ``optimizer``'s
-    state_dict(): the whole of it for one optimizer; for several as one object, that object's own form, {name:
-    each one's state_dict} under the names of its ``named`` (the trainer's --optimizer muon)."""
-    optimizers = as_optimizers(optimizer)
-    if len(optimizers) == 1 and optimizers[0] is optimizer:
-        return [(optimizer, state)]
-    names = list(getattr(optimizer, "named", {}))
-    if len(names) != len(optimizers) or not isinstance(state, dict) or sorted(state) != sorted(names):
-        raise ValueError(f"the optimizer state holds {sorted(state) if isinstance(state, dict) else state!r}, not "
-                         f"the state dicts of {names or len(optimizers)} optimizers")
-    return [(part, state[name]) for name, part in zip(names, optimizers)]
 
 
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:

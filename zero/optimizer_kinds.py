@@ -1,7 +1,8 @@
 """Which optimizers ZeRO's flat shards can carry, and what state an optimizer keeps ([Note: which optimizers] in
 zero/optimizer.py): ELEMENTWISE (exact on any run of a flat shard), zero/matrix.py's WHOLE_MATRIX (exact on pieces
 of whole matrices), WHOLE_PARAMETER (refused, with the reason); ``state_kinds``, the probe that asks an optimizer
-class what it keeps per parameter, and ``missing_optimizer_state``, which a resume uses to refuse a state cut short.
+class what it keeps per parameter, and ``missing_optimizer_state``, which a resume uses to refuse a state cut short;
+``as_optimizers`` and ``optimizer_parts``: the forms an optimizer argument takes (one, several, or None).
 """
 from __future__ import annotations
 
@@ -78,3 +79,27 @@ def missing_optimizer_state(optimizer_class: type[torch.optim.Optimizer], state:
                 return (f"parameter {index} has no {lacking[0]!r}, which torch.optim.{optimizer_class.__name__} "
                         f"keeps for every parameter it has stepped")
     return None
+
+
+def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """One optimizer, a list or tuple of them, an object that holds several as ``.optimizers`` (the trainer's
+    --optimizer muon: AdamW and Muon stepped as one), or None: as a list (zero.checkpoint, zero.state_bytes)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, (list, tuple)):
+        return list(optimizer)
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def optimizer_parts(optimizer: Any, state: Any) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
+    """Each optimizer of ``optimizer`` (as_optimizers) with its part of ``state``, which is ``optimizer``'s
+    state_dict(): the whole of it for one optimizer; for several as one object, that object's own form, {name:
+    each one's state_dict} under the names of its ``named`` (the trainer's --optimizer muon)."""
+    optimizers = as_optimizers(optimizer)
+    if len(optimizers) == 1 and optimizers[0] is optimizer:
+        return [(optimizer, state)]
+    names = list(getattr(optimizer, "named", {}))
+    if len(names) != len(optimizers) or not isinstance(state, dict) or sorted(state) != sorted(names):
+        raise ValueError(f"the optimizer state holds {sorted(state) if isinstance(state, dict) else state!r}, not "
+                         f"the state dicts of {names or len(optimizers)} optimizers")
+    return [(part, state[name]) for name, part in zip(names, optimizers)]

@@ -23,7 +23,7 @@ from zero.checkpoint.checks import (CheckpointError, agree, groups_problem, mode
 from zero.checkpoint.planner import ShardLoadPlanner, ShardSavePlanner
 from zero.checkpoint.state_dict import (Checkpointable, decode_extra, encode_extra, model_entries, optimizer_entries,
                                         plain_destinations, sharded_destinations, slots, small_entries)
-from zero.optimizer import as_optimizers
+from zero.optimizer_kinds import as_optimizers
 
 
 def checkpoint_group(sync: Any) -> dist.ProcessGroup | None:

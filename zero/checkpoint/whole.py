@@ -24,7 +24,7 @@ import torch.distributed as dist
 import utils
 from zero.checkpoint.api import load
 from zero.checkpoint.checks import CheckpointError, one_line
-from zero.optimizer import optimizer_parts
+from zero.optimizer_kinds import optimizer_parts
 from zero.optimizer_kinds import missing_optimizer_state
 
 KEYS = ("model", "optimizer")  # what the file holds besides the caller's extra
