@@ -100,9 +100,7 @@ def run_ours(args: argparse.Namespace, workdir: str, faults: list[tuple[float, i
         run.close()
     wall = time.time() - started
     logs = {g: run.committed(g, steps_only=False) for g in range(args.groups)}
-    steps = max((e for g in logs for e in logs[g] if "step" in e), key=lambda e: e["step"])
-    log = next(logs[g] for g in logs if steps in logs[g])  # the log that holds the last committed step
-    committed = [e for e in log if "step" in e]
+    committed = union_of_steps([e for e in logs[g] if "step" in e] for g in logs)
     metrics = read_json(run.path(0, "metrics"))
     return {"wall_s": wall, "codes": codes, "steps": len(committed),
             "samples": sum(len(e["participants"]) for e in committed) * 8,
@@ -129,6 +127,16 @@ def fault_figures(kill: dict[str, Any], committed: list[dict[str, Any]], logs: d
         figures.update(start_s=note["started"] - at, quorum_s=note["quorum_s"], transfer_s=note["transfer_s"],
                        transfer_bytes=note["bytes"], asked_s=note["asked"] - at)
     return figures
+
+
+def union_of_steps(logs: Any) -> list[dict[str, Any]]:
+    """Every committed step once, from the groups' commit logs, in step order: a group that joined late (or was
+    restarted) holds only the steps since, so no one log is the run's; each step as the first group that logged it."""
+    steps: dict[int, dict[str, Any]] = {}
+    for log in logs:
+        for entry in log:
+            steps.setdefault(entry["step"], entry)
+    return [steps[step] for step in sorted(steps)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -228,8 +236,7 @@ def run_torchft(args: argparse.Namespace, workdir: str, faults: list[tuple[float
         lighthouse.kill()
     wall = time.time() - started
     logs = {g: read_lines(os.path.join(workdir, f"commits-{g}.jsonl")) for g in range(args.groups)}
-    last = max(logs.values(), key=lambda log: max((e["step"] for e in log), default=-1))
-    committed = sorted({e["step"]: e for e in last}.values(), key=lambda e: e["step"])
+    committed = union_of_steps(logs.values())
     figures = []
     for kill_ in kills:
         before = [e for e in committed if e["time"] <= kill_["at"]]
