@@ -17,7 +17,7 @@ and its state transfer (torchft's Manager reports the last two together). Over a
 per second against the same way's run without faults, and the final validation loss. Writes
 results/faults-<machine>.json (``--out``); the report plots it.
 
-    python3 -m benchmarks.fault_benchmark [--seconds 300] [--kill-every 30] [--steps 300] [--ways ours,elastic,torchft]
+    python3 -m benchmarks.fault_benchmark [--seconds 300] [--kill-every 30] [--steps 420] [--ways ours,elastic,torchft]
 """
 from __future__ import annotations
 
@@ -115,9 +115,12 @@ def fault_figures(kill: dict[str, Any], committed: list[dict[str, Any]], logs: d
     at, group = kill["at"], kill["replica"]
     before = [e for e in committed if e["time"] <= at]
     after = [e for e in committed if e["time"] > at]
-    notes = [n["recovered"] for n in logs[group] if "recovered" in n and n["recovered"]["group"] == group
-             and n["recovered"]["asked"] > at]
     back = next((e for e in after if group in e["participants"]), None)
+    # its recovery between the kill and its first step back, as any group's log kept it (a restart cuts the group's
+    # own log back to its checkpoint, notes included; a later recovery's note would be another fault's)
+    notes = [n["recovered"] for log in logs.values() for n in log if "recovered" in n
+             and n["recovered"]["group"] == group and at < n["recovered"]["asked"]
+             and (back is None or n["recovered"]["asked"] <= back["time"])]
     figures = {"at_s": kill["at_s"], "replica": group,
                "stall_s": after[0]["time"] - before[-1]["time"] if before and after else None,
                "steps_again": (before[-1]["step"] + 1 - after[0]["step"]) if before and after else None,
@@ -433,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=int, default=300, help="how long the kills go on")
     parser.add_argument("--kill-every", type=int, default=30, help="seconds between kills")
     parser.add_argument("--groups", type=int, default=3, help="replicas (processes, for elastic)")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps every run takes")
+    parser.add_argument("--steps", type=int, default=420,
+                        help="optimizer steps every run takes (420: every way's run here outlasts the kills)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"which of {', '.join(WAYS)}")
     parser.add_argument("--seed", type=int, default=0, help="the fault schedule's")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
