@@ -130,6 +130,7 @@ def train(config: Config) -> dict[str, Any]:
             if parts.replicas is not None:
                 parts.replicas.close()
             parts.data.close()
+            checkpoint.unlock(parts)
     if parts.ctx.rank == 0 and config.metrics_out:
         utils.write_json(config.metrics_out, metrics)
     metrics["model"] = parts.model  # for in-process callers (tests), whole (sync.close()); not part of the JSON

@@ -3,7 +3,9 @@ processes as a torch.distributed.checkpoint folder (every rank its own shards), 
 DDP on 2 processes with --batch-size doubled (the same global batch), each ending where an uninterrupted run ends;
 last.pt still resuming at a sharded sync (which then writes folders); --eval-only and --generate reading a folder;
 nodes that share no folder keeping last.pt; a torn folder, a changed configuration and diloco (another configuration,
-whose replicas' state a folder lacks) refused in one line on every rank.
+whose replicas' state a folder lacks) refused in one line on every rank; and no state of the folder stranding a run
+(DIR/latest lost or unreadable, a finished folder it does not name, a second run on the folder, a reader while the
+run supersedes its folder, a user's folders named like ours), --keep-checkpoints.
 
 Why 1e-10 in float64 (test_language_model.py's argument): the legs differ from the uninterrupted run (--zero 0 on
 2 processes) only in the order of their sums (stage 3 averages each micro-batch over 4 ranks, stage 0 adds 2 ranks'
@@ -15,6 +17,8 @@ weights at first order, by about lr x O(0.1) = 1e-3, seven orders above the boun
 import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -54,6 +58,15 @@ def argv_of(corpus, batch_size, *flags):
             *flags]
 
 
+HOLD = """
+import fcntl, os, sys, time
+descriptor = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(descriptor, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(300)
+"""  # another run on the folder: its lock, as checkpoint.lock takes it
+
+
 @pytest.fixture(scope="module")
 def runs(local_group, corpus, tmp_path_factory):
     """Saved at --zero 3 on 4 processes after 2 steps (and, meanwhile on 2, the uninterrupted run and a last.pt
@@ -69,16 +82,23 @@ def runs(local_group, corpus, tmp_path_factory):
     first = collect_all(pending)
     listing = {"saved": sorted(os.listdir(saved)), "folder": sorted(os.listdir(saved / "step-2")),
                "file": sorted(os.listdir(file))}
-    for name in ("zero 1", "fsdp", "ddp", "eval", "torn", "changed", "diloco"):
+    for name in ("zero 1", "fsdp", "ddp", "eval", "torn", "changed", "diloco", "no latest", "unreadable"):
         shutil.copytree(saved, root / name)
     (root / "zero 1" / "step-4.partial").mkdir()  # a save cut short, of 4 ranks: removed when the next run starts
     (root / "zero 1" / "step-4.partial" / "__3_0.distcp").write_bytes(b"half")
     os.remove(root / "torn" / "step-2" / "__1_0.distcp")
+    os.remove(root / "no latest" / "latest")  # lost: the newest whole folder is current, nothing is removed but ours
+    for name in ("step-best", "step-6-backup"):  # a user's folders, named like ours
+        (root / "no latest" / name).mkdir()
+        (root / "no latest" / name / "kept").write_text(name)
+    (root / "unreadable" / "latest").write_bytes(bytes(range(256)))  # binary: no rank waits out a timeout
     resumed = {name: argv_of(corpus, 4, *flags, "--max-steps", "4", "--checkpoint-dir", str(root / directory))
-               for name, directory, flags in (("zero 1", "zero 1", ["--zero", "1"]),
+               for name, directory, flags in (("zero 1", "zero 1", ["--zero", "1", "--checkpoint-every", "1",
+                                                                    "--keep-checkpoints", "2"]),
                                               ("fsdp", "fsdp", ["--grad-sync", "fsdp", "--zero", "3"]),
                                               ("ddp", "ddp", ["--grad-sync", "ddp"]),
                                               ("zero 3 from last.pt", "file", ["--zero", "3"]),
+                                              ("no latest", "no latest", ["--zero", "1"]),
                                               ("eval", "eval", ["--eval-only"]),
                                               ("torn", "torn", ["--zero", "1"]),
                                               ("changed", "changed", ["--zero", "1", "--lr", "0.02"]),
@@ -86,13 +106,20 @@ def runs(local_group, corpus, tmp_path_factory):
     refusals = {name: resumed.pop(name) for name in ("torn", "changed", "diloco")}
     resumed["not shared"] = argv_of(corpus, 4, "--zero", "3", "--max-steps", "1", "--checkpoint-dir",
                                     str(root / "not shared {rank}"))
+    refusals["unreadable"] = argv_of(corpus, 4, "--zero", "3", "--max-steps", "3", "--checkpoint-dir",
+                                     str(root / "unreadable"))  # run for what it prints
+    (root / "locked" / "step-3.partial").mkdir(parents=True)  # another run's save under way
+    refusals["locked"] = argv_of(corpus, 4, "--zero", "1", "--max-steps", "4", "--checkpoint-dir", str(root / "locked"))
     second = local_group(2).run(runs_in_group, [(name, "train", argv) for name, argv in resumed.items()])
-    refused = local_group(2).run(runs_in_group, [(name, "main", argv) for name, argv in refusals.items()])
+    with subprocess.Popen([sys.executable, "-c", HOLD, str(root / "locked")], stdout=subprocess.PIPE) as other_run:
+        assert other_run.stdout.readline() == b"held\n"
+        refused = local_group(2).run(runs_in_group, [(name, "main", argv) for name, argv in refusals.items()])
+        other_run.kill()
     return {"saved": first["saved"], "two": first["two"], "resumed": second, "refused": refused, "root": root,
             "listing": listing}
 
 
-@pytest.mark.parametrize("name", ["zero 1", "fsdp", "ddp", "zero 3 from last.pt"])
+@pytest.mark.parametrize("name", ["zero 1", "fsdp", "ddp", "zero 3 from last.pt", "no latest"])
 def test_resumed_on_2_processes_ends_where_the_uninterrupted_run_ends(runs, name):
     reference = runs["two"][0]["uninterrupted"]
     ranks = runs["resumed"]
@@ -130,11 +157,13 @@ def test_nodes_that_share_no_folder_keep_the_single_file(runs):
 
 def test_what_a_save_supersedes_is_removed(runs):
     """After the resumes: the new folder alone (the older one, a last.pt removed), with nothing of a save cut short
-    under its name."""
+    under its name; with --keep-checkpoints 2 (saving steps 3 and 4), the one before it too."""
     root = runs["root"]
     for directory in ("zero 1", "fsdp", "file"):
-        assert sorted(os.listdir(root / directory)) == ["latest", "step-4"], directory
-        assert sorted(os.listdir(root / directory / "step-4")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        kept = ["step-3"] if directory == "zero 1" else []
+        assert sorted(os.listdir(root / directory)) == ["latest", *kept, "step-4"], directory
+        for folder in [*kept, "step-4"]:
+            assert sorted(os.listdir(root / directory / folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert sorted(os.listdir(root / "ddp")) == ["last.pt"]  # ddp writes the file, and removes the folders
 
 
@@ -159,6 +188,75 @@ def test_a_torn_folder_another_configuration_and_diloco_are_refused_in_one_line_
     assert results[1]["stderr"] == ""  # rank 0 speaks for all
 
 
+def test_no_state_of_the_folder_strands_a_run(runs):
+    """DIR/latest lost (the run above, at --zero 1, ended where the uninterrupted run ends) or unreadable (binary
+    bytes, at --zero 3): the newest whole folder is current, said in one line; a user's folders named like ours stay;
+    only ours are superseded."""
+    root = runs["root"]
+    assert sorted(os.listdir(root / "no latest")) == ["latest", "step-4", "step-6-backup", "step-best"]
+    assert (root / "no latest" / "step-best" / "kept").read_text() == "step-best"
+    unreadable = [rank["unreadable"] for rank in runs["refused"]]
+    assert [result["code"] for result in unreadable] == [0, 0], unreadable[0]["stderr"][-2000:]
+    folder = root / "unreadable" / "step-2"
+    assert f"note: resuming from {folder}: latest is missing or unreadable\n" in unreadable[0]["stdout"]
+    assert f"resuming from {folder}: epoch 1, micro-batch 4, optimizer step 2" in unreadable[0]["stdout"]
+
+
+def test_a_second_run_on_a_folder_is_refused_in_one_line_before_it_touches_anything(runs):
+    """Another process holds the folder's lock (a run under way): both ranks refuse in one line, and the other
+    run's save under way (step-3.partial) is still there."""
+    results = [rank["locked"] for rank in runs["refused"]]
+    assert [result["code"] for result in results] == [2, 2]
+    err = results[0]["stderr"]
+    assert err == (f"ddp_cifar100.py: error: another run is using --checkpoint-dir {runs['root'] / 'locked'} (it "
+                   f"holds the folder's lock): wait for it to end, or use another folder\n"), err
+    assert results[1]["stderr"] == ""
+    assert os.listdir(runs["root"] / "locked") == ["step-3.partial"]
+
+
+def test_a_finished_folder_latest_does_not_name_is_adopted_once_whole(runs, tmp_path):
+    """A run stopped between renaming step-7 and naming it in DIR/latest: step-7 is current (checked whole), and a
+    later save of step 7 keeps it rather than failing on the rename; a torn step-8 is passed over; a folder whose step
+    folders are all torn is refused in one line."""
+    from trainer import checkpoint
+    whole = runs["root"] / "saved" / "step-2"
+    for name in ("step-6", "step-7", "step-8"):
+        shutil.copytree(whole, tmp_path / name)
+    os.remove(tmp_path / "step-8" / ".metadata")
+    (tmp_path / "latest").write_text("step-6\n")
+    found = checkpoint.current(str(tmp_path))
+    assert found.path == str(tmp_path / "step-7") and found.folder
+    assert "latest names step-6, but step-7 is finished and whole" in found.note
+    shutil.copytree(whole, tmp_path / "step-7.partial")  # the resumed run's save of step 7
+    checkpoint.make_current(str(tmp_path), "step-7", keep=2)  # and step-6 kept beside it
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-6", "step-7"]
+    shutil.rmtree(tmp_path / "step-6")
+    assert checkpoint.current(str(tmp_path)) == (str(tmp_path / "step-7"), True, None)
+    os.remove(tmp_path / "latest")
+    os.remove(tmp_path / "step-7" / "__0_0.distcp")
+    with pytest.raises(trainer.UsageError, match=r"holds step folders \(step-7\) but none is whole"):
+        checkpoint.current(str(tmp_path))
+
+
+def test_a_reader_of_a_live_folder_never_races_its_writer(runs, tmp_path, monkeypatch):
+    """A reader (--generate, tools) that finds step-2 current while the run makes step-3 current and removes step-2
+    reads step-3: what a live run's folder holds is never "no such folder"."""
+    from trainer import checkpoint
+    shutil.copytree(runs["root"] / "saved" / "step-2", tmp_path / "step-2")
+    (tmp_path / "latest").write_text("step-2\n")
+    read_state = checkpoint.read_state
+
+    def superseded_meanwhile(found):
+        if found.path.endswith("step-2"):  # the writer, between the reader's look at latest and its read
+            shutil.copytree(tmp_path / "step-2", tmp_path / "step-3.partial")
+            checkpoint.make_current(str(tmp_path), "step-3")
+        return read_state(found)
+    monkeypatch.setattr(checkpoint, "read_state", superseded_meanwhile)
+    found, state = checkpoint.read_alone(str(tmp_path))
+    assert found.path == str(tmp_path / "step-3") and sorted(os.listdir(tmp_path)) == ["latest", "step-3"]
+    assert state["optimizer_steps"] == 2 and "model" in state
+
+
 def test_generate_samples_from_a_folder(runs, capsysbinary):
     """--generate (one process, no group) rebuilds the GPT from the folder's record and whole weights."""
     argv = ["--checkpoint-dir", str(runs["root"] / "saved"), "--generate", "12", "--prompt", "def ", "--top-k", "1"]
@@ -181,8 +279,6 @@ def test_checkpoints_open_with_torch_alone(runs, tmp_path):
     """A folder (through dcp_to_torch_save) and last.pt (DDP's, written after its resume from the folder), read by
     torch.load(weights_only=True) in a Python without this repository on its path and away from it: nothing in them
     but tensors and Python's builtins."""
-    import subprocess
-    import sys
     done = subprocess.run([sys.executable, "-c", TORCH_ALONE, str(runs["root"] / "saved" / "step-2"),
                            str(runs["root"] / "ddp" / "last.pt")], cwd=tmp_path, capture_output=True, text=True,
                           env={"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "")}, timeout=120)

@@ -60,6 +60,7 @@ class Parts:
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
     phases: utils.PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
     checkpoint_folders: bool = False  # what checkpoint.save writes: DCP folders, or last.pt (checkpoint.restore says)
+    checkpoint_lock: int | None = None  # rank 0's lock on --checkpoint-dir for the run's life (checkpoint.lock)
     replicas: Any = None  # fault-tolerant replica groups (trainer/replica_groups.py), made once the run is restored
 
     @property

@@ -15,7 +15,14 @@ here asks which sync runs; this room decides where a checkpoint goes, which is c
   DIR/step-N.partial and renamed once every rank's part and DCP's .metadata are in; then DIR/latest, a one-line
   file naming it (written atomically: DeepSpeed's pointer), makes it current, and what it supersedes is removed
   (older folders, a last.pt). A run killed mid-save resumes from the folder that was current; its unfinished one is
-  removed at the next start. The run state is the folder's extra.
+  removed at the next start. The run state is the folder's extra. Only names of this form are ever removed
+  (``OURS``: a user's step-best/ stays), and no state of the folder strands a run (``current``): a finished folder
+  newer than the one DIR/latest names (a run stopped between the rename and the pointer) is adopted once it is
+  checked whole, and a DIR/latest that is missing, unreadable or names nothing falls back to the newest whole folder,
+  said in one line; a folder whose step folders are all torn is refused in one line, never started afresh over.
+  --keep-checkpoints K keeps the K newest; a superseded folder is renamed DIR/step-N.removing before it is deleted,
+  so that no reader sees one half gone, and a reader whose folder vanished reads the newer one (``read_alone``).
+  Rank 0 holds a lock on DIR for the run's life (``lock``): a second run on it is refused in one line.
 - DIR/last.pt, one file that rank 0 writes atomically (temporary file, flush, fsync, os.replace), at the syncs that
   keep the whole model on every rank (custom --zero 0, ddp, diloco, localsgd), and at the sharded ones when the
   nodes share no folder: the model and the optimizer gathered to rank 0 (below), the run state beside them.
@@ -55,9 +62,11 @@ pick nondeterministic algorithms unless asked: --deterministic (build.make_deter
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -80,6 +89,9 @@ RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "
 REQUIRED = ("model", "optimizer", *RUN_STATE)  # last.pt's keys a resume needs
 FILE, LATEST = "last.pt", "latest"  # DIR/last.pt; DIR/latest names the current folder
 FOLDER, PARTIAL = "step-", ".partial"  # DIR/step-N, written as DIR/step-N.partial
+REMOVING = ".removing"  # a superseded DIR/step-N is renamed so before it is deleted: no reader sees it half gone
+OURS = re.compile(r"step-(\d+)(\.partial|\.removing)?")  # the names this script writes, the only ones it removes
+READ_ATTEMPTS = 5  # a reader's tries at a folder a live run keeps superseding (read_alone)
 MARKER_WAIT_S = 2.0  # how long a rank looks for rank 0's marker (a network file system may show it late)
 NO_SUMS = [0.0, 0.0, 0.0]  # a rank's [loss, correct, seen] at an epoch's start
 
@@ -95,9 +107,11 @@ class Position:
 
 
 class Found(NamedTuple):
-    """A checkpoint in --checkpoint-dir: its path, and whether it is a DCP folder (else last.pt)."""
+    """A checkpoint in --checkpoint-dir: its path, whether it is a DCP folder (else last.pt), and why it was chosen
+    when DIR/latest did not name it (a note for the user)."""
     path: str
     folder: bool
+    note: str | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -172,6 +186,39 @@ def check_compatible(state: dict[str, Any], record: dict[str, Any], path: str, c
 # ----------------------------------------------------------------------------------------------------------
 # Which format, and where the current checkpoint is
 # ----------------------------------------------------------------------------------------------------------
+def lock(parts: Parts) -> None:
+    """Rank 0 holds an exclusive lock on --checkpoint-dir for the run's life (flock on the folder itself: nothing
+    is written for it, and the kernel drops it when the process dies, so a killed run leaves nothing stuck). A
+    second run on the folder is refused in one line on every rank before it touches anything (it would remove the
+    first's save under way as a leftover)."""
+    directory, message = parts.config.checkpoint_dir, [None]
+    if parts.ctx.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            descriptor = os.open(directory, os.O_RDONLY)
+        except OSError as exc:
+            message[0] = f"cannot use --checkpoint-dir {directory}: {exc.strerror or exc}"
+        else:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                parts.checkpoint_lock = descriptor
+            except BlockingIOError:
+                os.close(descriptor)
+                message[0] = (f"another run is using --checkpoint-dir {directory} (it holds the folder's lock): wait "
+                              f"for it to end, or use another folder")
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise UsageError(message[0])
+
+
+def unlock(parts: Parts) -> None:
+    """The run's lock on --checkpoint-dir released (the run ends; in-process callers may start another)."""
+    if parts.checkpoint_lock is not None:
+        os.close(parts.checkpoint_lock)  # closing the descriptor drops its flock
+        parts.checkpoint_lock = None
+
+
 def writes_folders(parts: Parts) -> bool:
     """Whether this run saves DCP folders (module docstring): a sync that holds shards, and every rank sees the
     folder rank 0 sees (else last.pt, said once). Rank 0 first removes what a save cut short left
@@ -180,7 +227,7 @@ def writes_folders(parts: Parts) -> bool:
     if config.eval_only or not parts.sync.holds_shards:
         return False
     if parts.ctx.rank == 0 and os.path.isdir(config.checkpoint_dir):
-        remove_folders(config.checkpoint_dir, lambda name: name.endswith(PARTIAL))
+        remove_folders(config.checkpoint_dir, lambda name: name.endswith((PARTIAL, REMOVING)))
     if seen_by_every_rank(config.checkpoint_dir, parts.comm_device):
         return True
     utils.print0(f"note: not every rank sees --checkpoint-dir {config.checkpoint_dir} (no shared file system): rank "
@@ -218,29 +265,86 @@ def seen_by_every_rank(directory: str, device: torch.device) -> bool:
 
 
 def current(directory: str) -> Found | None:
-    """The checkpoint a run in ``directory`` resumes from: the folder DIR/latest names, or DIR/last.pt. Both are
-    there only when a run stopped between making one current and removing the other: the newer then."""
-    pointer, file = os.path.join(directory, LATEST), os.path.join(directory, FILE)
-    if not os.path.exists(pointer):
-        return Found(file, folder=False) if os.path.exists(file) else None
-    if os.path.exists(file) and os.path.getmtime(file) > os.path.getmtime(pointer):
+    """The checkpoint a run in ``directory`` resumes from: the folder DIR/latest names, or DIR/last.pt; the newer
+    when both are there (a run stopped between making one current and removing the other). A finished folder newer
+    than the named one (a run stopped between its rename and the pointer) is adopted once checked whole; a missing
+    or unreadable DIR/latest, or one naming no folder, falls back to the newest whole folder (``note`` says so)."""
+    file = os.path.join(directory, FILE)
+    folder = current_folder(directory)
+    if os.path.exists(file) and (folder is None or os.path.getmtime(file) > os.path.getmtime(folder.path)):
         return Found(file, folder=False)
-    with open(pointer) as f:
-        return Found(os.path.join(directory, f.read().strip()), folder=True)
+    return folder
+
+
+def current_folder(directory: str) -> Found | None:
+    """The current DCP folder of ``directory`` (``current``), or None where there is no finished one."""
+    steps = finished_steps(directory)
+    named = named_step(directory)
+    newer = [step for step in steps if named is None or step > named]
+    for step in sorted(newer, reverse=True):  # the newest whole one, read only as far as needed
+        path = os.path.join(directory, f"{FOLDER}{step}")
+        if whole(path):
+            why = (f"{LATEST} names {FOLDER}{named}, but {FOLDER}{step} is finished and whole (a run stopped before "
+                   f"naming it)" if named is not None else f"{LATEST} is missing or unreadable")
+            return Found(path, folder=True, note=f"note: resuming from {path}: {why}")
+    if named is not None:
+        return Found(os.path.join(directory, f"{FOLDER}{named}"), folder=True)  # torn or not: load says which
+    if steps:
+        listed = ", ".join(f"{FOLDER}{step}" for step in steps)
+        raise UsageError(f"--checkpoint-dir {directory} holds step folders ({listed}) but none is whole and "
+                         f"{LATEST} names none; move them away to start afresh")
+    return None
+
+
+def finished_steps(directory: str) -> list[int]:
+    """The steps of the finished folders DIR/step-N (not .partial), in order."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(match[1]) for match in map(OURS.fullmatch, names)
+                  if match and not match[2] and os.path.isdir(os.path.join(directory, match[0])))
+
+
+def named_step(directory: str) -> int | None:
+    """The step of the folder DIR/latest names, where it is readable and names a finished folder; else None."""
+    try:
+        with open(os.path.join(directory, LATEST), encoding="utf-8") as f:
+            match = OURS.fullmatch(f.read(64).strip())
+    except (OSError, UnicodeDecodeError):  # missing, a folder, unreadable bytes
+        return None
+    if match is None or match[2] or not os.path.isdir(os.path.join(directory, match[0])):
+        return None
+    return int(match[1])
+
+
+def whole(path: str) -> bool:
+    """Whether a DCP folder is whole: its .metadata readable, every data file it names there at its size."""
+    from zero.checkpoint.checks import read_folder  # DCP, imported only where a folder is looked at
+    return read_folder(path)[1] is None
 
 
 def remove_folders(directory: str, chosen: Any) -> None:
-    """Rank 0: the step folders (finished or not) whose names ``chosen`` picks."""
+    """Rank 0: the step folders (finished or not) whose names ``chosen`` picks, among the names this script
+    writes (OURS); a finished one first renamed out of the names a reader looks at (REMOVING), then deleted."""
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if name.startswith(FOLDER) and chosen(name) and os.path.isdir(path):
+        if OURS.fullmatch(name) and chosen(name) and os.path.isdir(path):
+            if not name.endswith((PARTIAL, REMOVING)):
+                os.rename(path, path + REMOVING)
+                path += REMOVING
             shutil.rmtree(path, ignore_errors=True)
 
 
-def make_current(directory: str, name: str) -> None:
+def make_current(directory: str, name: str, keep: int = 1) -> None:
     """Rank 0, once every rank has written its part of DIR/name.partial: the folder renamed and the rename made
-    durable, DIR/latest pointed at it (atomically), and what it supersedes removed (older folders, last.pt)."""
-    os.rename(os.path.join(directory, name + PARTIAL), os.path.join(directory, name))
+    durable, DIR/latest pointed at it (atomically), and what it supersedes removed (last.pt, the folders but the
+    ``keep`` - 1 newest before it: --keep-checkpoints, none removed before the new one is current). A
+    whole folder of the same step already there (a run stopped before naming it, then resumed from an older one) is
+    kept and this save's copy dropped: both hold the same step of the same run, and nothing is ever without one."""
+    target = os.path.join(directory, name)
+    if os.path.isdir(target) and whole(target):
+        shutil.rmtree(target + PARTIAL, ignore_errors=True)
+    else:
+        shutil.rmtree(target, ignore_errors=True)  # torn: never current (``current`` adopts only whole ones)
+        os.rename(target + PARTIAL, target)
     descriptor = os.open(directory, os.O_RDONLY)
     try:  # the rename on disk before the pointer names it
         os.fsync(descriptor)
@@ -248,7 +352,10 @@ def make_current(directory: str, name: str) -> None:
         os.close(descriptor)
     with utils.atomic_write(os.path.join(directory, LATEST)) as f:
         f.write(name + "\n")
-    remove_folders(directory, lambda other: other != name)
+    step = int(OURS.fullmatch(name)[1])
+    older = [other for other in finished_steps(directory) if other < step]
+    kept = {name, *(f"{FOLDER}{other}" for other in older[max(0, len(older) - keep + 1):])}
+    remove_folders(directory, lambda other: other not in kept)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(directory, FILE))
 
@@ -306,9 +413,13 @@ def load_on_rank0(directory: str) -> tuple[Found, dict[str, Any]] | None:
     if dist.get_rank() == 0:
         try:
             found = current(directory)
+            if found is not None and found.note:
+                print(found.note, flush=True)
             message[0] = ("ok", found, read_state(found)) if found else None
         except UsageError as exc:
             message[0] = ("error", str(exc))
+        except Exception as exc:  # noqa: BLE001 - said in one line on every rank, none left waiting for rank 0
+            message[0] = ("error", f"cannot read --checkpoint-dir {directory}: {zero.checkpoint.one_line(exc)}")
     dist.broadcast_object_list(message, src=0)
     if message[0] is None:
         return None
@@ -319,18 +430,23 @@ def load_on_rank0(directory: str) -> tuple[Found, dict[str, Any]] | None:
 
 def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
     """This process alone, no process group: the current checkpoint of ``directory`` with its whole model (last.pt's
-    dict, or a folder's run state and "model"), for --generate and for tools; None where there is none."""
-    found = current(directory)
-    if found is None:
-        return None
-    if not found.folder:
-        return found, read_checkpoint(found.path)
-    state = read_state(found)
-    try:
-        state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
-    except zero.checkpoint.CheckpointError as exc:
-        raise usage_error(exc, found.path) from None
-    return found, state
+    dict, or a folder's run state and "model"), for --generate and for tools; None where there is none. A run may
+    be saving into ``directory`` meanwhile: a folder removed while it is read (superseded by a newer one) is read
+    again from the newer (last.pt is replaced atomically, and a mapped file outlives its name)."""
+    for attempt in range(READ_ATTEMPTS):
+        found = current(directory)
+        if found is None:
+            return None
+        if not found.folder:
+            return found, read_checkpoint(found.path)
+        try:
+            state = read_state(found)
+            state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
+            return found, state
+        except (UsageError, zero.checkpoint.CheckpointError, OSError) as exc:
+            if os.path.isdir(found.path) or attempt == READ_ATTEMPTS - 1:
+                raise (usage_error(exc, found.path) if not isinstance(exc, UsageError) else exc) from None
+    raise AssertionError("unreachable")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -368,7 +484,7 @@ def save_folder(parts: Parts, state: dict[str, Any]) -> None:
     parts.sync.save_checkpoint(os.path.join(directory, name + PARTIAL), parts.optimizer, state)
     faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
     if parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are written
-        make_current(directory, name)
+        make_current(directory, name, parts.config.keep_checkpoints)
 
 
 def save_file(parts: Parts, state: dict[str, Any]) -> None:
@@ -391,6 +507,8 @@ def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     config = parts.config
     if config.checkpoint_dir is None:
         return Position(), [], list(NO_SUMS)
+    if not config.eval_only:  # a reader (--eval-only) needs no lock
+        lock(parts)
     parts.checkpoint_folders = writes_folders(parts)
     loaded = load_on_rank0(config.checkpoint_dir)
     if loaded is None:

@@ -225,6 +225,11 @@ class Config:
                                            "own shards; DIR/latest names the current one); otherwise DIR/last.pt, "
                                            "written by rank 0 (the model and optimizer gathered to it)")
     checkpoint_every: int = flag(0, type=int, help="also checkpoint every N optimizer steps (0: epoch ends)")
+    keep_checkpoints: int = flag(1, type=int, metavar="K",
+                                 help="folders DIR/step-N kept: the current one and the K-1 before it (default 1: "
+                                      "a folder is a whole training state, 1.03 GB for GPT-2 small's shape with "
+                                      "AdamW, and a run killed mid-save still resumes from the current one); an "
+                                      "older one is removed only after a newer one is current")
     replica_group: int | None = flag(None, type=int, metavar="I",
                                      help="fault tolerance: this torchrun is replica group I (0 .. R-1) of a run "
                                           "whose groups train together through --coordinator and carry on when "
@@ -346,7 +351,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
 def check_numbers(given: argparse.Namespace) -> None:
     positive = {"--grad-accum": given.grad_accum, "--batch-size": given.batch_size, "--epochs": given.epochs,
                 "--train-size": given.train_size, "--val-size": given.val_size, "--lr": given.lr,
-                "--bucket-mb": given.bucket_mb, "--timeout": given.timeout, "--log-every": given.log_every}
+                "--bucket-mb": given.bucket_mb, "--timeout": given.timeout, "--log-every": given.log_every,
+                "--keep-checkpoints": given.keep_checkpoints}
     for name, value in positive.items():
         if not value > 0:
             raise UsageError(f"{name} must be positive, got {value}")
