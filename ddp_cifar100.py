@@ -274,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         elif launched_by_torchrun:
             time.sleep(5)  # torchrun stops the group when one worker exits: let rank 0 be heard first
         return 2
+    except replicas.RunFinished as exc:  # replica groups: back after the others finished; nothing left to do
+        if rank == 0:
+            print(f"ddp_cifar100.py: note: {exc}", file=sys.stderr, flush=True)
+        return 0
     except (replicas.CoordinatorLost, replicas.ReplicaRefused) as exc:  # replica groups: each group's rank 0 says it
         if rank == 0:
             print(f"ddp_cifar100.py: error: {exc}", file=sys.stderr, flush=True)

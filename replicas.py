@@ -81,6 +81,7 @@ FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group o
 TICK_S = 0.005  # the lighthouse's poll of its event queue and of the open quorum's decision
 WATCH_S = 0.05  # ... and of the heartbeats, when no request came meanwhile
 MESSAGE_BYTES = 64 * 2**20  # a state transfer's message
+FINISHED = "the run finished"  # how a refusal of a group back after the end begins (RunFinished)
 CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's process group (a loaded machine's processes)
 
 
@@ -90,6 +91,11 @@ class CoordinatorLost(RuntimeError):
 
 class ReplicaRefused(ValueError):
     """The lighthouse refused this group (another identity, another size): one line, why."""
+
+
+class RunFinished(ReplicaRefused):
+    """The run finished while this group was away: nothing is left for it to do. Not a failure: a torchrun that
+    restarted the group after a fault need not restart it again (its process ends with 0)."""
 
 
 def connect(address: str, timeout_s: float) -> TCPStore:
@@ -177,13 +183,15 @@ class Lighthouse:
             return f"{request['size']} processes, where the run's replica groups have {reference['size']}"
         finished = json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
         if finished is not None and request["step"] < finished["step"]:
-            return (f"the run finished at step {finished['step']} while this group was away (it is at step "
-                    f"{request['step']}): no group is left to take the live state from")
+            return (f"{FINISHED} at step {finished['step']} while this group was away (it is at step "
+                    f"{request['step']}): no group is left to take the live state from, and nothing is left to "
+                    f"train; the run's weights are the other groups'")
         return None
 
     def _refuse(self, request: dict[str, Any], why: str) -> None:
         self.store.set(f"{PREFIX}ticket/{request['ticket']}",
-                       json.dumps({"refused": f"replica group {request['group']} refused by the coordinator: {why}"}))
+                       json.dumps({"refused": f"replica group {request['group']} refused by the coordinator: {why}",
+                                   "finished": why.startswith(FINISHED)}))
 
     def _watch_heartbeats(self) -> None:
         keys = [f"{PREFIX}hb/{g}/{j}" for g, size in self.places.items() for j in range(size)]
@@ -445,7 +453,8 @@ class Replica:
             self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
         answer = self._wait_for(f"{PREFIX}ticket/{ticket}")
         if b"refused" in answer[:12]:
-            raise ReplicaRefused(json.loads(answer)["refused"])
+            refusal = json.loads(answer)
+            raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])
         self.quorum = Quorum.parse(answer)
         return self.quorum
 

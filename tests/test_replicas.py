@@ -79,8 +79,18 @@ def two_groups(local_group, corpus, tmp_path_factory):
         wait_for_lines(out / "log0", 1)
         refused = stranger.run(main_in_group, argv_of(corpus, *flags, "--replica-group", "1", "--lr", "0.02"))
         groups = collect_all(pending)
+        late = first.run(main_in_group, argv_of(corpus, *flags, "--replica-group", "1"))  # back at step 0, too late
     whole = local_group(4).run(train_in_group, argv_of(corpus), "float64")
-    return {"groups": groups, "whole": whole, "refused": refused[0], "logs": out}
+    return {"groups": groups, "whole": whole, "refused": refused[0], "late": late, "logs": out}
+
+
+def test_a_group_back_after_the_run_finished_ends_with_0_and_says_why(two_groups):
+    """Not a failure (its torchrun would restart it again and again, each start refused): a note in one line."""
+    late = two_groups["late"]
+    assert [rank["code"] for rank in late] == [0, 0]
+    lines = late[0]["stderr"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddp_cifar100.py: note: replica group 1 refused by the "
+                                                   "coordinator: the run finished at step 6"), late[0]["stderr"]
 
 
 def test_two_groups_of_two_are_one_run_of_four(two_groups):
