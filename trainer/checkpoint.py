@@ -281,7 +281,7 @@ def current_folder(directory: str) -> Found | None:
     steps = finished_steps(directory)
     named = named_step(directory)
     newer = [step for step in steps if named is None or step > named]
-    for step in sorted(newer, reverse=True):  # the newest whole one, read only as far as needed
+    for step in reversed(newer):  # the newest whole one, read only as far as needed
         path = os.path.join(directory, f"{FOLDER}{step}")
         if whole(path):
             why = (f"{LATEST} names {FOLDER}{named}, but {FOLDER}{step} is finished and whole (a run stopped before "
@@ -433,7 +433,7 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
     dict, or a folder's run state and "model"), for --generate and for tools; None where there is none. A run may
     be saving into ``directory`` meanwhile: a folder removed while it is read (superseded by a newer one) is read
     again from the newer (last.pt is replaced atomically, and a mapped file outlives its name)."""
-    for attempt in range(READ_ATTEMPTS):
+    for _ in range(READ_ATTEMPTS):
         found = current(directory)
         if found is None:
             return None
@@ -444,9 +444,10 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
             state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
             return found, state
         except (UsageError, zero.checkpoint.CheckpointError, OSError) as exc:
-            if os.path.isdir(found.path) or attempt == READ_ATTEMPTS - 1:
-                raise (usage_error(exc, found.path) if not isinstance(exc, UsageError) else exc) from None
-    raise AssertionError("unreachable")
+            error = exc if isinstance(exc, UsageError) else usage_error(exc, found.path)
+            if os.path.isdir(found.path):  # not superseded: the folder itself is at fault
+                raise error from None
+    raise error from None  # superseded on every attempt
 
 
 # ----------------------------------------------------------------------------------------------------------
