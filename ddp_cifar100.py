@@ -88,6 +88,7 @@ def train(config: Config) -> dict[str, Any]:
             if not optimizer_step(parts, meter, position, epoch):
                 epoch.rewind(parts, position)
                 continue
+            checkpoint.poll_saves(parts)  # --async-checkpoint: a background save that failed stops the run here
             # a checkpoint inside the epoch when due (the epoch's end is checkpointed after its validation)
             due = config.checkpoint_every and position.optimizer_steps % config.checkpoint_every == 0
             if (due or stop_requested(config, position)) and not epoch.over(position):
@@ -111,6 +112,7 @@ def train(config: Config) -> dict[str, Any]:
                     final["complete"] = False
                 meter.show_epoch(final, position.optimizer_steps)
                 epoch = None
+        checkpoint.finish_saves(parts)  # --async-checkpoint: the last save written before the run ends
         if parts.replicas is not None:  # a replica group that comes back later has no one left to rejoin
             parts.replicas.finish(position)
         meter.close()  # the profiler's window written, TensorBoard flushed
@@ -130,6 +132,7 @@ def train(config: Config) -> dict[str, Any]:
             if parts.replicas is not None:
                 parts.replicas.close()
             parts.data.close()
+            checkpoint.close_writer(parts)  # stopped by an error: its save in flight left unpublished
             checkpoint.unlock(parts)
     if parts.ctx.rank == 0 and config.metrics_out:
         utils.write_json(config.metrics_out, metrics)

@@ -448,7 +448,8 @@ class DiLoCoSync:
     def __getattr__(self, name: str) -> Any:  # the inner sync's interface (module, optimizer, clipping, ...)
         return getattr(self.inner, name)
 
-    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = True) -> None:
+    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = True,
+                        writer: Any = None) -> Any:
         from zero.checkpoint.whole import write_file
         if not one_file:
             raise ValueError("DiLoCo's replicas hold weights of their own: its checkpoint is one file (one_file)")
@@ -457,8 +458,10 @@ class DiLoCoSync:
         with self.outer.global_weights():  # ZeRO-3: the shards hold it, gathered one unit at a time
             shared = (self.inner.model_state_dict() if self.outer.per_rank else
                       {key: value.clone() for key, value in self.inner.model.state_dict().items()})
-        if dist.get_rank() == 0:
-            write_file(path, {"model": shared, "replicas": replicas, "optimizer": optimizer_state, **(extra or {})})
+        if dist.get_rank() == 0:  # with ``writer``: staged, written in its thread (zero.checkpoint.AsyncWriter)
+            return write_file(path, {"model": shared, "replicas": replicas, "optimizer": optimizer_state,
+                                     **(extra or {})}, writer)
+        return None
 
     def _gather_replicas(self, model_state: dict[str, Any], optimizer_state: Any) -> list[Any] | None:
         """Each replica's state on rank 0, in replica order (the others get None)."""

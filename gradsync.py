@@ -100,7 +100,7 @@ class DataParallel(Protocol):
     def load_model_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *,
-                        one_file: bool = False) -> None: ...
+                        one_file: bool = False, writer: Any = None) -> Any: ...
 
     def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any: ...
 
@@ -168,12 +168,14 @@ class WholeCheckpoints:
     model: nn.Module
     holds_shards = False
 
-    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = False) -> None:
+    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = False,
+                        writer: Any = None) -> Any:
         """Every rank of the group: the model, ``optimizer`` (one, several, None) and ``extra`` to ``path``, a folder
         of torch.distributed.checkpoint where every rank writes what it holds (zero.checkpoint.save), or with
-        ``one_file`` one file of the whole state dicts written by the group's rank 0 (zero.checkpoint.save_file)."""
+        ``one_file`` one file of the whole state dicts written by the group's rank 0 (zero.checkpoint.save_file).
+        With ``writer`` (zero.checkpoint.AsyncWriter): staged, written in the background; returns its future."""
         from zero import checkpoint
-        (checkpoint.save_file if one_file else checkpoint.save)(path, self, optimizer, extra)
+        return (checkpoint.save_file if one_file else checkpoint.save)(path, self, optimizer, extra, writer=writer)
 
     def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
         """Every rank of the group: a checkpoint of either form, of any sync at any world size, into the model and

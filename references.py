@@ -249,19 +249,21 @@ class FSDPSync:
         finally:
             self.whole_state_dicts = True
 
-    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = False) -> None:
+    def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = False,
+                        writer: Any = None) -> Any:
         """A torch.distributed.checkpoint folder, FSDP2's way: get_state_dict, then dcp.save, every rank its own
         shards; ``extra`` as rank 0 has it (zero.checkpoint's encoding). The format zero.checkpoint writes and
         reads (zero/checkpoint/), so either resumes the other. With ``one_file``: one file of the whole state dicts
-        on rank 0 (zero.checkpoint.save_file). Every rank calls it."""
+        on rank 0 (zero.checkpoint.save_file). With ``writer`` (zero.checkpoint.AsyncWriter): DCP's own
+        ``async_save`` (its staging, its thread) over the writer's gloo group, once the save in flight is done;
+        returns its future. Every rank calls it."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from zero import checkpoint
         from zero.optimizer_kinds import as_optimizers
 
         if one_file:
-            checkpoint.save_file(path, self, optimizer, extra)
-            return
+            return checkpoint.save_file(path, self, optimizer, extra, writer=writer)
         optimizers = as_optimizers(optimizer)
         with self._fsdp2_state_dicts():
             model_state, optimizer_state = get_state_dict(self.model, optimizers)
@@ -271,7 +273,11 @@ class FSDPSync:
         state = {"model": model_state, "optimizer": optimizer_state}
         if extra is not None and dist.get_rank() == 0:  # DCP's coordinator: one copy, as zero.checkpoint writes it
             state["extra"] = checkpoint.encode_extra(extra)
-        dcp.save(state, checkpoint_id=path)
+        if writer is None:
+            dcp.save(state, checkpoint_id=path)
+            return None
+        writer.wait()  # one save in flight
+        return writer.adopt(dcp.async_save(state, checkpoint_id=path, process_group=writer.writer_group(None)))
 
     def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
         """Such a folder (FSDP2's, or zero.checkpoint's from any stage and world size) read into the model's shards

@@ -456,14 +456,19 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
 @utils.measured_phase("checkpoint")
 def save(parts: Parts, position: Position, history: list[dict[str, Any]], sums: list[list[float]]) -> None:
     """The run's state at ``position`` (every rank's epoch sums ``sums`` included) to --checkpoint-dir, in the
-    format restore chose (module docstring). Every rank calls it."""
+    format restore chose (module docstring). Every rank calls it. With --async-checkpoint it returns once this
+    rank's state is staged (after the previous save is written and published: [Note: one save in flight]); the
+    time the loop spends here is the save's stall, in the metrics' checkpoint_stalls_s."""
     if parts.config.checkpoint_dir is None:
         return
+    start = time.perf_counter()
+    wait_for_saves(parts)
     state = run_state(parts, position, history, sums)
     if parts.checkpoint_folders:
         save_folder(parts, state)
     else:
         save_file(parts, state)
+    parts.checkpoint_stalls.append(time.perf_counter() - start)
 
 
 def run_state(parts: Parts, position: Position, history: list[dict[str, Any]],
@@ -480,22 +485,95 @@ def run_state(parts: Parts, position: Position, history: list[dict[str, Any]],
 
 def save_folder(parts: Parts, state: dict[str, Any]) -> None:
     """DIR/step-N: every rank writes its own shards into DIR/step-N.partial (the sync's save_checkpoint), ``state``
-    as rank 0's extra; then rank 0 makes it current."""
+    as rank 0's extra; then rank 0 makes it current (with --async-checkpoint: in the writer's thread, once
+    written)."""
     directory, name = parts.config.checkpoint_dir, f"{FOLDER}{state['optimizer_steps']}"
-    parts.sync.save_checkpoint(os.path.join(directory, name + PARTIAL), parts.optimizer, state)
-    faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
-    if parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are written
-        make_current(directory, name, parts.config.keep_checkpoints)
+    written = write_then(parts, state, lambda: make_current(directory, name, parts.config.keep_checkpoints))
+    parts.sync.save_checkpoint(os.path.join(directory, name + PARTIAL), parts.optimizer, state,
+                               writer=parts.checkpoint_writer)
+    written()
 
 
 def save_file(parts: Parts, state: dict[str, Any]) -> None:
     """DIR/last.pt, written by rank 0: the model and the optimizer's state in the form every --zero and world size
-    loads (the sharded syncs gather them to rank 0, so every rank calls this), and ``state``."""
-    parts.sync.save_checkpoint(os.path.join(parts.config.checkpoint_dir, FILE), parts.optimizer, state,
-                               one_file=True)
-    faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
-    if parts.ctx.rank == 0:
-        forget_folders(parts.config.checkpoint_dir)
+    loads (the sharded syncs gather them to rank 0, so every rank calls this), and ``state``; then what it
+    supersedes removed."""
+    directory = parts.config.checkpoint_dir
+    written = write_then(parts, state, lambda: forget_folders(directory))
+    parts.sync.save_checkpoint(os.path.join(directory, FILE), parts.optimizer, state, one_file=True,
+                               writer=parts.checkpoint_writer)
+    written()
+
+
+def write_then(parts: Parts, state: dict[str, Any], publish: Any) -> Any:
+    """What follows a save's write, as a call: the fault point "save" (written, not yet current), then rank 0's
+    ``publish``; now, or with --async-checkpoint in the writer's thread after the write (and never after a failed
+    one). Before the write, the writer's thread passes the fault point "write" (trainer/faults.py)."""
+    rank, step, group = parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group
+    writer = parts.checkpoint_writer
+
+    def published() -> None:
+        faults.at("save", rank, step, group)
+        if rank == 0:
+            publish()
+    if writer is None:
+        return published
+    writer.before_write = lambda: faults.at("write", rank, step, group)
+    return lambda: writer.then(published)
+
+
+def poll_saves(parts: Parts) -> None:
+    """--async-checkpoint, after every step: a background save that failed stops the run here, in one line (the
+    previous checkpoint is still current)."""
+    writer = parts.checkpoint_writer
+    if writer is not None and writer.error() is not None:
+        try:
+            writer.wait()
+        except zero.checkpoint.CheckpointError as exc:
+            raise background_failure(parts, exc) from None
+
+
+def wait_for_saves(parts: Parts) -> None:
+    """--async-checkpoint: the save in flight written and published on every rank before the next one (or the
+    run's end); a failure on any rank said on all in one line (one all_gather_object)."""
+    writer = parts.checkpoint_writer
+    if writer is None:
+        return
+    problem = None
+    try:
+        writer.wait()
+    except zero.checkpoint.CheckpointError as exc:
+        problem = str(background_failure(parts, exc))
+    if dist.get_world_size() > 1:
+        from zero.checkpoint.checks import agree
+        problem = agree(problem, None)
+    if problem:
+        raise UsageError(problem)
+
+
+def background_failure(parts: Parts, exc: Exception) -> UsageError:
+    why = str(exc).split(": ", 1)[-1] if str(exc).startswith("zero.checkpoint") else str(exc)
+    return UsageError(f"the background save into --checkpoint-dir {parts.config.checkpoint_dir} failed: {why} (the "
+                      f"checkpoint before it is still current)")
+
+
+def finish_saves(parts: Parts) -> None:
+    """The run's end: its last save written (the wait counted in checkpoint_final_wait_s) and the writer stopped."""
+    if parts.checkpoint_writer is None:
+        return
+    start = time.perf_counter()
+    wait_for_saves(parts)
+    parts.checkpoint_writer.close()
+    parts.checkpoint_writer = None
+    parts.checkpoint_final_wait = time.perf_counter() - start
+
+
+def close_writer(parts: Parts) -> None:
+    """A run stopped by an error: the writer left as it is (its folder stays .partial, removed at the next start;
+    the previous checkpoint is current)."""
+    if parts.checkpoint_writer is not None:
+        parts.checkpoint_writer.close(wait=False)
+        parts.checkpoint_writer = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -511,6 +589,8 @@ def restore(parts: Parts) -> tuple[Position, list[dict[str, Any]], list[float]]:
     if not config.eval_only:  # a reader (--eval-only) needs no lock
         lock(parts)
     parts.checkpoint_folders = writes_folders(parts)
+    if config.async_checkpoint and not config.eval_only:
+        parts.checkpoint_writer = zero.checkpoint.AsyncWriter()
     loaded = load_on_rank0(config.checkpoint_dir)
     if loaded is None:
         return Position(), [], list(NO_SUMS)

@@ -230,6 +230,14 @@ class Config:
                                       "a folder is a whole training state, 1.03 GB for GPT-2 small's shape with "
                                       "AdamW, and a run killed mid-save still resumes from the current one); an "
                                       "older one is removed only after a newer one is current")
+    async_checkpoint: bool = flag(False, help="save in the background: the loop pauses only to copy this rank's "
+                                              "state into staging buffers kept from save to save (pinned host "
+                                              "memory on a GPU) and a writer thread writes and publishes it while "
+                                              "training goes on (at most one save in flight; a save due while one "
+                                              "writes waits for it). Off by default: it holds one more copy of the "
+                                              "rank's state (16 Psi / W bytes for AdamW at --zero 3) for the run's "
+                                              "life, and on a machine with few cores the writer takes them from "
+                                              "the steps (docs/trainer.md has both figures)")
     replica_group: int | None = flag(None, type=int, metavar="I",
                                      help="fault tolerance: this torchrun is replica group I (0 .. R-1) of a run "
                                           "whose groups train together through --coordinator and carry on when "
@@ -367,7 +375,8 @@ def check_numbers(given: argparse.Namespace) -> None:
 
 
 def check_recipe_flags(given: argparse.Namespace) -> None:
-    """--betas, the cosine schedule's flags, --generate's and --dropout, in one line each when they do not fit."""
+    """--betas, the cosine schedule's flags, --generate's, --dropout and --async-checkpoint, in one line each when
+    they do not fit."""
     adamw = given.optimizer in ("adamw", "muon")
     if given.betas is not None and (not adamw or not all(0 <= b < 1 for b in given.betas)):
         raise UsageError(f"--betas is AdamW's (--optimizer adamw, or muon's AdamW), two numbers in [0, 1), got "
@@ -390,6 +399,8 @@ def check_recipe_flags(given: argparse.Namespace) -> None:
                              f"{given.top_k}")
     if not 0 <= given.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {given.dropout}")
+    if given.async_checkpoint and given.checkpoint_dir is None:
+        raise UsageError("--async-checkpoint saves into --checkpoint-dir: give one")
 
 
 def muon_flags(given: argparse.Namespace) -> dict[str, Any]:

@@ -9,8 +9,8 @@ the second: replica group GROUP's rank RANK (any group's, without GROUP), at POI
 (*: at any step), in torchrun's attempt ATTEMPT (default 0). POINT is one of POINTS: inside the step's forward or
 backward, inside the all-reduce across replica groups (its messages launched, not landed), inside the optimizer's
 step (the update applied, the step not yet counted), while this rank sends its live state to a replica group that
-joins (half the tensors sent), while it saves a checkpoint (its files written, the save not yet made current), or
-after the step (the default).
+joins (half the tensors sent), in --async-checkpoint's writer thread as it starts writing a save (the loop gone on),
+while it saves a checkpoint (its files written, the save not yet made current), or after the step (the default).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import signal
 from dataclasses import dataclass
 
 ENV = "DDP_CIFAR100_FAULT"
-POINTS = ("forward", "backward", "allreduce", "optimizer", "send", "save", "after")
+POINTS = ("forward", "backward", "allreduce", "optimizer", "send", "write", "save", "after")
 
 
 @dataclass(frozen=True)

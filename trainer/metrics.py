@@ -396,6 +396,10 @@ def summarize(meter: Meter, position: Position, history: list[dict[str, Any]], f
         "step_time_ms_mean": statistics.fmean(steps) if steps else None,
         "step_time_warmup_steps": len(times) - len(steps), "step_times_ms": [round(t, 4) for t in steps],
         "data_wait_ms_median": statistics.median(waits) if waits else None,
+        # the loop's pause in each save (--async-checkpoint: the copy, and any wait for the save before it) and the
+        # run's end's wait for its last one
+        "checkpoint_stalls_s": [round(t, 6) for t in parts.checkpoint_stalls],
+        "checkpoint_final_wait_s": round(parts.checkpoint_final_wait, 6),
         "epochs": history + ([final] if final.get("complete") is False else []),
         "fingerprint": fingerprint(trajectory(parts)), "config": vars(config),
     }

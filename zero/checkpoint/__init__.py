@@ -5,6 +5,9 @@ own shards and reads only what its shards overlap, and FSDP2 reads ours as we re
     extra = zero.checkpoint.load(path, sharded, optimizer)        # every rank; any stage 0-3, W, replicate_group
     extra = zero.checkpoint.read_extra(path)                      # one process: the extra alone, before a load
     whole = zero.checkpoint.read_whole(path, ("model",))          # whole tensors: for programs that keep them whole
+    writer = zero.checkpoint.AsyncWriter()                        # saves in the background (background.py):
+    future = zero.checkpoint.save(path, sharded, optimizer, extra, writer=writer)  # returns once staged
+    writer.wait()                                                 # written (or its error, in one line)
 
 Why: the whole state dicts (``sharded.model_state_dict()``, ``optimizer.state_dict()``) gather 12 Psi bytes (AdamW)
 on rank 0 and hand the whole of them to every rank on resume; this writes 12 Psi / W per rank and reads as much.
@@ -75,6 +78,7 @@ programs that keep the whole model on every rank anyway (DDP, ZeroRedundancyOpti
 of a group together or by one process alone.
 
 Where each part is (DCP's own split): zero/checkpoint/api.py (save, load, read_extra, read_whole),
+zero/checkpoint/background.py (AsyncWriter: the staging buffers and the writer thread),
 zero/checkpoint/state_dict.py (the state dict of one rank: what the sync holds, in get_state_dict's layout; the
 places a load reads into; extra), zero/checkpoint/planner.py (DCP's default planners, with pieces written and read
 as boxes), zero/checkpoint/checks.py (every refusal, in one line, the same on every rank); the piece arithmetic
@@ -83,6 +87,7 @@ without DCP is zero/pieces.py's. DCP's flattening and its inverse come from its 
 ``dcp_to_torch_save`` use, so the keys and the rebuilt structure are DCP's by construction.
 """
 from zero.checkpoint.api import load, read_extra, read_whole, save
+from zero.checkpoint.background import AsyncWriter, StagingBuffers
 from zero.checkpoint.checks import CheckpointError, one_line
 from zero.checkpoint.planner import ShardLoadPlanner, ShardSavePlanner
 from zero.checkpoint.state_dict import Checkpointable, encode_extra, model_entries, optimizer_entries
@@ -90,5 +95,6 @@ from zero.checkpoint.whole import load_any, load_file, read_file, save_file
 from zero.pieces import Piece, Shards, flat_pieces, layout_boxes, memory_order, range_boxes
 
 __all__ = ["save", "load", "read_extra", "read_whole", "save_file", "load_file", "read_file", "load_any",
-           "CheckpointError", "one_line", "Checkpointable", "encode_extra", "model_entries", "optimizer_entries", "ShardSavePlanner", "ShardLoadPlanner", "Piece",
-           "Shards", "flat_pieces", "layout_boxes", "memory_order", "range_boxes"]
+           "AsyncWriter", "StagingBuffers", "CheckpointError", "one_line", "Checkpointable", "encode_extra",
+           "model_entries", "optimizer_entries", "ShardSavePlanner", "ShardLoadPlanner", "Piece", "Shards",
+           "flat_pieces", "layout_boxes", "memory_order", "range_boxes"]

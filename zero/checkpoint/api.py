@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from concurrent.futures import Future
 from typing import Any, Iterable
 
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from zero.checkpoint.background import AsyncWriter
 from zero.checkpoint.checks import (CheckpointError, agree, groups_problem, model_problem, one_line,
                                     optimizer_problem, parameter_kinds, read_folder, saved_optimizer, scalars_problem)
 from zero.checkpoint.planner import ShardLoadPlanner, ShardSavePlanner
@@ -36,13 +38,15 @@ def checkpoint_group(sync: Any) -> dist.ProcessGroup | None:
     return sync.checkpoint_group()
 
 
-def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None) -> None:
+def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None,
+         writer: AsyncWriter | None = None) -> Future | None:
     """Write ``sync``'s model and ``optimizer``'s state (as_optimizers: one, several, or None) to the folder
     ``path`` in DCP's format (module docstring), each rank its own shards; ``extra`` (any picklable structure of
     Python values and tensors) as the group's rank 0 has it ([Note: extra]). Every rank of the group calls it (under
     hybrid sharding, every rank of the world). An optimizer that has not stepped is saved without state, as its
     state_dict() is (get_state_dict would step it once at lr 0 first, and FSDP2's strict set_state_dict refuses a
-    checkpoint without state).
+    checkpoint without state). With ``writer`` (an AsyncWriter: zero/checkpoint/background.py) it returns once this
+    rank's state is copied, with the write's future; the folder is whole once every rank's future is done.
 
     [Note: no tensor collective in save] Nothing is gathered: the pieces are views of what the rank holds, and DCP's
     planning exchanges objects (each rank's plan, then the written files' list) over the group. Stage 3's prefetch
@@ -63,12 +67,21 @@ def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None) 
     problem = agree(problem, group)
     if problem:
         raise CheckpointError(f"zero.checkpoint.save: {problem}")
+    if writer is None:
+        write_folder(path, state, group)
+        return None
+    staged = writer.stage(state)
+    writer_group = writer.writer_group(group)
+    return writer.write(lambda: write_folder(path, staged, writer_group))
+
+
+def write_folder(path: str, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """One rank's state dict (model_entries' and optimizer_entries' form) into the folder, DCP's planning over
+    ``group``."""
     try:
         dcp.save(state, storage_writer=FileSystemWriter(path), planner=ShardSavePlanner(), process_group=group)
     except CheckpointException as error:
         raise CheckpointError(f"zero.checkpoint.save: checkpoint {path}: {one_line(error)}") from None
-
-
 
 
 def load(path: str | os.PathLike, sync: Any, optimizer: Any, stepped: bool = False) -> Any:

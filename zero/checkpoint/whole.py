@@ -16,6 +16,7 @@ dicts are the unsharded ones.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 import utils
 from zero.checkpoint.api import load
+from zero.checkpoint.background import AsyncWriter
 from zero.checkpoint.checks import CheckpointError, one_line
 from zero.optimizer_kinds import optimizer_parts
 from zero.optimizer_kinds import missing_optimizer_state
@@ -30,24 +32,31 @@ from zero.optimizer_kinds import missing_optimizer_state
 KEYS = ("model", "optimizer")  # what the file holds besides the caller's extra
 
 
-def write_file(path: str, state: dict[str, Any]) -> None:
-    """``state`` to ``path`` atomically (utils.atomic_write: temporary file, flush, fsync, rename)."""
-    with utils.atomic_write(path, "wb") as f:
-        torch.save(state, f)
+def write_file(path: str, state: dict[str, Any], writer: AsyncWriter | None = None) -> Future | None:
+    """``state`` to ``path`` atomically (utils.atomic_write: temporary file, flush, fsync, rename); with ``writer``,
+    copied (its staging buffers) and written in its thread: returns the write's future."""
+    if writer is None:
+        with utils.atomic_write(path, "wb") as f:
+            torch.save(state, f)
+        return None
+    staged = writer.stage(state)
+    return writer.write(lambda: write_file(path, staged))
 
 
-def save_file(path: str | os.PathLike, sync: Any, optimizer: Any = None, extra: dict[str, Any] | None = None) -> None:
+def save_file(path: str | os.PathLike, sync: Any, optimizer: Any = None, extra: dict[str, Any] | None = None,
+              writer: AsyncWriter | None = None) -> Future | None:
     """Every rank of the sync's group: the whole state dicts gathered to its rank 0 (the sharded stages gather, so
-    every rank calls them), which writes the file."""
+    every rank calls them), which writes the file (with ``writer``: in the background, write_file)."""
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     model_state = sync.model_state_dict()
     if dist.get_rank(sync.checkpoint_group()) != 0:
-        return
+        return None
     clash = sorted(set(extra or {}) & set(KEYS))
     if clash:
         raise ValueError(f"zero.checkpoint.save_file: extra holds {clash}, the file's own keys")
-    write_file(os.fspath(path), {"model": model_state, **({"optimizer": optimizer_state} if optimizer else {}),
-                                 **(extra or {})})
+    return write_file(os.fspath(path), {"model": model_state,
+                                        **({"optimizer": optimizer_state} if optimizer else {}), **(extra or {})},
+                      writer)
 
 
 def read_file(path: str) -> dict[str, Any]:
