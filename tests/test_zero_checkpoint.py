@@ -1006,7 +1006,7 @@ def test_cuda_shards_save_and_load_on_the_gpu(local_group, root):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Stage 3's model.state_dict()
+# Stage 3's model.state_dict(), and checksums
 # ----------------------------------------------------------------------------------------------------------
 def stage_3_state_dicts(rank, world_size, path):
     """model.state_dict() at stage 3 (refused, and not a SIGSEGV nor a file without weights), what keeps working
@@ -1037,3 +1037,33 @@ def test_stage_3_refuses_model_state_dict_in_one_line(local_group, tmp_path):
         assert out["names"] == {name: tuple(value.shape) for name, value in out["closed"].items()}
     assert max_difference(results[0]["gathered"], results[0]["closed"]) == 0
     assert sorted(os.listdir(tmp_path / "ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as asked
+def test_a_folder_saved_without_torchs_checksums_still_loads_unchecked(tmp_path):
+    """[Note: the checksums are torch's own] A folder whose archives carry no CRC32s (torch's crc32 option off when
+    it was saved) loads with no error, unchecked; the same bytes with CRC32s are checked, and a flipped byte in the
+    data refused in one line naming the file; the extra alone reads, its own item unharmed."""
+    import torch.distributed.checkpoint as dcp
+    weight = torch.arange(4096, dtype=torch.float64)
+    state = {"model": {"w": weight}, "extra": zero.checkpoint.encode_extra({"step": 3})}
+    before = torch.serialization.get_crc32_options()
+    for crc in (False, True):
+        torch.serialization.set_crc32_options(crc)
+        try:
+            dcp.save(state, checkpoint_id=str(tmp_path / str(crc)), no_dist=True)
+        finally:
+            torch.serialization.set_crc32_options(before)
+        data = tmp_path / str(crc) / "__0_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[-len(raw) // 3] ^= 0xFF  # inside w's bytes (the extra is written first, w last)
+        data.write_bytes(bytes(raw))
+        assert zero.checkpoint.read_extra(str(tmp_path / str(crc))) == {"step": 3}
+        if crc:
+            kind, message = attempt(lambda: zero.checkpoint.read_whole(str(tmp_path / "True"), ("model",), alone=True))
+            assert kind == "CheckpointError" and "\n" not in message, message
+            assert f"checkpoint {tmp_path / 'True'}: file __0_0.distcp does not match its checksum (corrupt: " \
+                   f"bytes " in message and "holding model.w" in message, message
+        else:  # unchecked, as torch.load reads it
+            read = zero.checkpoint.read_whole(str(tmp_path / "False"), ("model",), alone=True)
+            assert not torch.equal(read["model"]["w"], weight)

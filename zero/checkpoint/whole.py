@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 import utils
 from zero.checkpoint.api import load
+from zero.checkpoint.checksums import file_problem
 from zero.checkpoint.checks import CheckpointError, one_line
+from zero.checkpoint.disk import DiskError, disk_problem
 from zero.optimizer_kinds import optimizer_parts
 from zero.optimizer_kinds import missing_optimizer_state
 
@@ -31,28 +33,45 @@ KEYS = ("model", "optimizer")  # what the file holds besides the caller's extra
 
 
 def write_file(path: str, state: dict[str, Any]) -> None:
-    """``state`` to ``path`` atomically (utils.atomic_write: temporary file, flush, fsync, rename)."""
-    with utils.atomic_write(path, "wb") as f:
-        torch.save(state, f)
+    """``state`` to ``path`` atomically (utils.atomic_write: temporary file, flush, fsync, rename); the disk's error
+    (a full disk, a read-only folder: zero/checkpoint/disk.py) refused in one line, the old file left as it was."""
+    try:
+        with utils.atomic_write(path, "wb") as f:
+            torch.save(state, f)
+    except Exception as error:
+        disk = disk_problem(error)
+        if disk is None:
+            raise
+        raise DiskError(path, disk) from None
 
 
 def save_file(path: str | os.PathLike, sync: Any, optimizer: Any = None, extra: dict[str, Any] | None = None) -> None:
     """Every rank of the sync's group: the whole state dicts gathered to its rank 0 (the sharded stages gather, so
-    every rank calls them), which writes the file."""
+    every rank calls them), which writes the file; the disk's error there (write_file) raised on every rank alike."""
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     model_state = sync.model_state_dict()
-    if dist.get_rank(sync.checkpoint_group()) != 0:
-        return
     clash = sorted(set(extra or {}) & set(KEYS))
     if clash:
         raise ValueError(f"zero.checkpoint.save_file: extra holds {clash}, the file's own keys")
-    write_file(os.fspath(path), {"model": model_state, **({"optimizer": optimizer_state} if optimizer else {}),
-                                 **(extra or {})})
+    group, refused = sync.checkpoint_group(), [None]
+    if dist.get_rank(group) == 0:
+        try:
+            write_file(os.fspath(path), {"model": model_state, **({"optimizer": optimizer_state} if optimizer else {}),
+                                         **(extra or {})})
+        except DiskError as error:
+            refused[0] = error
+    dist.broadcast_object_list(refused, group=group, group_src=0)  # the disk's error on every rank of the group
+    if refused[0] is not None:
+        raise refused[0]
 
 
 def read_file(path: str) -> dict[str, Any]:
     """The file as torch.load(weights_only=True) reads it (tensors and Python builtins only), in one process; one
-    that is corrupt, or no checkpoint of this form, refused in one line."""
+    that is corrupt (bytes flipped inside it: its records' CRC32s, checksums.file_problem), or no checkpoint of this
+    form, refused in one line."""
+    problem = file_problem(path)
+    if problem:
+        raise CheckpointError(f"zero.checkpoint.load: checkpoint {path}: {problem}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - whatever torch.load raises, the file is not a checkpoint
