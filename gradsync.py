@@ -405,7 +405,7 @@ def check_keys_on_rank0(model: nn.Module, state: dict[str, Any] | None, group: d
     """Rank 0's verdict on a state_dict's keys against the model's, sent to every rank: all raise together."""
     verdict: list[Any] = [None]
     if dist.get_rank(group) == 0:
-        expected = set(model.state_dict())
+        expected = set(model.state_dict(keep_vars=True))  # names alone (stage 3 refuses detached tensors)
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             verdict[0] = (f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys "

@@ -260,6 +260,7 @@ class FSDPSync:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from zero import checkpoint
+        from zero.checkpoint.disk import Writer
         from zero.optimizer_kinds import as_optimizers
 
         if one_file:
@@ -274,10 +275,11 @@ class FSDPSync:
         if extra is not None and dist.get_rank() == 0:  # DCP's coordinator: one copy, as zero.checkpoint writes it
             state["extra"] = checkpoint.encode_extra(extra)
         if writer is None:
-            dcp.save(state, checkpoint_id=path)
+            dcp.save(state, storage_writer=Writer(path))  # DCP's FileSystemWriter; the disk's errors kept (disk.py)
             return None
         writer.wait()  # one save in flight
-        return writer.adopt(dcp.async_save(state, checkpoint_id=path, process_group=writer.writer_group(None)))
+        return writer.adopt(dcp.async_save(state, storage_writer=Writer(path),
+                                           process_group=writer.writer_group(None)))
 
     def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
         """Such a folder (FSDP2's, or zero.checkpoint's from any stage and world size) read into the model's shards
@@ -290,11 +292,15 @@ class FSDPSync:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from zero import checkpoint
+        from zero.checkpoint.checksums import verify
         from zero.optimizer_kinds import as_optimizers
 
         if os.path.isfile(path):
             return checkpoint.load_file(path, self, optimizer, stepped)
         optimizers = as_optimizers(optimizer)
+        problem = verify(path, ("model", "extra", *(("optimizer",) if optimizers else ())))
+        if problem:  # flipped bytes, refused before anything is read (zero/checkpoint/checksums.py)
+            raise checkpoint.CheckpointError(f"zero.checkpoint.load: checkpoint {path}: {problem}")
         with self._fsdp2_state_dicts():
             model_state, optimizer_state = get_state_dict(self.model, optimizers)
             state = {"model": model_state, **({"optimizer": optimizer_state} if optimizers else {})}

@@ -12,8 +12,8 @@ per way of saving, --saves saves each into a folder of its own. For each save:
     stall      the seconds the loop spends in the save call (a synchronous save: all of it; a background one: the
                copy into its staging buffers, and any wait for the save before it); the largest rank's
     write      from the call until the save is on disk (every rank's future done)
-    overlap    the steps the loop takes while a background save writes (one at least, then until it is done), each
-               step's seconds against the median of --steps steps with nothing in flight
+    overlap    the steps the loop takes while a background save writes (one at least, then until every rank's is
+               done), each step's seconds against the median of --steps steps with nothing in flight
     rss        the rank's resident set after the save, above the one before the first save of its way (MB): the
                staging buffers are one more copy of the rank's state, and must not grow from save to save
 
@@ -67,6 +67,13 @@ def save_once(way: str, path: str, sync: Any, optimizer: Any, writer: Any) -> An
                                        async_checkpointer_type=AsyncCheckpointerType.PROCESS))
 
 
+def all_done(future: Any) -> bool:
+    """Whether every rank's save is written (one all-reduce: the loop's ranks agree to go on stepping or not)."""
+    done = torch.tensor([int(future.done())])
+    dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    return bool(done.item())
+
+
 def measure(rank: int, world_size: int, row: str, settings: dict) -> dict:
     """One rank of ``row``: each way's saves, with their stalls, writes, overlapped steps and resident sets."""
     import utils
@@ -99,8 +106,8 @@ def measure(rank: int, world_size: int, row: str, settings: dict) -> dict:
             future = save_once(way, path, sync, optimizer, writer)
             stall = time.perf_counter() - began
             overlapped = []
-            if future is not None:
-                while not overlapped or not future.done():
+            if future is not None:  # every rank steps alike (the steps are collectives) until every write is done
+                while not overlapped or not all_done(future):
                     overlapped.append(timed_step())
                 writer.wait()
             written = time.perf_counter() - began

@@ -14,11 +14,14 @@ update of about lr = 1e-2: after 4 steps some 1e-15 to 1e-13. A real error (a sh
 moment or a step count lost, a step at the wrong learning rate, the sums of the epoch under way dropped) moves the
 weights at first order, by about lr x O(0.1) = 1e-3, seven orders above the bound.
 """
+import contextlib
+import errno
 import os
 import random
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,6 +29,24 @@ import ddp_cifar100 as trainer
 from trainer_testing import collect_all, main_in_group, max_difference, train_in_group
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
+
+
+def flip_a_byte(path):
+    """One byte inverted, its size kept (a bit rot the file system does not see): in the middle of a file, or of a
+    folder's data file, in the middle of the largest weight it holds (which --eval-only reads too)."""
+    where = os.path.getsize(path) // 2
+    if str(path).endswith(".distcp"):
+        from torch.distributed.checkpoint import FileSystemReader
+        metadata = FileSystemReader(os.path.dirname(path)).read_metadata()
+        stored = [info for index, info in metadata.storage_data.items()
+                  if info.relative_path == os.path.basename(path) and index.fqn.startswith("model.")]
+        largest = max(stored, key=lambda info: info.length)
+        where = largest.offset + largest.length // 2
+    with open(path, "r+b") as file:
+        file.seek(where)
+        byte = file.read(1)
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte[0] ^ 0xFF]))
 
 
 def runs_in_group(rank, world_size, variants):
@@ -82,8 +103,11 @@ def runs(local_group, corpus, tmp_path_factory):
     first = collect_all(pending)
     listing = {"saved": sorted(os.listdir(saved)), "folder": sorted(os.listdir(saved / "step-2")),
                "file": sorted(os.listdir(file))}
-    for name in ("zero 1", "fsdp", "ddp", "eval", "torn", "changed", "diloco", "no latest", "unreadable"):
+    for name in ("zero 1", "fsdp", "ddp", "eval", "torn", "changed", "diloco", "no latest", "unreadable", "corrupt"):
         shutil.copytree(saved, root / name)
+    shutil.copytree(file, root / "corrupt last.pt")
+    flip_a_byte(root / "corrupt" / "step-2" / "__1_0.distcp")  # inside a shard, the size kept
+    flip_a_byte(root / "corrupt last.pt" / "last.pt")
     (root / "zero 1" / "step-4.partial").mkdir()  # a save cut short, of 4 ranks: removed when the next run starts
     (root / "zero 1" / "step-4.partial" / "__3_0.distcp").write_bytes(b"half")
     os.remove(root / "torn" / "step-2" / "__1_0.distcp")
@@ -110,6 +134,10 @@ def runs(local_group, corpus, tmp_path_factory):
                                      str(root / "unreadable"))  # run for what it prints
     (root / "locked" / "step-3.partial").mkdir(parents=True)  # another run's save under way
     refusals["locked"] = argv_of(corpus, 4, "--zero", "1", "--max-steps", "4", "--checkpoint-dir", str(root / "locked"))
+    for name, flags in (("corrupt", ["--zero", "1"]), ("corrupt eval", ["--eval-only"]),
+                        ("corrupt fsdp", ["--grad-sync", "fsdp", "--zero", "3"]), ("corrupt last.pt", [])):
+        directory = root / ("corrupt last.pt" if name.endswith("last.pt") else "corrupt")
+        refusals[name] = argv_of(corpus, 4, *flags, "--max-steps", "4", "--checkpoint-dir", str(directory))
     second = local_group(2).run(runs_in_group, [(name, "train", argv) for name, argv in resumed.items()])
     with subprocess.Popen([sys.executable, "-c", HOLD, str(root / "locked")], stdout=subprocess.PIPE) as other_run:
         assert other_run.stdout.readline() == b"held\n"
@@ -178,13 +206,19 @@ def test_eval_only_evaluates_the_folder_at_zero_0(runs):
     ("torn", "step-2: torn: data file __1_0.distcp named by its .metadata is missing"),
     ("changed", "step-2 is from another configuration (lr 0.01 != 0.02)"),
     ("diloco", "step-2 is from another configuration (diloco None != {"),
+    ("corrupt", "step-2: file __1_0.distcp does not match its checksum (corrupt: bytes "),
+    ("corrupt eval", "step-2: file __1_0.distcp does not match its checksum (corrupt: bytes "),
+    ("corrupt fsdp", "step-2: file __1_0.distcp does not match its checksum (corrupt: bytes "),
+    ("corrupt last.pt", "last.pt: file last.pt does not match its checksum (corrupt: Bad CRC-32 for file "),
 ])
-def test_a_torn_folder_another_configuration_and_diloco_are_refused_in_one_line_on_every_rank(runs, name, phrase):
+def test_a_torn_or_corrupt_checkpoint_another_configuration_and_diloco_are_refused_in_one_line_on_every_rank(
+        runs, name, phrase):
     results = [rank[name] for rank in runs["refused"]]
     assert [result["code"] for result in results] == [2, 2]
     err = results[0]["stderr"]
     assert err.startswith("ddp_cifar100.py: error: checkpoint ") and err.count("\n") == 1, err
-    assert str(runs["root"] / name / phrase) in err, err
+    folder = "corrupt last.pt" if name.endswith("last.pt") else "corrupt" if name.startswith("corrupt") else name
+    assert str(runs["root"] / folder / phrase) in err, err
     assert results[1]["stderr"] == ""  # rank 0 speaks for all
 
 
@@ -257,6 +291,21 @@ def test_a_reader_of_a_live_folder_never_races_its_writer(runs, tmp_path, monkey
     assert state["optimizer_steps"] == 2 and "model" in state
 
 
+@pytest.mark.parametrize("name", ["corrupt", "corrupt last.pt"])
+def test_a_reader_alone_refuses_flipped_bytes_in_one_line(runs, name):
+    """--generate's and tools' reader (read_alone, one process) refuses a folder with a byte flipped inside a shard
+    and a last.pt with one flipped, in one line naming the file (torch.load would load both in silence); the
+    folder's run state, in another file, still reads."""
+    from trainer import checkpoint
+    directory = runs["root"] / name
+    with pytest.raises(trainer.UsageError) as refusal:
+        checkpoint.read_alone(str(directory))
+    text, file = str(refusal.value), "last.pt" if name.endswith("last.pt") else "__1_0.distcp"
+    assert f"file {file} does not match its checksum (corrupt" in text and "\n" not in text, text
+    if name == "corrupt":
+        assert checkpoint.read_state(checkpoint.current(str(directory)))["optimizer_steps"] == 2
+
+
 def test_generate_samples_from_a_folder(runs, capsysbinary):
     """--generate (one process, no group) rebuilds the GPT from the folder's record and whole weights."""
     argv = ["--checkpoint-dir", str(runs["root"] / "saved"), "--generate", "12", "--prompt", "def ", "--top-k", "1"]
@@ -284,3 +333,121 @@ def test_checkpoints_open_with_torch_alone(runs, tmp_path):
                           env={"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "")}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "whole.pt ['extra', 'model', 'optimizer']" in done.stdout, done.stdout
+
+
+class FullDisk:
+    """A file on a disk that fills after ``room`` bytes: its writes then raise ENOSPC, as the kernel's do."""
+
+    def __init__(self, file, room):
+        self.file, self.room = file, room
+
+    def write(self, data):
+        size = memoryview(data).nbytes
+        if size > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= size
+        return self.file.write(data)
+
+    def __getattr__(self, name):  # tell, flush, fileno, close: the file's own
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+@contextlib.contextmanager
+def disk_fault(fault, rank, directory):
+    """The disk under ``directory`` failing in this worker, in-process (the tests run as root here, which passes
+    permission bits, and may not mount a small file system): "full folder", rank 1's data file of DIR/step-2 fills
+    (DCP's file streams); "full file", last.pt's temporary file of the second save fills (os.fdopen, which
+    utils.atomic_write opens it with); "read-only", a file made in DIR fails with EROFS (tempfile.mkstemp), or, run
+    as another user than root, DIR's permission bits (chmod 0o555 by the test) say no."""
+    from torch.distributed.checkpoint import filesystem
+    patches = []
+    if fault == "full folder" and rank == 1:
+        create_stream = filesystem.FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def filling(self, path, mode):
+            with create_stream(self, path, mode) as stream:
+                yield FullDisk(stream, 64) if "step-2.partial" in str(path) and "w" in mode else stream
+        patches.append((filesystem.FileSystem, "create_stream", filling))
+    if fault == "full file" and rank == 0:
+        fdopen, opened = os.fdopen, []
+
+        def filling(fd, *args, **kwargs):
+            file = fdopen(fd, *args, **kwargs)
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(directory):
+                opened.append(fd)
+                return FullDisk(file, 64) if len(opened) == 2 else file
+            return file
+        patches.append((os, "fdopen", filling))
+    if fault == "read-only" and os.geteuid() == 0:
+        mkstemp = tempfile.mkstemp
+
+        def read_only(*args, **kwargs):
+            if os.path.abspath(kwargs.get("dir") or "").startswith(directory):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+            return mkstemp(*args, **kwargs)
+        patches.append((tempfile, "mkstemp", read_only))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def disk_faults_in_group(rank, world_size, legs):
+    """main_in_group under each leg's disk_fault, in turn: {name: result}."""
+    out = {}
+    for name, fault, directory, argv in legs:
+        with disk_fault(fault, rank, directory):
+            out[name] = main_in_group(rank, world_size, argv)
+    return out
+
+
+def test_the_disks_errors_are_said_in_one_line_and_the_previous_checkpoint_stays_current(local_group, corpus,
+                                                                                           tmp_path):
+    """A disk that fills during the second save (--checkpoint-every 1): of a folder (rank 1's data file, at
+    --zero 1) or of last.pt (rank 0's, at --zero 0), both ranks stop with one line naming it and the checkpoint that
+    stays current, which is whole and resumes (nothing of the failed save left); a --checkpoint-dir that cannot be
+    written is refused before the first step at every --zero and sync alike (it was refused at the start only where
+    folders are written, and --zero 0 failed after its steps with a traceback)."""
+    legs = [("full folder", ["--zero", "1"]), ("full file", []), ("read-only zero 0", []),
+            ("read-only zero 3", ["--zero", "3"])]
+    directories = {name: str(tmp_path / name.replace(" ", "-")) for name, _ in legs}
+    for name in directories:
+        if name.startswith("read-only"):
+            os.makedirs(directories[name])
+            if os.geteuid() != 0:
+                os.chmod(directories[name], 0o555)
+    results = local_group(2).run(disk_faults_in_group, [
+        (name, name if name.startswith("full") else "read-only", directories[name],
+         argv_of(corpus, 4, *flags, "--max-steps", "2", "--checkpoint-every", "1", "--checkpoint-dir",
+                 directories[name])) for name, flags in legs])
+    for name, _ in legs:
+        os.chmod(directories[name], 0o755)
+        assert [rank[name]["code"] for rank in results] == [2, 2], results[0][name]["stderr"][-2000:]
+        assert results[1][name]["stderr"] == ""  # rank 0 speaks for all
+    from trainer import checkpoint
+    for name, kept in (("full folder", "step-1"), ("full file", "last.pt")):
+        directory, err = directories[name], results[0][name]["stderr"]
+        written = os.path.join(directory, "step-2" if name == "full folder" else "last.pt")
+        assert err == (f"ddp_cifar100.py: error: cannot save checkpoint {written}: no space left on device (the "
+                       f"previous checkpoint {os.path.join(directory, kept)} is still current)\n"), err
+        assert sorted(os.listdir(directory)) == (["latest", "step-1"] if kept == "step-1" else ["last.pt"])
+        found, state = checkpoint.read_alone(directory)
+        assert found.path == os.path.join(directory, kept) and state["optimizer_steps"] == 1
+    for name in ("read-only zero 0", "read-only zero 3"):
+        result = results[0][name]
+        why = "read-only file system" if os.geteuid() == 0 else "permission denied"
+        assert result["stderr"] == (f"ddp_cifar100.py: error: cannot write in --checkpoint-dir {directories[name]}: "
+                                    f"{why}\n"), result["stderr"]
+        assert "epoch 1" not in result["stdout"], result["stdout"]  # no step taken
+        assert os.listdir(directories[name]) == []

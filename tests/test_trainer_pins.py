@@ -102,7 +102,7 @@ def test_a_checkpoint_written_before_the_rooms_resumes_exactly(image_folder, tmp
 # ----------------------------------------------------------------------------------------------------------
 # Every flag of --help, and what parsing makes of it
 # ----------------------------------------------------------------------------------------------------------
-FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--augment", "--backend", "--batch-size", "--betas",
+FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--async-checkpoint", "--augment", "--backend", "--batch-size", "--betas",
          "--bucket-mb", "--channels-last", "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--commit-log",
          "--compile", "--compile-backend", "--context", "--coordinator", "--data-dir", "--dataset", "--decay-steps",
          "--deterministic", "--device", "--dropout", "--epochs", "--eval-every", "--eval-only", "--fault-timeout",
@@ -132,6 +132,7 @@ DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "norm_weight_decay": None, "clip_grad_norm": None, "scheduler": "none", "warmup_steps": None,
     "min_lr": None, "decay_steps": None, "amp": "off", "device": "auto", "backend": "auto", "seed": 0,
     "deterministic": False, "checkpoint_dir": None, "checkpoint_every": 0, "keep_checkpoints": 1,
+    "async_checkpoint": False,
     "replica_group": None,
     "replica_groups": None, "coordinator": None, "min_replica_groups": 1, "fault_timeout": 60.0, "commit_log": None,
     "eval_only": False, "generate": None,
@@ -205,6 +206,7 @@ ERRORS = [
     (["--timeout", "0"], "--timeout must be positive, got 0.0"),
     (["--log-every", "0"], "--log-every must be positive, got 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be positive, got 0"),
+    (["--async-checkpoint"], "--async-checkpoint saves into --checkpoint-dir: give one"),
     (["--max-steps", "-1"], "--max-steps must not be negative, got -1"),
     (["--checkpoint-every", "-1"], "--checkpoint-every must not be negative, got -1"),
     (["--momentum", "-1"], "--momentum must not be negative, got -1.0"),
@@ -367,7 +369,7 @@ CLOSING = {  # from the last validation's scatter to the end of train(): validat
     "text": ["scatter", "reduce", "reduce", MAX, "all_gather_object", MAX, MAX, MAX, MAX, MAX],
 }
 METRICS_KEYS = [
-    "backend", "compile", "config", "data_parallel_bytes_per_step", "data_parallel_sent_bytes",
+    "backend", "checkpoint_final_wait_s", "checkpoint_stalls_s", "compile", "config", "data_parallel_bytes_per_step", "data_parallel_sent_bytes",
     "data_wait_ms_median", "device", "epochs", "evals", "fingerprint", "gathered_peak", "grad_norms", "machine",
     "memory_by_phase_mb", "micro_batches", "num_classes", "optimizer_steps", "peak_memory_mb", "samples_per_s",
     "sent_bytes", "sent_bytes_per_step", "state_bytes", "step_time_ms_mean", "step_time_ms_median",

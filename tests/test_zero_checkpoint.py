@@ -1003,3 +1003,67 @@ def test_cuda_shards_save_and_load_on_the_gpu(local_group, root):
     (saved, saved_devices), (loaded, loaded_devices) = local_group(2).run(on_device, root, "cuda", timeout_s=120)[0]
     assert saved_devices == loaded_devices == {"cuda"}
     assert identical(loaded, saved)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 3's model.state_dict(), and checksums
+# ----------------------------------------------------------------------------------------------------------
+def stage_3_state_dicts(rank, world_size, path):
+    """model.state_dict() at stage 3 (refused, and not a SIGSEGV nor a file without weights), what keeps working
+    (keep_vars=True's names and shapes, zero.checkpoint.save, the gathered state dict), and state_dict() after
+    close()."""
+    model = make_model(SEED)
+    sharded = zero.shard(model, 3)
+    out = {"refused": attempt(lambda: model.state_dict()), "block refused": attempt(lambda: model.blocks[0].state_dict())}
+    out["names"] = {name: tuple(value.shape) for name, value in model.state_dict(keep_vars=True).items()}
+    zero.checkpoint.save(path, sharded, None)
+    out["gathered"] = cloned(sharded.model_state_dict())
+    sharded.close()
+    out["closed"] = cloned(model.state_dict())
+    return out
+
+
+def test_stage_3_refuses_model_state_dict_in_one_line(local_group, tmp_path):
+    """After zero.shard(model, 3) a rank holds only shards: model.state_dict() (and a block's) is refused in one
+    line naming what gathers, on every rank, where its tensors had no storage (.clone() killed both ranks with
+    SIGSEGV, torch.save wrote 1.8 kB in silence); keep_vars=True (names and shapes: zero.checkpoint's own use) and
+    zero.checkpoint.save still work, and after close() the model is ordinary again, with the gathered weights."""
+    results = local_group(2).run(stage_3_state_dicts, str(tmp_path / "ckpt"), timeout_s=120)
+    for out in results:
+        for key in ("refused", "block refused"):
+            kind, message = out[key]
+            assert kind == "RuntimeError" and message.startswith("zero: at stage 3 a rank holds only shards") and \
+                "sync.model_state_dict()" in message and "\n" not in message, out[key]
+        assert out["names"] == {name: tuple(value.shape) for name, value in out["closed"].items()}
+    assert max_difference(results[0]["gathered"], results[0]["closed"]) == 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as asked
+def test_a_folder_saved_without_torchs_checksums_still_loads_unchecked(tmp_path):
+    """[Note: the checksums are torch's own] A folder whose archives carry no CRC32s (torch's crc32 option off when
+    it was saved) loads with no error, unchecked; the same bytes with CRC32s are checked, and a flipped byte in the
+    data refused in one line naming the file; the extra alone reads, its own item unharmed."""
+    import torch.distributed.checkpoint as dcp
+    weight = torch.arange(4096, dtype=torch.float64)
+    state = {"model": {"w": weight}, "extra": zero.checkpoint.encode_extra({"step": 3})}
+    before = torch.serialization.get_crc32_options()
+    for crc in (False, True):
+        torch.serialization.set_crc32_options(crc)
+        try:
+            dcp.save(state, checkpoint_id=str(tmp_path / str(crc)), no_dist=True)
+        finally:
+            torch.serialization.set_crc32_options(before)
+        data = tmp_path / str(crc) / "__0_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[-len(raw) // 3] ^= 0xFF  # inside w's bytes (the extra is written first, w last)
+        data.write_bytes(bytes(raw))
+        assert zero.checkpoint.read_extra(str(tmp_path / str(crc))) == {"step": 3}
+        if crc:
+            kind, message = attempt(lambda: zero.checkpoint.read_whole(str(tmp_path / "True"), ("model",), alone=True))
+            assert kind == "CheckpointError" and "\n" not in message, message
+            assert f"checkpoint {tmp_path / 'True'}: file __0_0.distcp does not match its checksum (corrupt: " \
+                   f"bytes " in message and "holding model.w" in message, message
+        else:  # unchecked, as torch.load reads it
+            read = zero.checkpoint.read_whole(str(tmp_path / "False"), ("model",), alone=True)
+            assert not torch.equal(read["model"]["w"], weight)

@@ -33,8 +33,16 @@ and broadcasts it, and every rank checks it (the global batch and the fingerprin
 tensor is read. Then ``sync.load_checkpoint`` reads it, any sync either format at any world size: the sharded ones
 read only what their shards overlap, the others read the folder whole; last.pt is read by rank 0 and sent to every
 rank, so other nodes need no shared file system; diloco and localsgd refuse a folder (their replicas' own weights
-and outer state are not in it). A checkpoint that is torn, incomplete, of another model or another configuration
-stops every rank with one line naming it (UsageError), never a silent fresh start.
+and outer state are not in it). A checkpoint that is torn, incomplete, corrupt (bytes flipped inside it: the CRC32s
+every torch.save record carries, checked before a tensor is read, each rank a share: zero/checkpoint/checksums.py;
+at resume, --eval-only and --generate alike), of another model or another configuration stops every rank with one
+line naming it (UsageError), never a silent fresh start.
+
+The disk's errors. A save the disk stops (a full disk, a quota, a read-only or unwritable folder: ENOSPC, EDQUOT,
+EROFS, EACCES) stops every rank with one line naming it and the checkpoint that stays current ("cannot save
+checkpoint DIR/step-N: no space left on device (the previous checkpoint DIR/step-M is still current)": ``settle``);
+the failed DIR/step-N.partial is removed, last.pt's temporary file too, and nothing current was touched. A
+--checkpoint-dir this run cannot write in is refused at the start, before any step, at every sync (``unwritable``).
 
 Nothing random is carried from step to step: the data order comes from (seed, epoch), each sample's augmentation (in
 memory or from an image folder) from (seed, epoch, sample index) and dropout from a reseed with (seed, rank,
@@ -206,10 +214,25 @@ def lock(parts: Parts) -> None:
                 os.close(descriptor)
                 message[0] = (f"another run is using --checkpoint-dir {directory} (it holds the folder's lock): wait "
                               f"for it to end, or use another folder")
+            else:
+                message[0] = unwritable(directory)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(message, src=0)
     if message[0] is not None:
         raise UsageError(message[0])
+
+
+def unwritable(directory: str) -> str | None:
+    """Why this process cannot write in ``directory`` (a read-only file system, its permissions), or None: a file
+    made and removed there, so that a run that could never save is refused before its first step, whatever the
+    sync and format (root passes the permission bits: only a read-only mount stops it)."""
+    try:
+        descriptor, probe = tempfile.mkstemp(dir=directory, prefix=".writable-")
+        os.close(descriptor)
+        os.remove(probe)
+    except OSError as exc:
+        return f"cannot write in --checkpoint-dir {directory}: {(exc.strerror or str(exc)).lower()}"
+    return None
 
 
 def unlock(parts: Parts) -> None:
@@ -371,7 +394,12 @@ def forget_folders(directory: str) -> None:
 # Reading
 # ----------------------------------------------------------------------------------------------------------
 def read_checkpoint(path: str) -> dict[str, Any]:
-    """last.pt, mapped (torch.load's mmap: a tensor's bytes are read only where it is used)."""
+    """last.pt, mapped (torch.load's mmap: a tensor's bytes are read only where it is used), once its records'
+    CRC32s are checked (zero.checkpoint.checksums: torch.load checks none)."""
+    from zero.checkpoint.checksums import file_problem
+    problem = file_problem(path)
+    if problem:
+        raise UsageError(f"checkpoint {path}: {problem}; delete it to start afresh")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
@@ -485,41 +513,97 @@ def run_state(parts: Parts, position: Position, history: list[dict[str, Any]],
 
 def save_folder(parts: Parts, state: dict[str, Any]) -> None:
     """DIR/step-N: every rank writes its own shards into DIR/step-N.partial (the sync's save_checkpoint), ``state``
-    as rank 0's extra; then rank 0 makes it current (with --async-checkpoint: in the writer's thread, once
-    written)."""
+    as rank 0's extra; then rank 0 makes it current. The disk's error on the way is refused on every rank
+    (``settle``). With --async-checkpoint both happen in the writer's thread (``in_background``)."""
     directory, name = parts.config.checkpoint_dir, f"{FOLDER}{state['optimizer_steps']}"
-    written = write_then(parts, state, lambda: make_current(directory, name, parts.config.keep_checkpoints))
-    parts.sync.save_checkpoint(os.path.join(directory, name + PARTIAL), parts.optimizer, state,
-                               writer=parts.checkpoint_writer)
-    written()
+    path = os.path.join(directory, name + PARTIAL)
+    publish = lambda: make_current(directory, name, parts.config.keep_checkpoints)  # noqa: E731
+    if parts.checkpoint_writer is not None:
+        in_background(parts, state, lambda writer: parts.sync.save_checkpoint(path, parts.optimizer, state,
+                                                                              writer=writer), publish)
+        return
+    problem = disk_error(lambda: parts.sync.save_checkpoint(path, parts.optimizer, state))
+    if problem is None:
+        faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
+    if problem is None and parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are
+        problem = disk_error(publish)  # written
+    settle(parts, name, problem)
 
 
 def save_file(parts: Parts, state: dict[str, Any]) -> None:
     """DIR/last.pt, written by rank 0: the model and the optimizer's state in the form every --zero and world size
     loads (the sharded syncs gather them to rank 0, so every rank calls this), and ``state``; then what it
-    supersedes removed."""
+    supersedes removed. The disk's error on the way is refused on every rank (``settle``). With
+    --async-checkpoint both happen in the writer's thread (``in_background``)."""
     directory = parts.config.checkpoint_dir
-    written = write_then(parts, state, lambda: forget_folders(directory))
-    parts.sync.save_checkpoint(os.path.join(directory, FILE), parts.optimizer, state, one_file=True,
-                               writer=parts.checkpoint_writer)
-    written()
+    path = os.path.join(directory, FILE)
+    publish = lambda: forget_folders(directory)  # noqa: E731
+    if parts.checkpoint_writer is not None:
+        in_background(parts, state, lambda writer: parts.sync.save_checkpoint(path, parts.optimizer, state,
+                                                                              one_file=True, writer=writer), publish)
+        return
+    problem = disk_error(lambda: parts.sync.save_checkpoint(path, parts.optimizer, state, one_file=True))
+    if problem is None:
+        faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
+    if problem is None and parts.ctx.rank == 0:
+        problem = disk_error(publish)
+    settle(parts, FILE, problem)
 
 
-def write_then(parts: Parts, state: dict[str, Any], publish: Any) -> Any:
-    """What follows a save's write, as a call: the fault point "save" (written, not yet current), then rank 0's
-    ``publish``; now, or with --async-checkpoint in the writer's thread after the write (and never after a failed
-    one). Before the write, the writer's thread passes the fault point "write" (trainer/faults.py)."""
+def disk_error(write: Any) -> str | None:
+    """``write()``, and the disk's error it raised in words (a full disk, a quota, a read-only or unwritable
+    folder: zero/checkpoint/disk.py), or None; any other error raised as it is."""
+    from zero.checkpoint.disk import disk_problem
+    try:
+        write()
+    except Exception as exc:
+        problem = disk_problem(exc)
+        if problem is None:
+            raise
+        return problem
+    return None
+
+
+def settle(parts: Parts, name: str, problem: str | None) -> None:
+    """After a save of DIR/``name``, every rank: a disk's error that stopped it, on any rank, refused on every rank
+    in one line naming the checkpoint that stays current. Rank 0 first removes what the save left (its .partial
+    folder: the space it took; last.pt's temporary file is removed by atomic_write), so the previous checkpoint,
+    untouched, is still the one a resume reads."""
+    from zero.checkpoint.checks import agree
+    directory = parts.config.checkpoint_dir
+    if problem is not None and parts.ctx.rank == 0:
+        shutil.rmtree(os.path.join(directory, name + PARTIAL), ignore_errors=True)
+        try:
+            found = current(directory)
+        except UsageError:
+            found = None
+        problem += (f" (the previous checkpoint {found.path} is still current)" if found is not None and
+                    (name == FILE or os.path.basename(found.path) != name) else  # (last.pt: replaced atomically)
+                    f" ({found.path} is current)" if found is not None else " (no earlier checkpoint)")
+    problem = agree(problem, None, split=True) if dist.get_world_size() > 1 else problem
+    if problem is not None:
+        raise UsageError(f"cannot save checkpoint {os.path.join(directory, name)}: {problem}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Saves in the background (--async-checkpoint)
+# ----------------------------------------------------------------------------------------------------------
+def in_background(parts: Parts, state: dict[str, Any], write: Any, publish: Any) -> None:
+    """``write(writer)`` copies this rank's state into the writer's staging buffers and hands the write to its
+    thread, which passes the fault point "write" first (trainer/faults.py); after the write, in the thread and
+    only if it succeeded, the fault point "save" (written, not yet current) and rank 0's ``publish``. A failure
+    stops the loop at the next step or save, in one line (``poll_saves``, ``wait_for_saves``); the save's
+    DIR/step-N.partial is then left for the next start to remove."""
     rank, step, group = parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group
     writer = parts.checkpoint_writer
+    writer.before_write = lambda: faults.at("write", rank, step, group)
+    write(writer)
 
     def published() -> None:
         faults.at("save", rank, step, group)
         if rank == 0:
             publish()
-    if writer is None:
-        return published
-    writer.before_write = lambda: faults.at("write", rank, step, group)
-    return lambda: writer.then(published)
+    writer.then(published)
 
 
 def poll_saves(parts: Parts) -> None:

@@ -135,7 +135,7 @@ def gathered_state_dict(model: nn.Module, wholes: Iterable[tuple[Bucket, torch.T
     if rank != 0:
         return {}
     return {key: gathered[key] if key in gathered else value.detach().cpu()  # (not .get: a stage-3 parameter has
-            for key, value in model.state_dict().items()}                      # no storage to copy between uses)
+            for key, value in model.state_dict(keep_vars=True).items()}        # no storage to copy between uses)
 
 
 def master_state_dict(model: nn.Module, buckets: list[Bucket], comm: Collectives, masters: list[torch.Tensor],

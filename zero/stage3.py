@@ -34,6 +34,25 @@ def in_backward() -> bool:
 
 
 
+STATE_DICT_REFUSED = ("zero: at stage 3 a rank holds only shards, so model.state_dict() has no weights to give: use "
+                      "sync.model_state_dict() (every rank calls it; gathered to rank 0) or zero.checkpoint.save")
+
+
+def refuse_detached_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """[Note: no state_dict at stage 3] A state_dict pre-hook on every module of a stage-3 model, until close():
+    ``model.state_dict()`` is refused in one line. Its tensors would be views of flats whose storage is freed
+    between uses (0 bytes), so ``.clone()`` of one reads freed memory (a SIGSEGV on every rank that tries) and
+    ``torch.save`` of them writes a 1.8 kB file without a weight, in silence. Why refuse rather than gather: a
+    gather is a collective, so a state_dict() that gathered would hang the common ``if rank == 0:
+    torch.save(model.state_dict(), ...)``, and it would hand every rank the whole model, which stage 3 exists not
+    to hold; the two calls that do it knowingly are named in the refusal (sync.model_state_dict(): every rank,
+    rank 0 gets it whole, one unit at a time; zero.checkpoint.save: every rank its own shards). keep_vars=True is
+    let through: it hands the parameters themselves (as model.named_parameters() does, shards' views), for code
+    that reads names and shapes (zero.checkpoint's model_entries and model_problem, load_state_dict's key checks)."""
+    if not keep_vars:
+        raise RuntimeError(STATE_DICT_REFUSED)
+
+
 class UnitState(enum.Enum):
     SHARDED = "sharded"  # the flat has no storage: only this rank's shard of the unit exists
     GATHERING = "gathering"  # the flat has its storage back and its all-gather is in flight
@@ -162,6 +181,7 @@ class ZeroStage3(ZeroStage2):
             self.hooks += [unit.module.register_forward_pre_hook(partial(self._unit_forward_starts, unit)),
                            unit.module.register_forward_hook(partial(self._unit_forward_ends, unit))]
         self.hooks.append(model.register_forward_hook(self._pass_ends))
+        self.hooks += [module.register_state_dict_pre_hook(refuse_detached_state_dict) for module in model.modules()]
 
     def _frozen_parts(self, index: int, params: list[nn.Parameter], deferred: bool) -> list[FrozenPart]:
         """The unit's frozen parameters, a part per dtype ([Note: frozen parameters]), each moved into a flat of its
@@ -428,7 +448,7 @@ class ZeroStage3(ZeroStage2):
         if from_rank0:
             check_keys_on_rank0(self.model, state, self.comm.group)
         else:
-            expected = self.model.state_dict().keys()
+            expected = self.model.state_dict(keep_vars=True).keys()  # names alone ([Note: no state_dict at stage 3])
             if set(state) != set(expected):
                 raise RuntimeError(f"Error(s) in loading state_dict: missing keys "
                                    f"{sorted(set(expected) - set(state))}, unexpected keys "

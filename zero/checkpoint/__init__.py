@@ -65,8 +65,12 @@ Memory, per rank (Psi parameters, W ranks of the shard group), on top of what th
   the whole weights, in place, as after a step.
 
 Bad input is answered in one line naming the folder (CheckpointError, a ValueError) on every rank alike: not a
-DCP checkpoint, torn (its .metadata or a data file it names missing or short), another model (missing or
-unexpected keys, another shape), an optimizer state of another kind or other parameter groups. [Note: the same
+DCP checkpoint, torn (its .metadata or a data file it names missing or short), corrupt (bytes flipped inside a data
+file: each item DCP writes is a torch.save archive whose records carry CRC32s, checked before anything is read,
+[Note: the checksums are torch's own] in zero/checkpoint/checksums.py; a last.pt's records too), another model
+(missing or unexpected keys, another shape), an optimizer state of another kind or other parameter groups. The
+disk's errors during a save (a full disk, a quota, a read-only or unwritable folder) are raised as DiskError ("cannot
+save checkpoint PATH: no space left on device") on every rank alike (zero/checkpoint/disk.py). [Note: the same
 verdict] says how no rank is left in a collective another has left. A save writes into its folder in place, the
 .metadata last (DCP's coordinator, after every rank's data): one cut short leaves a torn folder, which load
 refuses; save each checkpoint to a fresh folder and rename it, for one that is always whole.
@@ -81,7 +85,8 @@ Where each part is (DCP's own split): zero/checkpoint/api.py (save, load, read_e
 zero/checkpoint/background.py (AsyncWriter: the staging buffers and the writer thread),
 zero/checkpoint/state_dict.py (the state dict of one rank: what the sync holds, in get_state_dict's layout; the
 places a load reads into; extra), zero/checkpoint/planner.py (DCP's default planners, with pieces written and read
-as boxes), zero/checkpoint/checks.py (every refusal, in one line, the same on every rank); the piece arithmetic
+as boxes), zero/checkpoint/checks.py (every refusal, in one line, the same on every rank), zero/checkpoint/checksums.py
+(the CRC32s checked before a read), zero/checkpoint/disk.py (the disk's errors of a save, named); the piece arithmetic
 without DCP is zero/pieces.py's. DCP's flattening and its inverse come from its private modules
 (``_nested_dict.flatten_state_dict``, ``_traverse.set_element``): the ones DCP's own planners and
 ``dcp_to_torch_save`` use, so the keys and the rebuilt structure are DCP's by construction.

@@ -13,13 +13,15 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element  # DCP's own rebuilding (dcp_to_torch_save's)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from zero.checkpoint.background import AsyncWriter
+from zero.checkpoint.checksums import folder_problem
+from zero.checkpoint.disk import DiskError, Writer, disk_problem
 from zero.checkpoint.checks import (CheckpointError, agree, groups_problem, model_problem, one_line,
                                     optimizer_problem, parameter_kinds, read_folder, saved_optimizer, scalars_problem)
 from zero.checkpoint.planner import ShardLoadPlanner, ShardSavePlanner
@@ -63,10 +65,10 @@ def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None,
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as error:
-        problem = f"cannot write checkpoint {path}: {one_line(error)}"
+        problem = disk_problem(error) or one_line(error)
     problem = agree(problem, group)
     if problem:
-        raise CheckpointError(f"zero.checkpoint.save: {problem}")
+        raise DiskError(path, problem)
     if writer is None:
         write_folder(path, state, group)
         return None
@@ -77,10 +79,14 @@ def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None,
 
 def write_folder(path: str, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     """One rank's state dict (model_entries' and optimizer_entries' form) into the folder, DCP's planning over
-    ``group``."""
+    ``group``; the disk's errors (a full disk, a read-only folder) named as such, on every rank
+    (zero/checkpoint/disk.py)."""
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(path), planner=ShardSavePlanner(), process_group=group)
+        dcp.save(state, storage_writer=Writer(path), planner=ShardSavePlanner(), process_group=group)
     except CheckpointException as error:
+        disk = disk_problem(error)
+        if disk:
+            raise DiskError(path, disk) from None
         raise CheckpointError(f"zero.checkpoint.save: checkpoint {path}: {one_line(error)}") from None
 
 
@@ -95,9 +101,11 @@ def load(path: str | os.PathLike, sync: Any, optimizer: Any, stepped: bool = Fal
     of its state), where by default it is taken as not stepped yet.
 
     [Note: two reads] The checks that need only the metadata run first, on every rank, and their verdict is
-    agreed; then DCP reads the small things (param_groups, step counts, extra), which the parameter groups and
-    the step counts are checked against; only then the shards, in place. So a refused checkpoint has changed
-    nothing; a read that fails after that (a data file corrupt inside) leaves a partly loaded model."""
+    agreed; then the checksums of every stored item the load reads, each rank a share (zero/checkpoint/checksums.py:
+    bytes flipped inside a data file are refused here); then DCP reads the small things (param_groups, step
+    counts, extra), which the parameter groups and the step counts are checked against; only then the shards, in
+    place. So a refused checkpoint has changed nothing; a read that fails after that (a file that changes under
+    the load) leaves a partly loaded model."""
     path = os.fspath(path)
     group = checkpoint_group(sync)
     optimizers = as_optimizers(optimizer)
@@ -112,6 +120,10 @@ def load(path: str | os.PathLike, sync: Any, optimizer: Any, stepped: bool = Fal
             group_count = sum(len(o.param_groups) for o in optimizers)
             problem = optimizer_problem(metadata, slots_, kinds, group_count, sharded_optimizer, stepped)
     problem = agree(f"checkpoint {path}: {problem}" if problem else None, group)
+    if problem is None:  # [Note: the checksums are torch's own]: each rank a share of what is read, agreed
+        parts = ("model", "extra", *(("optimizer",) if optimizers else ()))
+        problem = folder_problem(path, metadata, parts, group)
+        problem = f"checkpoint {path}: {problem}" if problem else None
     if problem:
         raise CheckpointError(f"zero.checkpoint.load: {problem}")
 
@@ -176,6 +188,9 @@ def read_whole(path: str | os.PathLike, parts: Iterable[str] = ("model", "optimi
         problem = agree(f"checkpoint {path}: {problem}" if problem else None, group)
     elif problem:
         problem = f"checkpoint {path}: {problem}"
+    if problem is None:  # the checksums of what is read ([Note: the checksums are torch's own])
+        problem = folder_problem(path, metadata, parts, group, alone)
+        problem = f"checkpoint {path}: {problem}" if problem else None
     if problem:
         raise CheckpointError(f"zero.checkpoint.read_whole: {problem}")
     state: dict[str, Any] = {}

@@ -36,17 +36,18 @@ class Slot:
     torch_class: type[torch.optim.Optimizer]
 
 
-def agree(problem: str | None, group: dist.ProcessGroup | None) -> str | None:
+def agree(problem: str | None, group: dist.ProcessGroup | None, split: bool = False) -> str | None:
     """[Note: the same verdict] Every rank's verdict, one all_gather_object, and the lowest rank's problem for all
     (naming that rank where the others saw none): a folder one rank cannot read (another node's file system)
     stops every rank before any collective of DCP's, where a rank that went on would wait for the one that
-    raised. The checks after DCP's first read need no such round: every rank read the same things."""
+    raised. The checks after DCP's first read need no such round: every rank read the same things. ``split``: each
+    rank checked a share of its own (checksums.py), so a problem seen by one rank alone is said as it is."""
     verdicts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(verdicts, problem, group=group)
     first = next((rank for rank, verdict in enumerate(verdicts) if verdict), None)
     if first is None:
         return None
-    alone = any(verdict is None for verdict in verdicts)
+    alone = not split and any(verdict is None for verdict in verdicts)
     return verdicts[first] + (f" (seen by rank {first} of the group, not by every rank)" if alone else "")
 
 

@@ -25,7 +25,9 @@ import torch.distributed as dist
 import utils
 from zero.checkpoint.api import load
 from zero.checkpoint.background import AsyncWriter
+from zero.checkpoint.checksums import file_problem
 from zero.checkpoint.checks import CheckpointError, one_line
+from zero.checkpoint.disk import DiskError, disk_problem
 from zero.optimizer_kinds import optimizer_parts
 from zero.optimizer_kinds import missing_optimizer_state
 
@@ -33,35 +35,56 @@ KEYS = ("model", "optimizer")  # what the file holds besides the caller's extra
 
 
 def write_file(path: str, state: dict[str, Any], writer: AsyncWriter | None = None) -> Future | None:
-    """``state`` to ``path`` atomically (utils.atomic_write: temporary file, flush, fsync, rename); with ``writer``,
-    copied (its staging buffers) and written in its thread: returns the write's future."""
-    if writer is None:
+    """``state`` to ``path`` atomically (utils.atomic_write: temporary file, flush, fsync, rename); the disk's error
+    (a full disk, a read-only folder: zero/checkpoint/disk.py) refused in one line, the old file left as it was.
+    With ``writer``: copied into its staging buffers and written in its thread; returns the write's future."""
+    if writer is not None:
+        staged = writer.stage(state)
+        return writer.write(lambda: write_file(path, staged))
+    try:
         with utils.atomic_write(path, "wb") as f:
             torch.save(state, f)
-        return None
-    staged = writer.stage(state)
-    return writer.write(lambda: write_file(path, staged))
+    except Exception as error:
+        disk = disk_problem(error)
+        if disk is None:
+            raise
+        raise DiskError(path, disk) from None
+    return None
 
 
 def save_file(path: str | os.PathLike, sync: Any, optimizer: Any = None, extra: dict[str, Any] | None = None,
               writer: AsyncWriter | None = None) -> Future | None:
     """Every rank of the sync's group: the whole state dicts gathered to its rank 0 (the sharded stages gather, so
-    every rank calls them), which writes the file (with ``writer``: in the background, write_file)."""
+    every rank calls them), which writes the file; the disk's error there (write_file) raised on every rank alike.
+    With ``writer`` (an AsyncWriter) rank 0 writes it in the background: its future (the others: None), whose
+    error, if any, reaches whoever waits on the writer."""
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     model_state = sync.model_state_dict()
-    if dist.get_rank(sync.checkpoint_group()) != 0:
-        return None
     clash = sorted(set(extra or {}) & set(KEYS))
     if clash:
         raise ValueError(f"zero.checkpoint.save_file: extra holds {clash}, the file's own keys")
-    return write_file(os.fspath(path), {"model": model_state,
-                                        **({"optimizer": optimizer_state} if optimizer else {}), **(extra or {})},
-                      writer)
+    group, refused, future = sync.checkpoint_group(), [None], None
+    if dist.get_rank(group) == 0:
+        try:
+            future = write_file(os.fspath(path), {"model": model_state,
+                                                  **({"optimizer": optimizer_state} if optimizer else {}),
+                                                  **(extra or {})}, writer)
+        except DiskError as error:
+            refused[0] = error
+    if writer is None:
+        dist.broadcast_object_list(refused, group=group, group_src=0)  # the disk's error on every rank of the group
+    if refused[0] is not None:
+        raise refused[0]
+    return future
 
 
 def read_file(path: str) -> dict[str, Any]:
     """The file as torch.load(weights_only=True) reads it (tensors and Python builtins only), in one process; one
-    that is corrupt, or no checkpoint of this form, refused in one line."""
+    that is corrupt (bytes flipped inside it: its records' CRC32s, checksums.file_problem), or no checkpoint of this
+    form, refused in one line."""
+    problem = file_problem(path)
+    if problem:
+        raise CheckpointError(f"zero.checkpoint.load: checkpoint {path}: {problem}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - whatever torch.load raises, the file is not a checkpoint
