@@ -86,7 +86,7 @@ def our_gpt(directory):
 @pytest.mark.parametrize("name", ["folder", "file"])
 def test_a_gpt_goes_out_as_a_transformers_gpt2_that_computes_ours(name, runs, exported, gpt2, corpus, capsysbinary):
     """from_pretrained takes every tensor (none missing, unexpected or mismatched), its logits on real bytes are
-    ours to 1e-5, and its greedy bytes are those of --generate N --top-k 1."""
+    ours to 1e-5 (in training mode too), and its greedy bytes are those of --generate N --top-k 1."""
     directory, _ = runs[name]
     theirs, info = gpt2.from_pretrained(exported[name], output_loading_info=True)
     theirs.eval()
@@ -94,9 +94,9 @@ def test_a_gpt_goes_out_as_a_transformers_gpt2_that_computes_ours(name, runs, ex
     assert theirs.lm_head.weight is theirs.transformer.wte.weight  # tied, as ours
     ours = our_gpt(directory)
     window = torch.tensor([list((corpus / "random.py").read_bytes()[:32])])  # a validation file or not: any bytes
-    with torch.no_grad():
+    with torch.no_grad():  # in training mode too: GPT-2's dropout is 0, as ours has none
         logits = ours(window)
-        worst = (logits - theirs(window).logits).abs().max().item()
+        worst = max((logits - theirs.train(mode)(window).logits).abs().max().item() for mode in (True, False))
     assert worst <= 1e-5
     assert trainer.main(["--checkpoint-dir", str(directory), "--generate", str(SAMPLED), "--top-k", "1",
                          "--prompt", PROMPT.decode()]) == 0
