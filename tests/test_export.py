@@ -69,11 +69,16 @@ def exported(runs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt2():
-    """transformers' GPT2LMHeadModel, imported once (some 4 s) and offline."""
+    """transformers' GPT2LMHeadModel, imported once (some 4 s), offline while this module's tests run."""
+    saved = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import GPT2LMHeadModel
 
-    return GPT2LMHeadModel
+    yield GPT2LMHeadModel
+    if saved is None:
+        del os.environ["HF_HUB_OFFLINE"]
+    else:
+        os.environ["HF_HUB_OFFLINE"] = saved
 
 
 def our_gpt(directory):
