@@ -138,6 +138,15 @@ def test_bad_input_is_one_line_and_status_2(runs, exported, tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_what_gpt2_has_no_place_for_is_refused_in_one_line():
+    """A tensor the table does not map (a part GPT-2 lacks) and a head that is not the token embedding."""
+    state = GPT(vocab_size=256, layers=1, width=8, heads=2, context=4).state_dict()
+    assert len(export.gpt2_tensors(state)) == len(state) - 1  # all but the tied head
+    for key, value in (("blocks.0.attention.rotary", torch.zeros(2)), ("head.weight", torch.ones(256, 8))):
+        with pytest.raises(export.UsageError, match=rf"^{key.replace('.', '[.]')} "):
+            export.gpt2_tensors({**state, key: value})
+
+
 # ----------------------------------------------------------------------------------------------------------
 # --init-from
 # ----------------------------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def gpt2_name(ours: str) -> tuple[str, bool] | None:
 def gpt2_tensors(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our GPT's state_dict under GPT-2's names and layout (GPT2_NAMES), each tensor contiguous, the tied head
     left to from_pretrained; a part GPT-2 has no place for refused in one line naming it."""
-    if not torch.equal(model[TIED[0]], model[TIED[1]]):
+    if TIED[0] in model and not torch.equal(model[TIED[0]], model[TIED[1]]):
         raise UsageError(f"{TIED[0]} is not {TIED[1]}: GPT-2's lm_head is the token embedding (tied)")
     out = {}
     for ours, tensor in model.items():
