@@ -11,6 +11,8 @@ This file is the loop; each part of the trainer lives in a room of its own under
     trainer/evaluation.py  the scattered shard, evaluate, validate (exact at any world size)
     trainer/metrics.py     epoch sums, recent steps, the bar, TensorBoard, the profiler, the metrics JSON
     trainer/generation.py  --generate: bytes sampled from a checkpoint's GPT
+    trainer/export.py      python -m trainer.export: a checkpoint out as transformers' GPT-2 or safetensors;
+                           --init-from reads them back
 The data (in memory, image folders, text) is data.py's, the models models.py's, the syncs zero's (zero/), gradsync.py's,
 references.py's and diloco.py's.
 

@@ -102,11 +102,13 @@ def test_a_checkpoint_written_before_the_rooms_resumes_exactly(image_folder, tmp
 # ----------------------------------------------------------------------------------------------------------
 # Every flag of --help, and what parsing makes of it
 # ----------------------------------------------------------------------------------------------------------
-FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--async-checkpoint", "--augment", "--backend", "--batch-size", "--betas",
+FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--async-checkpoint", "--augment", "--backend",
+         "--batch-size", "--betas",
          "--bucket-mb", "--channels-last", "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--commit-log",
          "--compile", "--compile-backend", "--context", "--coordinator", "--data-dir", "--dataset", "--decay-steps",
          "--deterministic", "--device", "--dropout", "--epochs", "--eval-every", "--eval-only", "--fault-timeout",
-         "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help", "--image-size", "--keep-checkpoints",
+         "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help", "--image-size", "--init-from",
+         "--keep-checkpoints",
          "--local-steps",
          "--log-dir", "--log-every", "--lr", "--malloc-mmap-threshold", "--max-steps", "--metrics-out", "--min-lr",
          "--min-replica-groups", "--model", "--momentum", "--muon-lr",
@@ -131,7 +133,7 @@ DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "betas": None, "muon_lr": None, "muon_momentum": None, "muon_weight_decay": None,
     "norm_weight_decay": None, "clip_grad_norm": None, "scheduler": "none", "warmup_steps": None,
     "min_lr": None, "decay_steps": None, "amp": "off", "device": "auto", "backend": "auto", "seed": 0,
-    "deterministic": False, "checkpoint_dir": None, "checkpoint_every": 0, "keep_checkpoints": 1,
+    "deterministic": False, "checkpoint_dir": None, "init_from": None, "checkpoint_every": 0, "keep_checkpoints": 1,
     "async_checkpoint": False,
     "replica_group": None,
     "replica_groups": None, "coordinator": None, "min_replica_groups": 1, "fault_timeout": 60.0, "commit_log": None,
@@ -298,6 +300,7 @@ ERRORS = [
     (["--augment", "imagenet"], "--augment imagenet is for --dataset imagefolder; in-memory sets take cifar or none"),
     (["--image-size", "16"], "--image-size is for --dataset imagefolder (cifar100 images are 32 pixels)"),
     (["--workers", "2"], "--workers is for --dataset imagefolder (cifar100 sits in memory)"),
+    (["--init-from", "no-such-file"], "--init-from no-such-file: no such file or folder"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--zero", "4"], "argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3)"),
     # after parsing: before the process group, at set-up, before the first step

@@ -1,7 +1,7 @@
 """Building the trainer's parts from a Config: the process group and the replicas' groups, the data, the model (the
-same weights on every rank), the gradient sync, torch.compile, the optimizer through the sync, the learning-rate
-schedule and the gradient scaler. ``build`` makes them all, once, as ``Parts``; the loop changes only the model's
-and the optimizer's state.
+same weights on every rank: the seed's, or --init-from's), the gradient sync, torch.compile, the optimizer through
+the sync, the learning-rate schedule and the gradient scaler. ``build`` makes them all, once, as ``Parts``; the
+loop changes only the model's and the optimizer's state.
 
 The syncs (--grad-sync, --zero) share one interface, zero.shard's contract: set_requires_gradient_sync before each
 backward, clip_grad_norm_, an optimizer built by sync.optimizer over the model's own parameters, the state dicts and
@@ -121,21 +121,63 @@ def on_meta_device(config: Config, data: Any) -> bool:
 
 def make_model(config: Config, ctx: utils.DistContext, data: Any) -> tuple[nn.Module, Any]:
     """The model and, where it is built on the meta device, the fn that initializes it module by module
-    (models.initializer: the eager build's weights bit for bit, drawn on the CPU as the eager build draws them);
-    else the model built whole, on its device, rank 0's weights broadcast; --activation-checkpointing wraps each
-    block's forward."""
+    (models.initializer: the eager build's weights bit for bit, drawn on the CPU as the eager build draws them;
+    with --init-from, each module's tensors then read from the file); else the model built whole, on its device
+    (--init-from's weights read into it on every rank), rank 0's weights broadcast; --activation-checkpointing
+    wraps each block's forward."""
     torch.manual_seed(config.seed)
     meta = on_meta_device(config, data)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = build_model(config.model, config.dropout, config.norm, data.num_classes, config.image_size or 32,
                             config.context)
     init = initializer(model, "cpu") if meta else None
+    start = init_from(config, model)
+    if meta and start is not None:  # each module's tensors from the file as the sync materializes it
+        init = start.around(init, model)
     if not meta:
         model = model.to(ctx.device, memory_format=data.memory_format)
+        if start is not None:
+            start.load(model)
         broadcast_state(model)
     if config.activation_checkpointing:
         checkpoint_blocks(model)
     return model, init
+
+
+def init_from(config: Config, model: nn.Module) -> Any:
+    """--init-from's weights for ``model`` (trainer.export.InitFrom: the file's header checked against the model,
+    the tensors read later), or None: without the flag, or where --checkpoint-dir holds a checkpoint, which wins (a
+    resume must continue it exactly; said in one line). Rank 0 decides and checks the file, and every rank hears
+    the same answer before any rank reads a tensor; then every rank opens the file itself."""
+    if config.init_from is None:
+        return None
+    from trainer import checkpoint  # trainer.checkpoint imports this file
+    from trainer.export import InitFrom
+
+    answer: list[Any] = [None]  # ("read" | "resume" | "error", what rank 0 says)
+    start = None
+    if dist.get_rank() == 0:
+        try:
+            resumes = config.checkpoint_dir is not None and checkpoint.current(config.checkpoint_dir) is not None
+        except Exception:  # noqa: BLE001 - a torn folder, an unreadable one: restore says which in one line
+            resumes = True
+        try:
+            if resumes:
+                answer[0] = ("resume", f"note: --init-from {config.init_from} not read: --checkpoint-dir "
+                                       f"{config.checkpoint_dir} holds a checkpoint, and the run resumes from it")
+            else:
+                start = InitFrom(config.init_from, model, config.model)  # a file that does not fit: refused here
+                answer[0] = ("read", None)
+        except UsageError as exc:
+            answer[0] = ("error", str(exc))
+    dist.broadcast_object_list(answer, src=0)
+    kind, message = answer[0]
+    if kind == "error":
+        raise UsageError(message)
+    if kind == "resume":
+        utils.print0(message)
+        return None
+    return start or InitFrom(config.init_from, model, config.model)
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

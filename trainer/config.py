@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -224,6 +225,11 @@ class Config:
                                            "torch.distributed.checkpoint folders DIR/step-N (each rank writes its "
                                            "own shards; DIR/latest names the current one); otherwise DIR/last.pt, "
                                            "written by rank 0 (the model and optimizer gathered to it)")
+    init_from: str | None = flag(None, metavar="PATH",
+                                 help="start from these weights (the optimizer and the position fresh): a "
+                                      "safetensors file or a folder of python -m trainer.export (a transformers "
+                                      "GPT-2 folder for the GPTs); every rank reads it. A checkpoint in "
+                                      "--checkpoint-dir wins: a resume continues it")
     checkpoint_every: int = flag(0, type=int, help="also checkpoint every N optimizer steps (0: epoch ends)")
     keep_checkpoints: int = flag(1, type=int, metavar="K",
                                  help="folders DIR/step-N kept: the current one and the K-1 before it (default 1: "
@@ -375,8 +381,8 @@ def check_numbers(given: argparse.Namespace) -> None:
 
 
 def check_recipe_flags(given: argparse.Namespace) -> None:
-    """--betas, the cosine schedule's flags, --generate's, --dropout and --async-checkpoint, in one line each when
-    they do not fit."""
+    """--betas, the cosine schedule's flags, --generate's, --init-from, --dropout and --async-checkpoint, in one line
+    each when they do not fit."""
     adamw = given.optimizer in ("adamw", "muon")
     if given.betas is not None and (not adamw or not all(0 <= b < 1 for b in given.betas)):
         raise UsageError(f"--betas is AdamW's (--optimizer adamw, or muon's AdamW), two numbers in [0, 1), got "
@@ -397,6 +403,12 @@ def check_recipe_flags(given: argparse.Namespace) -> None:
         if not given.temperature > 0 or (given.top_k is not None and given.top_k < 1):
             raise UsageError(f"--temperature must be positive and --top-k at least 1, got {given.temperature} and "
                              f"{given.top_k}")
+    if given.init_from is not None:
+        if given.generate is not None:
+            raise UsageError("--init-from is for a run (and --eval-only); --generate samples --checkpoint-dir's "
+                             "checkpoint")
+        if not os.path.exists(given.init_from):
+            raise UsageError(f"--init-from {given.init_from}: no such file or folder")
     if not 0 <= given.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {given.dropout}")
     if given.async_checkpoint and given.checkpoint_dir is None:
