@@ -34,8 +34,9 @@ Crash safety is the format's: a folder is written as DIR/step-N.partial and publ
 from __future__ import annotations
 
 import copy
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -103,7 +104,11 @@ class AsyncWriter:
 
     def __init__(self) -> None:
         self.staging = StagingBuffers()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()  # (future, task), or None to stop
+        # a daemon: a run that fails while its writer waits on a dead peer exits without waiting for it (a
+        # ThreadPoolExecutor's thread would be joined at exit)
+        self.thread = threading.Thread(target=self._work, name="checkpoint-writer", daemon=True)
+        self.thread.start()
         self.pending: Future | None = None  # the last task submitted (a write, or a ``then`` after it)
         self.groups: dict[Any, dist.ProcessGroup] = {}
         self.lock = threading.Lock()
@@ -117,9 +122,21 @@ class AsyncWriter:
 
     def submit(self, task: Callable[[], Any]) -> Future:
         """``task`` to the writer thread, after what is already there; its future is the writer's pending one."""
+        future: Future = Future()
         with self.lock:
-            self.pending = self.executor.submit(task)
-            return self.pending
+            self.pending = future
+            self.tasks.put((future, task))
+        return future
+
+    def _work(self) -> None:
+        while (item := self.tasks.get()) is not None:
+            future, task = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(task())
+            except BaseException as error:  # noqa: BLE001 - the loop reads it from the future
+                future.set_exception(error)
 
     def write(self, task: Callable[[], Any]) -> Future:
         """A write of staged state to the thread (``before_write`` first, in the thread)."""
@@ -191,8 +208,9 @@ class AsyncWriter:
             if wait:
                 self.wait()
         finally:
-            self.executor.shutdown(wait=wait, cancel_futures=not wait)
-            if wait:  # the thread is done with its groups (a failed run's process exits with them)
+            self.tasks.put(None)
+            if wait:
+                self.thread.join()  # the thread is done with its groups (a failed run's process exits with them)
                 for group in self.groups.values():
                     if group is not None and dist.is_initialized():
                         dist.destroy_process_group(group)
