@@ -241,7 +241,7 @@ class Config:
                                               "memory on a GPU) and a writer thread writes and publishes it while "
                                               "training goes on (at most one save in flight; a save due while one "
                                               "writes waits for it). Off by default: it holds one more copy of the "
-                                              "rank's state (16 Psi / W bytes for AdamW at --zero 3) for the run's "
+                                              "rank's state (12 Psi / W bytes for AdamW at --zero 3: the weights and two moments) for the run's "
                                               "life, and on a machine with few cores the writer takes them from "
                                               "the steps (docs/trainer.md has both figures)")
     replica_group: int | None = flag(None, type=int, metavar="I",
