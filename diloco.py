@@ -483,12 +483,12 @@ class DiLoCoSync:
         import os
 
         from zero.checkpoint import CheckpointError
-        from zero.checkpoint.whole import KEYS, check_complete, load_model, shared_file
+        from zero.checkpoint.whole import KEYS, check_complete, load_model, load_optimizer, read_shared
         if not os.path.isfile(path):
             raise CheckpointError(f"zero.checkpoint.load: checkpoint {path} is a folder of a sharded sync's state; "
                                   f"DiLoCo keeps each replica's own weights and outer state, which it does not hold: "
                                   f"resume it with a sharded sync, or start afresh in an empty folder")
-        state = shared_file(path, None)
+        state, mapped = read_shared(path, None)  # mapped where every rank sees it (zero/checkpoint/whole.py)
         rank, replicas = dist.get_rank(), state.get("replicas")
         index, place = divmod(rank, self.replica_size)
         replica = replicas[index] if replicas is not None and index < len(replicas) else None
@@ -500,10 +500,10 @@ class DiLoCoSync:
         if replica is not None:
             self.outer.load_state_dict(replica["outer"][place] if self.outer.per_rank else replica["outer"])
         if optimizer is None:  # the weights alone: the shared point, what evaluation reads
-            load_model(path, self.inner, state["model"])
+            load_model(path, self.inner, state["model"], mapped)
         else:
-            load_model(path, self.inner, replica["model"])
-            optimizer.load_state_dict(replica["optimizer"])
+            load_model(path, self.inner, replica["model"], mapped)
+            load_optimizer(optimizer, replica["optimizer"], mapped)
         return {key: value for key, value in state.items() if key not in (*KEYS, "replicas")}
 
 

@@ -451,3 +451,56 @@ def test_the_disks_errors_are_said_in_one_line_and_the_previous_checkpoint_stays
                                     f"{why}\n"), result["stderr"]
         assert "epoch 1" not in result["stdout"], result["stdout"]  # no step taken
         assert os.listdir(directories[name]) == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# last.pt read by parts: mapped by every rank that sees it, sent by rank 0 where one does not
+# ----------------------------------------------------------------------------------------------------------
+def load_file_in_group(rank, world_size, folder, shared):
+    """An AdamW model's last.pt (zero.checkpoint.save_file, rank 0) loaded into a fresh model and AdamW on every
+    rank, from a file every rank sees (``shared``) or from rank 0's folder alone; what each rank loaded, whether the
+    whole state was broadcast pickled, and whether the file is still mapped once the load is done (an optimizer
+    state left a view of it)."""
+    import torch
+    import torch.distributed as dist
+    import zero
+    from zero.checkpoint import whole
+
+    def built():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
+        return zero.shard(model, 0), torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    sync, optimizer = built()
+    sync.model(torch.ones(4, 300)).sum().backward()
+    optimizer.step()
+    path = os.path.join(folder if shared else f"{folder}-{rank}", "last.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    whole.save_file(path, sync, optimizer, {"step": 1})
+    saved = ({k: v.clone() for k, v in sync.model.state_dict().items()},
+             {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()})
+    sync, optimizer = built()
+    sent, broadcast = [], dist.broadcast_object_list
+    whole.dist.broadcast_object_list = lambda message, *a, **k: (sent.append(1), broadcast(message, *a, **k))[1]
+    try:
+        extra = whole.load_file(path, sync, optimizer, stepped=True)
+    finally:
+        whole.dist.broadcast_object_list = broadcast
+    with open("/proc/self/maps") as maps:
+        still_mapped = path in maps.read()
+    loaded = (sync.model.state_dict(), optimizer.state_dict()["state"][0])
+    return {"extra": extra, "sent": len(sent), "still_mapped": still_mapped,
+            "same": all(torch.equal(a[k], b[k]) for a, b in zip(saved, loaded) for k in a)}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
+@pytest.mark.parametrize("shared", [True, False], ids=["seen by every rank", "rank 0's alone"])
+def test_last_pt_is_mapped_by_every_rank_that_sees_it_and_sent_where_one_does_not(local_group, tmp_path, shared):
+    """Seen by every rank: no pickled broadcast of the state, and nothing of the optimizer's left a view of the file;
+    in folders of their own (nodes that share none), rank 0's file sent as before. Both load exactly what was
+    saved."""
+    ranks = local_group(2).run(load_file_in_group, str(tmp_path / "dir"), shared, timeout_s=120)
+    for result in ranks:
+        assert result["same"] and result["extra"] == {"step": 1}
+        assert result["sent"] == (0 if shared else 1)  # (the save's own broadcast of its verdict is not counted)
+        assert not result["still_mapped"]

@@ -106,7 +106,8 @@ FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--async-checkpoi
          "--batch-size", "--betas",
          "--bucket-mb", "--channels-last", "--checkpoint-dir", "--checkpoint-every", "--clip-grad-norm", "--commit-log",
          "--compile", "--compile-backend", "--context", "--coordinator", "--data-dir", "--dataset", "--decay-steps",
-         "--deterministic", "--device", "--dropout", "--epochs", "--eval-every", "--eval-only", "--fault-timeout",
+         "--deterministic", "--device", "--dropout", "--epochs", "--eval-batch-size", "--eval-every", "--eval-only",
+         "--fault-timeout",
          "--fragments", "--generate", "--grad-accum", "--grad-sync", "--help", "--image-size", "--init-from",
          "--keep-checkpoints",
          "--local-steps",
@@ -139,12 +140,14 @@ DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "replica_groups": None, "coordinator": None, "min_replica_groups": 1, "fault_timeout": 60.0, "commit_log": None,
     "eval_only": False, "generate": None,
     "prompt": "", "temperature": 0.8, "top_k": None, "log_dir": None, "log_every": 10, "profile": None,
-    "profile_steps": (3, 6), "metrics_out": None, "eval_every": 0, "timeout": 1800.0,
+    "profile_steps": (3, 6), "metrics_out": None, "eval_every": 0, "eval_batch_size": 128, "timeout": 1800.0,
     "malloc_mmap_threshold": 128}
 DILOCO_DEFAULTS = {"local_steps": 50, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
                    "outer_compress": "none", "fragments": 1, "outer_delay": 0}
 PARSED = [  # argv, what differs from DEFAULTS after parsing
     ([], {}),
+    (["--batch-size", "4"], dict(batch_size=4, eval_batch_size=4)),  # evaluation's default: the micro-batch
+    (["--batch-size", "4", "--eval-batch-size", "32"], dict(batch_size=4, eval_batch_size=32)),
     (["--dataset", "text", "--model", "gpt", "--replica-group", "1", "--replica-groups", "3", "--coordinator",
       "host:29400", "--min-replica-groups", "2", "--fault-timeout", "5", "--commit-log", "log"],
      dict(dataset="text", model="gpt", data_dir="TEXT", image_size=None, augment="none", context=128,
@@ -209,6 +212,7 @@ ERRORS = [
     (["--log-every", "0"], "--log-every must be positive, got 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be positive, got 0"),
     (["--async-checkpoint"], "--async-checkpoint saves into --checkpoint-dir: give one"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must be positive, got 0"),
     (["--max-steps", "-1"], "--max-steps must not be negative, got -1"),
     (["--checkpoint-every", "-1"], "--checkpoint-every must not be negative, got -1"),
     (["--momentum", "-1"], "--momentum must not be negative, got -1.0"),

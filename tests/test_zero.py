@@ -16,6 +16,7 @@ the learning rate (1e-2), nine orders above it.
 """
 import copy
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from models import blocks, build_model
 from trainer import build as trainer_build
 from trainer import checkpoint as trainer_checkpoint
 from trainer.build import make_optimizer, make_scaler
-from trainer.evaluation import evaluate
+from trainer.evaluation import validate
 from trainer_testing import (TINY, collect_all, max_difference, model_and_labelled_set, normalized_batch,
                              train_in_group, try_train_in_group)
 
@@ -468,25 +469,43 @@ def test_stage_3_prefetches_the_next_unit_while_the_current_one_computes(local_g
 
 
 def evaluate_sharded_in_group(rank, world_size, val_size, seed):
-    """The trainer's scattered evaluation of a stage 3 model, whose forwards every rank must join."""
+    """The trainer's scattered evaluation (trainer.evaluation.validate) of a stage 3 model, whose forwards every
+    rank must join, at --eval-batch-size 16 and at its default (--batch-size 7): the figures, and the size of each
+    forward's batch."""
     model, data = model_and_labelled_set(val_size, seed)
     zero.shard(model, 3, blocks(model))
     memory = MemoryData(data, data, 100, seed, 16)
-    empty = (torch.zeros(0, 3, 32, 32), torch.zeros(0, dtype=torch.int64))  # what a rank with no batch left runs
-    return evaluate(model, memory, 16, torch.device("cpu"), torch.device("cpu"), None, empty)
+    sizes = []
+    model.register_forward_pre_hook(lambda module, inputs: sizes.append(len(inputs[0])))
+    results = []
+    for argv in (["--eval-batch-size", "16"], []):
+        config = trainer.parse_args(["--dataset", "synthetic", "--zero", "3", "--batch-size", "7", *argv])
+        parts = SimpleNamespace(config=config, model=model, data=memory, device=torch.device("cpu"),
+                                comm_device=torch.device("cpu"), amp_dtype=None, outer=None,
+                                phases=SimpleNamespace(end=lambda phase: None))
+        sizes.clear()
+        results.append((validate(parts), list(sizes)))
+    return results
 
 
 def test_evaluation_of_a_stage_3_model_keeps_every_rank_in_step(local_group):
-    """50 samples in batches of 16 on 3 processes: shards of 17, 17 and 16, so 2, 2 and 1 batches; the third rank
-    runs an empty batch, for the units' all-gathers of the second forward, and every sample counts once."""
+    """50 samples on 3 processes: shards of 17, 17 and 16. In batches of 16: 2, 2 and 1 batches, so the third rank
+    runs an empty batch, for the units' all-gathers of the second forward; in batches of 7 (--eval-batch-size's
+    default, the micro-batch): 3 each. Every sample counts once, and the figures are the same at both sizes."""
     val_size, seed = 50, 4
-    result = local_group(3).run(evaluate_sharded_in_group, val_size, seed, timeout_s=60)[0]
+    ranks = local_group(3).run(evaluate_sharded_in_group, val_size, seed, timeout_s=60)
+    (by_16, sizes_16), (by_7, sizes_7) = ranks[0]
+    assert [sizes for (_, sizes), _ in ranks] == [[16, 1], [16, 1], [16, 0]]
+    assert [sizes for _, (_, sizes) in ranks] == [[7, 7, 3], [7, 7, 3], [7, 7, 2]]
     model, data = model_and_labelled_set(val_size, seed)
     with torch.no_grad():
         images, labels = normalized_batch(data, torch.arange(val_size))
         logits = model(images)
-    assert (result["val_correct"], result["val_total"]) == (int((logits.argmax(1) == labels).sum()), val_size)
-    assert result["val_loss"] == pytest.approx(F.cross_entropy(logits.double(), labels).item(), rel=1e-6)
+    for result in (by_16, by_7):
+        assert (result["val_correct"], result["val_total"]) == (int((logits.argmax(1) == labels).sum()), val_size)
+        assert result["val_loss"] == pytest.approx(F.cross_entropy(logits.double(), labels).item(), rel=1e-6)
+    assert (by_7["val_correct"], by_7["val_correct5"]) == (by_16["val_correct"], by_16["val_correct5"])
+    assert by_7["val_loss"] == pytest.approx(by_16["val_loss"], rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -291,6 +291,12 @@ class Config:
                            help="also evaluate every N optimizer steps: the metrics' evals list each one's step, "
                                 "seconds of training so far (evaluations left out), bytes sent so far by the busiest "
                                 "rank and validation figures")
+    eval_batch_size: int | None = flag(None, type=int, metavar="N", resolved=True,
+                                       help="samples (images, or windows of --context bytes) per forward of the "
+                                            "evaluation on each rank (default: --batch-size, the micro-batch: a "
+                                            "forward without gradients holds less than a training forward and "
+                                            "backward of as many samples, so evaluation stays inside the steps' "
+                                            "memory); the figures are the same at any value")
     timeout: float = flag(1800.0, type=float, help="seconds, for process-group set-up and collectives")
     malloc_mmap_threshold: int = flag(128, type=int, metavar="KB",
                                       help="glibc's malloc serves blocks of KB kB or more by mmap and gives them back "
@@ -356,7 +362,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if given.norm == "torch" and (given.device == "cpu" or not torch.cuda.is_available()):
         raise UsageError(NORM_TORCH_ON_CPU)  # before the process group: no rank waits for another
     return Config(**{**vars(given), **muon, **outer, **data, "profile_steps": profile_steps,
-                     "zero3_accumulate": given.zero3_accumulate or "sharded"})
+                     "zero3_accumulate": given.zero3_accumulate or "sharded",
+                     "eval_batch_size": given.batch_size if given.eval_batch_size is None else given.eval_batch_size})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -366,7 +373,7 @@ def check_numbers(given: argparse.Namespace) -> None:
     positive = {"--grad-accum": given.grad_accum, "--batch-size": given.batch_size, "--epochs": given.epochs,
                 "--train-size": given.train_size, "--val-size": given.val_size, "--lr": given.lr,
                 "--bucket-mb": given.bucket_mb, "--timeout": given.timeout, "--log-every": given.log_every,
-                "--keep-checkpoints": given.keep_checkpoints}
+                "--keep-checkpoints": given.keep_checkpoints, "--eval-batch-size": 1 if given.eval_batch_size is None else given.eval_batch_size}
     for name, value in positive.items():
         if not value > 0:
             raise UsageError(f"{name} must be positive, got {value}")

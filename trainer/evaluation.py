@@ -100,5 +100,5 @@ def validate(parts: Parts) -> dict[str, Any]:
                      torch.zeros(0, dtype=torch.int64, device=device))
     # diloco, localsgd: the replicas differ inside a window; the model evaluated is their shared point
     with parts.outer.global_weights() if parts.outer is not None else contextlib.nullcontext():
-        return evaluate(parts.model, parts.data, max(config.batch_size, 256), device, parts.comm_device,
+        return evaluate(parts.model, parts.data, config.eval_batch_size, device, parts.comm_device,
                         parts.amp_dtype, empty)

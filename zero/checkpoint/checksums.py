@@ -12,7 +12,8 @@ reads it), before any tensor is read:
 - a folder (``folder_problem``): the items of the parts a load reads, the work split over the ranks that read
   together (each rank a share of the bytes: 1/W of them, about what the load itself reads at the same world size),
   the verdict agreed; ``read_extra`` checks the extra's few kB alone;
-- a file, last.pt (``file_problem``): every record of its one archive, by the rank that reads it.
+- a file, last.pt (``file_problem``): every record of its one archive, by the rank that reads it, or where every
+  rank of the group maps it (zero/checkpoint/whole.py), each rank a share of the records, the verdict agreed.
 
 Why not a checksums file written beside the data (each rank hashing what it wrote, gathered to rank 0): the CRC32s
 are already computed while each record is written, so a save pays nothing more, and the save paths are unchanged (an
@@ -84,15 +85,20 @@ class Slice(io.RawIOBase):
         return read
 
 
-def archive_problem(file: Any) -> str | None:
+def archive_problem(file: Any, rank: int = 0, ranks: int = 1) -> str | None:
     """What is wrong with one torch.save archive (a file object positioned anywhere), or None: every record read
-    and its CRC32 compared (zipfile does it as the record's last byte is read). An archive saved with torch's
-    CRC32s off (all 0) is not checked."""
+    and its CRC32 compared (zipfile does it as the record's last byte is read); with ``ranks`` > 1, this rank's
+    share of the records (``share``, by their sizes). An archive saved with torch's CRC32s off (all 0) is not
+    checked."""
     try:
         with zipfile.ZipFile(file) as archive:
             records = archive.infolist()
             if all(record.CRC == 0 for record in records if record.file_size):
                 return None  # saved without CRC32s: nothing to check against
+            if ranks > 1:
+                mine = {name for name, _, _, _ in share([(r.filename, r.header_offset, r.file_size, r.filename)
+                                                         for r in records], rank, ranks)}
+                records = [record for record in records if record.filename in mine]
             for record in records:
                 with archive.open(record) as data:
                     while data.read(CHUNK):
@@ -102,14 +108,15 @@ def archive_problem(file: Any) -> str | None:
     return None
 
 
-def file_problem(path: str) -> str | None:
-    """last.pt (one torch.save archive): what makes it corrupt, in words naming the file, or None. A file that is
-    not a zip archive at all is left to torch.load's own refusal (a legacy torch.save, or not a checkpoint)."""
+def file_problem(path: str, rank: int = 0, ranks: int = 1) -> str | None:
+    """last.pt (one torch.save archive): what makes it corrupt, in words naming the file, or None; with ``ranks`` >
+    1, as far as this rank's share of its records shows (the caller agrees the verdict: checks.agree). A file that
+    is not a zip archive at all is left to torch.load's own refusal (a legacy torch.save, or not a checkpoint)."""
     with open(path, "rb") as file:
         if file.read(4) != b"PK\x03\x04":
             return None
         file.seek(0)
-        why = archive_problem(file)
+        why = archive_problem(file, rank, ranks)
     return None if why is None else f"file {os.path.basename(path)} does not match its checksum (corrupt: {why})"
 
 
