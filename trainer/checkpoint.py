@@ -399,7 +399,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     from zero.checkpoint.checksums import file_problem
     problem = file_problem(path)
     if problem:
-        raise UsageError(f"checkpoint {path}: {problem}; delete it to start afresh")
+        raise UsageError(f"cannot read checkpoint {path}: {problem}; delete it to start afresh")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
