@@ -15,6 +15,7 @@ twice, a step on stale weights, a unit gathered from stale shards) moves the wei
 the learning rate (1e-2), nine orders above it.
 """
 import copy
+import math
 import threading
 from types import SimpleNamespace
 
@@ -258,14 +259,17 @@ def test_bytes_sent_per_step(stage_runs):
     assert abs(metrics["sent_bytes_per_step"] - 2 * one_way * psi) < buckets
     # stage 3, per micro-batch: every unit all-gathered before its forward, every unit but the root (kept
     # gathered from its forward to its backward's end) again before its backward, every unit reduce-scattered;
-    # and the evaluation at the epoch's end (one forward of 50 samples per rank) gathers every unit once more
+    # and the evaluation at the epoch's end gathers every unit once per forward: the busiest rank's shard of the
+    # validation set (ceil(val_size / W) samples) in batches of --eval-batch-size, every rank as many forwards
     padded, _ = units_padded(world_size)
     gathers = 2 * sum(padded) - padded[0]
     steps, micro_batches = metrics["optimizer_steps"], metrics["micro_batches"]
+    config = metrics["config"]
+    forwards = math.ceil(math.ceil(config["val_size"] / world_size) / config["eval_batch_size"])
     for name, scatters in (("stage 3 torch", micro_batches), ("stage 3 ring", micro_batches),
                            ("stage 3 torch unsharded", steps)):  # the last micro-batch of each window only
         sent = ranks[0][name]["metrics"]["sent_bytes_per_step"]
-        expected = one_way * (gathers * micro_batches + sum(padded) * (scatters + 1)) / steps
+        expected = one_way * (gathers * micro_batches + sum(padded) * (scatters + forwards)) / steps
         assert sent == pytest.approx(expected, rel=1e-12), name
 
 
