@@ -241,9 +241,10 @@ class Config:
                                               "memory on a GPU) and a writer thread writes and publishes it while "
                                               "training goes on (at most one save in flight; a save due while one "
                                               "writes waits for it). Off by default: it holds one more copy of the "
-                                              "rank's state (12 Psi / W bytes for AdamW at --zero 3: the weights and two moments) for the run's "
-                                              "life, and on a machine with few cores the writer takes them from "
-                                              "the steps (docs/trainer.md has both figures)")
+                                              "rank's state (12 Psi / W bytes for AdamW at --zero 3: the weights "
+                                              "and two moments) for the run's life, and on a machine with few cores "
+                                              "the writer takes them from the steps (docs/trainer.md has both "
+                                              "figures)")
     replica_group: int | None = flag(None, type=int, metavar="I",
                                      help="fault tolerance: this torchrun is replica group I (0 .. R-1) of a run "
                                           "whose groups train together through --coordinator and carry on when "
@@ -373,7 +374,8 @@ def check_numbers(given: argparse.Namespace) -> None:
     positive = {"--grad-accum": given.grad_accum, "--batch-size": given.batch_size, "--epochs": given.epochs,
                 "--train-size": given.train_size, "--val-size": given.val_size, "--lr": given.lr,
                 "--bucket-mb": given.bucket_mb, "--timeout": given.timeout, "--log-every": given.log_every,
-                "--keep-checkpoints": given.keep_checkpoints, "--eval-batch-size": 1 if given.eval_batch_size is None else given.eval_batch_size}
+                "--keep-checkpoints": given.keep_checkpoints,
+                "--eval-batch-size": 1 if given.eval_batch_size is None else given.eval_batch_size}
     for name, value in positive.items():
         if not value > 0:
             raise UsageError(f"{name} must be positive, got {value}")

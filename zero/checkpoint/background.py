@@ -7,8 +7,9 @@ thread writes the copy (a DCP folder's pieces, or one file of whole state dicts)
     ...                       # train on
     writer.wait()             # the last save written (and published), or its error as CheckpointError
 
-The stall of a save is the copy: this rank's bytes (12 Psi / W for AdamW at stage 3: the weights and two moments) read once from the live state
-and written once into the buffers, against the synchronous save's serialization and write of the same bytes. The
+The stall of a save is the copy: this rank's bytes (12 Psi / W for AdamW at stage 3: the weights and two moments)
+read once from the live state and written once into the buffers, against the synchronous save's serialization and
+write of the same bytes. The
 buffers are kept from save to save (one extra copy of the rank's state, however many saves: a tensor's buffer is
 reused where its shape and dtype hold, and one no longer saved is dropped), and they are pinned host memory where the
 state is on a GPU (the copy is a DMA the host waits for once, not a pageable round trip per tensor).
