@@ -513,41 +513,39 @@ def run_state(parts: Parts, position: Position, history: list[dict[str, Any]],
 
 def save_folder(parts: Parts, state: dict[str, Any]) -> None:
     """DIR/step-N: every rank writes its own shards into DIR/step-N.partial (the sync's save_checkpoint), ``state``
-    as rank 0's extra; then rank 0 makes it current. The disk's error on the way is refused on every rank
-    (``settle``). With --async-checkpoint both happen in the writer's thread (``in_background``)."""
+    as rank 0's extra; then rank 0 makes it current (``write_then_publish``)."""
     directory, name = parts.config.checkpoint_dir, f"{FOLDER}{state['optimizer_steps']}"
     path = os.path.join(directory, name + PARTIAL)
-    publish = lambda: make_current(directory, name, parts.config.keep_checkpoints)  # noqa: E731
-    if parts.checkpoint_writer is not None:
-        in_background(parts, state, lambda writer: parts.sync.save_checkpoint(path, parts.optimizer, state,
-                                                                              writer=writer), publish)
-        return
-    problem = disk_error(lambda: parts.sync.save_checkpoint(path, parts.optimizer, state))
-    if problem is None:
-        faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
-    if problem is None and parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are
-        problem = disk_error(publish)  # written
-    settle(parts, name, problem)
+    write_then_publish(parts, state, name,
+                       lambda writer: parts.sync.save_checkpoint(path, parts.optimizer, state, writer=writer),
+                       lambda: make_current(directory, name, parts.config.keep_checkpoints))
 
 
 def save_file(parts: Parts, state: dict[str, Any]) -> None:
     """DIR/last.pt, written by rank 0: the model and the optimizer's state in the form every --zero and world size
     loads (the sharded syncs gather them to rank 0, so every rank calls this), and ``state``; then what it
-    supersedes removed. The disk's error on the way is refused on every rank (``settle``). With
-    --async-checkpoint both happen in the writer's thread (``in_background``)."""
+    supersedes removed (``write_then_publish``)."""
     directory = parts.config.checkpoint_dir
     path = os.path.join(directory, FILE)
-    publish = lambda: forget_folders(directory)  # noqa: E731
+    write_then_publish(parts, state, FILE,
+                       lambda writer: parts.sync.save_checkpoint(path, parts.optimizer, state, one_file=True,
+                                                                 writer=writer),
+                       lambda: forget_folders(directory))
+
+
+def write_then_publish(parts: Parts, state: dict[str, Any], name: str, write: Any, publish: Any) -> None:
+    """A save of DIR/``name``: ``write(writer)`` (every rank), the fault point "save" (written, not yet current),
+    then rank 0's ``publish``. The disk's error on the way is refused on every rank (``settle``). With
+    --async-checkpoint all of it after the copy happens in the writer's thread (``in_background``)."""
     if parts.checkpoint_writer is not None:
-        in_background(parts, state, lambda writer: parts.sync.save_checkpoint(path, parts.optimizer, state,
-                                                                              one_file=True, writer=writer), publish)
+        in_background(parts, state, write, publish)
         return
-    problem = disk_error(lambda: parts.sync.save_checkpoint(path, parts.optimizer, state, one_file=True))
+    problem = disk_error(lambda: write(None))
     if problem is None:
         faults.at("save", parts.ctx.rank, state["optimizer_steps"], parts.config.replica_group)
-    if problem is None and parts.ctx.rank == 0:
-        problem = disk_error(publish)
-    settle(parts, FILE, problem)
+    if problem is None and parts.ctx.rank == 0:  # DCP's save returns once every rank's data and the .metadata are
+        problem = disk_error(publish)  # written
+    settle(parts, name, problem)
 
 
 def disk_error(write: Any) -> str | None:
@@ -636,7 +634,7 @@ def wait_for_saves(parts: Parts) -> None:
 
 
 def background_failure(parts: Parts, exc: Exception) -> UsageError:
-    why = str(exc).split(": ", 1)[-1] if str(exc).startswith("zero.checkpoint") else str(exc)
+    why = usage_error(exc, parts.config.checkpoint_dir)  # zero.checkpoint's refusal without its prefix
     return UsageError(f"the background save into --checkpoint-dir {parts.config.checkpoint_dir} failed: {why} (the "
                       f"checkpoint before it is still current)")
 

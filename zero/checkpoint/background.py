@@ -9,10 +9,10 @@ thread writes the copy (a DCP folder's pieces, or one file of whole state dicts)
 
 The stall of a save is the copy: this rank's bytes (12 Psi / W for AdamW at stage 3: the weights and two moments)
 read once from the live state and written once into the buffers, against the synchronous save's serialization and
-write of the same bytes. The
-buffers are kept from save to save (one extra copy of the rank's state, however many saves: a tensor's buffer is
-reused where its shape and dtype hold, and one no longer saved is dropped), and they are pinned host memory where the
-state is on a GPU (the copy is a DMA the host waits for once, not a pageable round trip per tensor).
+write of the same bytes. The buffers are kept from save to save (one extra copy of the rank's state, however many
+saves: a tensor's buffer is reused where its shape, dtype and strides hold, and one no longer saved is dropped), and
+they are pinned host memory where the state is on a GPU (the copy is a DMA the host waits for once, not a pageable
+round trip per tensor).
 
 [Note: one save in flight] A save asked for while the previous one is still writing waits for it first (the caller
 counts the wait as stall), so at most one copy is staged and one write is under way: the buffers being written are
@@ -54,36 +54,33 @@ class StagingBuffers:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self.used: set[tuple[Any, ...]] = set()
-        self.copied_bytes = 0  # the last stage's
 
     def stage(self, state: Any) -> Any:
-        self.used, self.copied_bytes = set(), 0
-        cuda = []
-        staged = self._stage(state, (), cuda)
-        if cuda:  # the copies were launched non-blocking into pinned memory: wait for them once
+        used: set[tuple[Any, ...]] = set()  # the keys of this save's tensors
+        staged = self._stage(state, (), used)
+        if any(self.buffers[key].is_pinned() for key in used):  # copies launched non-blocking from a GPU: wait once
             torch.cuda.synchronize()
-        for key in set(self.buffers) - self.used:  # no longer saved: not kept
+        for key in set(self.buffers) - used:  # no longer saved: not kept
             del self.buffers[key]
         return staged
 
     def nbytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
 
-    def _stage(self, value: Any, key: tuple[Any, ...], cuda: list[bool]) -> Any:
+    def _stage(self, value: Any, key: tuple[Any, ...], used: set[tuple[Any, ...]]) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._copy(key, value, cuda)
+            return self._copy(key, value, used)
         if isinstance(value, Shards):
             return Shards(value.shape, value.dtype, value.order,
-                          [(start, end, self._copy((*key, i), values, cuda))
+                          [(start, end, self._copy((*key, i), values, used))
                            for i, (start, end, values) in enumerate(value.pieces)])
         if type(value) is dict:
-            return {name: self._stage(item, (*key, name), cuda) for name, item in value.items()}
+            return {name: self._stage(item, (*key, name), used) for name, item in value.items()}
         if type(value) in (list, tuple):
-            return type(value)(self._stage(item, (*key, i), cuda) for i, item in enumerate(value))
+            return type(value)(self._stage(item, (*key, i), used) for i, item in enumerate(value))
         return copy.deepcopy(value)
 
-    def _copy(self, key: tuple[Any, ...], tensor: torch.Tensor, cuda: list[bool]) -> torch.Tensor:
+    def _copy(self, key: tuple[Any, ...], tensor: torch.Tensor, used: set[tuple[Any, ...]]) -> torch.Tensor:
         tensor = tensor.detach()
         buffer = self.buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype \
@@ -91,10 +88,7 @@ class StagingBuffers:
             buffer = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
             self.buffers[key] = buffer
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
-        if tensor.is_cuda:
-            cuda.append(True)
-        self.used.add(key)
-        self.copied_bytes += tensor.numel() * tensor.element_size()
+        used.add(key)
         return buffer
 
 
@@ -165,9 +159,6 @@ class AsyncWriter:
                 before.result()  # its error, carried on
             return callback()
         return self.submit(after)
-
-    def done(self) -> bool:
-        return self.pending is None or self.pending.done()
 
     def error(self) -> BaseException | None:
         """The error of the last save, if it is done and failed (the loop polls it; it does not wait)."""

@@ -33,10 +33,11 @@ import os
 import sys
 import zipfile
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 import utils
 from zero.checkpoint.api import load
@@ -133,11 +134,6 @@ def same_file_everywhere(path: str, group: dist.ProcessGroup | None) -> bool:
     return seen[0] is not None and all(identity == seen[0] for identity in seen)
 
 
-def shared_file(path: str, group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """The file on every rank of the group (read_shared's state)."""
-    return read_shared(path, group)[0]
-
-
 def read_shared(path: str, group: dist.ProcessGroup | None) -> tuple[dict[str, Any], bool]:
     """The file on every rank of the group, and whether it is mapped: mapped by each rank where every rank sees it
     (its records' CRC32s checked first, each rank a share, the verdict agreed), else read by the group's rank 0 and
@@ -210,16 +206,9 @@ def load_optimizer(optimizer: Any, state: dict[str, Any], mapped: bool = False) 
     release(tensors_in(state))
 
 
-def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested dicts, lists and tuples."""
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples (torch's pytree: zero/init.py reads arguments so)."""
+    return [leaf for leaf in tree_leaves(value) if torch.is_tensor(leaf)]
 
 
 MADV_DONTNEED = 4  # <sys/mman.h> on Linux
