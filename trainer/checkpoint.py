@@ -393,11 +393,12 @@ def forget_folders(directory: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------------------
-def read_checkpoint(path: str) -> dict[str, Any]:
+def read_checkpoint(path: str, whole: bool = True) -> dict[str, Any]:
     """last.pt, mapped (torch.load's mmap: a tensor's bytes are read only where it is used), once its records'
-    CRC32s are checked (zero.checkpoint.checksums: torch.load checks none)."""
+    CRC32s are checked (zero.checkpoint.checksums: torch.load checks none); not ``whole``: its pickle's alone, for a
+    reader of the run state, whose resume then loads the tensors through the sync, which checks every record."""
     from zero.checkpoint.checksums import file_problem
-    problem = file_problem(path)
+    problem = file_problem(path, pickle_only=not whole)
     if problem:
         raise UsageError(f"cannot read checkpoint {path}: {problem}; delete it to start afresh")
     try:
@@ -415,7 +416,7 @@ def read_state(found: Found) -> dict[str, Any]:
     """What is read first, the run state alone: last.pt's keys but the model's and the optimizers', or a folder's
     extra (a few kB)."""
     if not found.folder:
-        return {key: value for key, value in read_checkpoint(found.path).items()
+        return {key: value for key, value in read_checkpoint(found.path, whole=False).items()
                 if key not in ("model", "optimizer", "replicas")}
     try:
         state = zero.checkpoint.read_extra(found.path)

@@ -85,16 +85,19 @@ class Slice(io.RawIOBase):
         return read
 
 
-def archive_problem(file: Any, rank: int = 0, ranks: int = 1) -> str | None:
+def archive_problem(file: Any, rank: int = 0, ranks: int = 1, pickle_only: bool = False) -> str | None:
     """What is wrong with one torch.save archive (a file object positioned anywhere), or None: every record read
     and its CRC32 compared (zipfile does it as the record's last byte is read); with ``ranks`` > 1, this rank's
-    share of the records (``share``, by their sizes). An archive saved with torch's CRC32s off (all 0) is not
-    checked."""
+    share of the records (``share``, by their sizes); with ``pickle_only``, the pickle alone (data.pkl: what a
+    reader of the small keys uses, the tensors' records left to whoever loads them). An archive saved with torch's
+    CRC32s off (all 0) is not checked."""
     try:
         with zipfile.ZipFile(file) as archive:
             records = archive.infolist()
             if all(record.CRC == 0 for record in records if record.file_size):
                 return None  # saved without CRC32s: nothing to check against
+            if pickle_only:
+                records = [record for record in records if record.filename.endswith("/data.pkl")]
             if ranks > 1:
                 mine = {name for name, _, _, _ in share([(r.filename, r.header_offset, r.file_size, r.filename)
                                                          for r in records], rank, ranks)}
@@ -108,15 +111,16 @@ def archive_problem(file: Any, rank: int = 0, ranks: int = 1) -> str | None:
     return None
 
 
-def file_problem(path: str, rank: int = 0, ranks: int = 1) -> str | None:
+def file_problem(path: str, rank: int = 0, ranks: int = 1, pickle_only: bool = False) -> str | None:
     """last.pt (one torch.save archive): what makes it corrupt, in words naming the file, or None; with ``ranks`` >
-    1, as far as this rank's share of its records shows (the caller agrees the verdict: checks.agree). A file that
-    is not a zip archive at all is left to torch.load's own refusal (a legacy torch.save, or not a checkpoint)."""
+    1, as far as this rank's share of its records shows (the caller agrees the verdict: checks.agree); with
+    ``pickle_only``, as far as its pickle shows (archive_problem). A file that is not a zip archive at all is left
+    to torch.load's own refusal (a legacy torch.save, or not a checkpoint)."""
     with open(path, "rb") as file:
         if file.read(4) != b"PK\x03\x04":
             return None
         file.seek(0)
-        why = archive_problem(file, rank, ranks)
+        why = archive_problem(file, rank, ranks, pickle_only)
     return None if why is None else f"file {os.path.basename(path)} does not match its checksum (corrupt: {why})"
 
 
