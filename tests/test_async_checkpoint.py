@@ -217,3 +217,27 @@ def test_a_failed_background_write_stops_every_rank_in_one_line(runs):
         assert f.read() == "step-2\n"
     assert zero.checkpoint.read_whole(os.path.join(root, "full", "step-2"), ("extra",),
                                       alone=True)["extra"]["optimizer_steps"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: staging from CUDA into pinned host memory")
+def test_staging_a_cuda_state_copies_into_pinned_host_buffers_kept_from_save_to_save():
+    """On a GPU (docs/gpu.md's pytest-cuda check runs it: -k cuda): a state on the device, a whole tensor and a
+    Shards of two pieces, is staged into pinned host buffers equal to it; a second stage of the changed state reuses
+    the same buffers and holds the new values (the non-blocking copies waited for)."""
+    device = torch.device("cuda")
+    weights = torch.randn(1000, device=device)
+    state = {"step": torch.tensor(3.0, device=device), "extra": {"note": "a"},
+             "w": zero.checkpoint.Shards((1000,), weights.dtype, (0,), [(0, 400, weights[:400]),
+                                                                        (400, 1000, weights[400:])])}
+    staging = zero.checkpoint.StagingBuffers()
+    staged = staging.stage(state)
+    assert all(buffer.is_pinned() and buffer.device.type == "cpu" for buffer in staging.buffers.values())
+    assert torch.equal(torch.cat([values for _, _, values in staged["w"].pieces]), weights.cpu())
+    assert staged["step"].item() == 3.0 and staged["extra"] == {"note": "a"}
+    pointers = {key: buffer.data_ptr() for key, buffer in staging.buffers.items()}
+    weights.mul_(2)
+    state["step"].add_(1)
+    again = staging.stage(state)
+    assert pointers == {key: buffer.data_ptr() for key, buffer in staging.buffers.items()}
+    assert torch.equal(torch.cat([values for _, _, values in again["w"].pieces]), weights.cpu())
+    assert again["step"].item() == 4.0
