@@ -29,8 +29,8 @@ One step, quorum n, members M:
    lighthouse forms quorum n once every member of n-1 has asked or is gone (a heartbeat older than STALE_S), with
    every new group that asked, if at least ``min_groups`` did (else it waits), and answers each ticket with it. A
    group of another identity (model, optimizer, flags: the trainer's fingerprint) is refused in one line, alone.
-2. recovery: a member behind the quorum's step (new, restarted, back from a hang) receives, place j from place j of
-   a member at the step, what ``state_dict`` names (the trainer's: weights, optimizer state, position, scheduler,
+2. recovery: a member not at the quorum's state (behind its step: new, restarted, back from a hang; or at it by
+   another branch: [Note: lineage]) receives, place j from place j of a member that holds it, what ``state_dict`` names (the trainer's: weights, optimizer state, position, scheduler,
    generators, commit log) and loads it: no disk. It then computes its gradient on the live weights like any member.
 3. average: each member's gradient (its own group's average) summed over the quorum and divided by |M|, on the
    quorum's process group: the mean over every sample the step used, since groups take equal batches.
@@ -131,6 +131,7 @@ class Lighthouse:
     def __init__(self, store: TCPStore):
         self.store = store
         self.quorum: dict[str, Any] | None = None  # the last one formed
+        self.frontier: tuple[int, int] | None = None  # (step, quorum) of the last step committed ([Note: lineage])
         self.asked: dict[int, Asked] = {}  # group -> its request for the next quorum
         self.beats: dict[str, tuple[bytes, float]] = {}  # heartbeat key -> (value, when it last changed)
         self.places: dict[int, int] = {}  # group -> its size P, from its requests
@@ -262,10 +263,15 @@ class Lighthouse:
         n = 0 if previous is None else previous["id"] + 1
         requests = {g: self.asked.pop(g).request for g in members}
         steps = {g: request["step"] for g, request in requests.items()}
-        step = max(steps.values())
-        healthy = [g for g in members if steps[g] == step]
-        behind = [g for g in members if steps[g] < step]
         aborted = previous is not None and self.store.get(f"{PREFIX}decision/{previous['id']}") == b"abort"
+        if previous is not None and not aborted:  # its members applied its step: the run's state is theirs now
+            self.frontier = (previous["step"] + 1, previous["id"])
+        states = {g: (request["step"], request.get("last_commit")) for g, request in requests.items()}
+        reference = self.frontier if self.frontier in states.values() else max(
+            states.values(), key=lambda state: (state[0], -1 if state[1] is None else state[1]))
+        step = reference[0]
+        healthy = [g for g in members if states[g] == reference]
+        behind = [g for g in members if states[g] != reference]
         processes = {str(g): request["ticket"].split("/")[1] for g, request in requests.items()}  # incarnations
         same_groups = previous is not None and previous["processes"] == processes and not aborted
         quorum = {"id": n, "members": members, "steps": {str(g): s for g, s in steps.items()}, "step": step,
@@ -282,6 +288,16 @@ class Lighthouse:
         self.quorum, self.decided_at, self.said = quorum, None, None
         if previous is not None:
             self._forget(previous["id"] - 1)
+
+    # [Note: lineage] A step number alone does not say which state a group holds. A member of the last quorum may
+    # be slow to ask again (a loaded machine); past the fault timeout the lighthouse forms the next quorum without
+    # it, and a group left out of that last quorum takes the same step again from the state before it: two groups
+    # then reach step s + 1 by different steps s. Counted both at the step, they would average gradients computed on
+    # different weights and stay apart for good (seen under load: two groups 0.055 apart after 450 steps). So each
+    # group also says which quorum committed its last step, and the lighthouse keeps the last committed one (the
+    # frontier): the quorum's state is the frontier where a member holds it, else the most advanced a member holds,
+    # and every member not holding exactly that state receives it, whatever its step number. The branch it drops
+    # goes with its commit log, replaced by its source's: the weights stay the replay of the log they carry.
 
     def _forget(self, n: int) -> None:
         """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step)."""
@@ -443,13 +459,15 @@ class Replica:
         self._drop_group()
 
     def _ask(self, step: int) -> Quorum:
-        """Ask the lighthouse (place 0 asks, every place waits for the answer to the same ticket)."""
+        """Ask the lighthouse (place 0 asks, every place waits for the answer to the same ticket), saying the step
+        this group's state is at and the quorum that committed the step before it ([Note: lineage])."""
         self.requests += 1
         ticket = f"{self.group}/{self.incarnation}/{self.requests}"
         if self.place == 0:
-            request = {"ticket": ticket, "group": self.group, "step": step, "identity": self.identity,
-                       "size": self.size, "planned": self.planned, "min_groups": self.min_groups,
-                       "fault_timeout": self.timeout_s}
+            last_commit = next((entry["quorum"] for entry in reversed(self.log) if "step" in entry), None)
+            request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit,
+                       "identity": self.identity, "size": self.size, "planned": self.planned,
+                       "min_groups": self.min_groups, "fault_timeout": self.timeout_s}
             self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
         answer = self._wait_for(f"{PREFIX}ticket/{ticket}")
         if b"refused" in answer[:12]:

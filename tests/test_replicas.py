@@ -12,6 +12,7 @@ group's samples counted twice or dropped, a gradient averaged over the wrong num
 first order, by about lr x O(0.1) = 5e-3.
 """
 import contextlib
+import json
 import os
 import random
 import threading
@@ -157,3 +158,45 @@ def test_diloco_replica_groups_are_one_diloco_run(diloco_groups):
         print(f"\ndiloco replica group {group} vs replica {group} of one run, float64: max |dw| = {worst:.1e}")
         assert worst < 1e-10
     assert max_difference(groups[0][0]["state"], groups[1][0]["state"]) == 0  # the run ends on a meeting
+
+
+def test_a_group_at_the_step_by_another_branch_receives_the_state():
+    """[Note: lineage], replayed on the lighthouse alone (what a loaded machine did once in the alone scenario):
+    quorum 1 is group 1 alone (group 2 had not asked within the fault timeout) and commits step 1; group 1 is then
+    slow to ask, so quorum 2 is group 2 alone, which takes step 1 again from the state before it. Both are now at
+    step 2 by different steps 1: the next quorum must give group 2's state (the last committed) to group 1, not take
+    both as they are."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store)
+    asked = []
+
+    def ask(group, step, last_commit):
+        ticket = f"{group}/start/{len(asked)}"
+        asked.append(ticket)
+        store.queue_push(replicas.PREFIX + "events", json.dumps({
+            "ticket": ticket, "group": group, "step": step, "last_commit": last_commit, "identity": "same",
+            "size": 1, "planned": 2, "min_groups": 1, "fault_timeout": 0.0}))  # every absent member is late at once
+
+    def formed(decision):
+        for group in (1, 2):
+            store.set(f"{replicas.PREFIX}hb/{group}/0", str(time.monotonic()))  # both alive
+        lighthouse._take_requests()
+        lighthouse._watch_heartbeats()
+        assert lighthouse.quorum is None or lighthouse._decided()  # the run loop forms the next once decided
+        lighthouse._form()
+        quorum = json.loads(store.get(f"{replicas.PREFIX}ticket/{asked[-1]}"))
+        store.set(f"{replicas.PREFIX}decision/{quorum['id']}", decision)
+        return quorum
+
+    ask(1, 0, None), ask(2, 0, None)
+    assert formed("commit")["sources"] == {}  # quorum 0: both at step 0
+    ask(1, 1, 0)
+    first = formed("commit")  # quorum 1: group 1 alone takes step 1
+    assert (first["members"], first["step"]) == ([1], 1)
+    ask(2, 1, 0)
+    second = formed("commit")  # quorum 2: group 1 late, group 2 alone takes step 1 again
+    assert (second["members"], second["step"]) == ([2], 1)
+    ask(1, 2, first["id"]), ask(2, 2, second["id"])
+    third = formed("commit")
+    assert third["members"] == [1, 2] and third["step"] == 2
+    assert third["sources"] == {"1": 2}  # the last committed branch is group 2's: group 1 receives it
