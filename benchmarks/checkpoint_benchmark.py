@@ -24,13 +24,23 @@ first save's stall includes that start). Every background way saves over a gloo 
 collectives run meanwhile on the loop's).
 
 Writes results/checkpoint-<machine>.json (or --json); prints a table of the medians over saves.
+
+``--alternate``: the synchronous save time alone, ours against FSDP2's where the disk and the machine are the same:
+both models built in the same processes, ``sync`` and ``dcp`` saves alternated (which goes first swaps from round to
+round), each folder removed after its save; per way the largest rank's seconds per save, their median and the ratio,
+and where rank 0's time went (cProfile over its saves: building the state dict, DCP's planning with its exchange of
+plans, the write of the items, the fsyncs among them, the metadata's finish). Writes
+results/checkpoint-save-time-<machine>.json (or --json).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -122,6 +132,87 @@ def measure(rank: int, world_size: int, row: str, settings: dict) -> dict:
     return out
 
 
+SPLIT = {  # where a save's seconds go: (file's tail, function) in cProfile's view of rank 0
+    "state dict": [("zero/checkpoint/state_dict.py", "model_entries"), ("zero/checkpoint/state_dict.py",
+                   "optimizer_entries"), ("checkpoint/state_dict.py", "get_state_dict")],
+    "planning": [("checkpoint/state_dict_saver.py", "local_step"), ("checkpoint/state_dict_saver.py", "global_step")],
+    "write": [("checkpoint/state_dict_saver.py", "write_data")],
+    "fsync": [("~", "<built-in method posix.fsync>")],
+    "finish": [("checkpoint/state_dict_saver.py", "finish_checkpoint")],
+}
+
+
+def split_of(profile: cProfile.Profile, saves: int) -> dict[str, float]:
+    """Seconds per save in each part of SPLIT (cumulative: fsync is inside write)."""
+    stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, primitive calls, own, cumulative, ...)
+    out = {part: sum(ct for (file, _, function), (_, _, _, ct, _) in stats.items()
+                     for tail, name in names if file.endswith(tail) and function == name) / saves
+           for part, names in SPLIT.items()}
+    return {part: round(seconds, 4) for part, seconds in out.items()}
+
+
+def measure_alternate(rank: int, world_size: int, settings: dict) -> dict:
+    """One rank of --alternate: ours (zero3, sync) and FSDP2's (fsdp3, dcp) saves, alternated."""
+    import utils
+    from benchmarks.memory_benchmark import build, step
+
+    utils.pin_mmap_threshold()
+    tokens = torch.randint(0, 256, (1, settings["context"] + 1), generator=torch.Generator().manual_seed(rank))
+    built = {}
+    for way, row in (("sync", "zero3"), ("dcp", "fsdp3")):
+        model, sync, optimizer = build(row, settings["model"], settings["context"])
+        step(model, optimizer, tokens)
+        built[way] = (sync, optimizer)
+    seconds: dict[str, list[float]] = {way: [] for way in built}
+    profiles = {way: cProfile.Profile() for way in built}
+    for index in range(settings["saves"]):
+        for way in (("sync", "dcp") if index % 2 == 0 else ("dcp", "sync")):
+            path = os.path.join(settings["root"], f"{way}-{index}")
+            gc.collect()
+            dist.barrier()
+            began = time.perf_counter()
+            if rank == 0:
+                profiles[way].enable()
+            save_once(way, path, *built[way], None)
+            profiles[way].disable()
+            seconds[way].append(time.perf_counter() - began)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path)
+    return {"seconds": seconds,
+            "split": {way: split_of(profile, settings["saves"]) for way, profile in profiles.items()}
+            if rank == 0 else None}
+
+
+def main_alternate(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    import harness
+    import utils
+
+    with tempfile.TemporaryDirectory(prefix="checkpoint-benchmark-") as root:
+        with harness.LocalGroup(args.world, timeout_s=args.timeout, start_timeout_s=args.timeout) as group:
+            settings = {"model": args.model, "context": args.context, "saves": args.saves, "root": root}
+            ranks = group.run(measure_alternate, settings, timeout_s=args.timeout)
+    ways = {}
+    for way in ("sync", "dcp"):
+        per_save = [max(rank["seconds"][way][i] for rank in ranks) for i in range(args.saves)]
+        ways[way] = {"seconds": per_save, "median_s": statistics.median(per_save), "rank0_split_s":
+                     ranks[0]["split"][way]}
+    ratio = ways["sync"]["median_s"] / ways["dcp"]["median_s"]
+    print(f"{'way':5} {'median s':>8}  per save (the largest rank's)  rank 0's split per save (s)")
+    for way, figures in ways.items():
+        split = ", ".join(f"{part} {s:.2f}" for part, s in figures["rank0_split_s"].items())
+        print(f"{way:5} {figures['median_s']:8.3f}  {', '.join(f'{s:.2f}' for s in figures['seconds']):28}  {split}")
+    print(f"ours (zero.checkpoint.save, stage 3) / FSDP2's (get_state_dict + dcp.save): {ratio:.2f}x")
+    payload = {"benchmark": "checkpoint-save-time", "command": "python -m benchmarks.checkpoint_benchmark " +
+               " ".join(argv if argv is not None else sys.argv[1:]), "machine": utils.machine_info(torch.device("cpu")),
+               "model": args.model, "world": args.world, "context": args.context, "saves": args.saves,
+               "ways": ways, "ratio_ours_to_fsdp2": ratio}
+    path = args.json or os.path.join("results", f"checkpoint-save-time-{utils.machine_tag()}.json")
+    utils.write_json(path, payload)
+    print(f"wrote {path}")
+    return payload
+
+
 def summarize(row: str, ranks: list[dict]) -> list[dict]:
     """Per way: the medians over saves of the largest rank's stall and write, the overlapped steps against the
     quiet ones, the largest rank's resident set after the last save."""
@@ -164,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=64, help="bytes per sequence (one sequence per rank)")
     parser.add_argument("--rows", default="zero3,fsdp3", help="zero3 (ours), fsdp3 (FSDP2 and DCP's)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for each row")
+    parser.add_argument("--alternate", action="store_true",
+                        help="the synchronous save's time alone, ours and FSDP2's alternated (see above)")
     parser.add_argument("--json", default=None, help="default: results/checkpoint-<machine>.json")
     args = parser.parse_args(argv)
     unknown = set(args.rows.split(",")) - set(WAYS)
@@ -177,6 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     import utils
 
     args = parse_args(argv)
+    if args.alternate:
+        return main_alternate(args, argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="checkpoint-benchmark-") as root:
         with harness.LocalGroup(args.world, timeout_s=args.timeout, start_timeout_s=args.timeout) as group:
