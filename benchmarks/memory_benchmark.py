@@ -33,9 +33,14 @@ glibc as it is. Both are measured, each in fresh processes.
 
 ``stage3-file`` (only when --rows names it) is stage 3 with the checkpoint as it was before zero.checkpoint: the
 whole state dicts gathered on rank 0 and written there as one file (torch.save), every rank then reading the whole
-file: the figure a sharded save and load are measured against.
+file: the figure a sharded save and load are measured against. ``stage3-ring`` (the same) is stage 3 on
+allreduce.py's ring (zero.shard(..., collectives="ring")), whose all-gather and reduce-scatter work in place in the
+unit's buffers, where gloo's copy each unit into a buffer of its own first (``--view`` names them).
 
-Writes results/memory-<machine>.json; prints a table per phase (the largest rank's peak, MB above start).
+Writes results/memory-<machine>.json; prints a table per phase (the largest rank's peak, MB above start), and with
+``--view`` a second: each phase's peak read as the allocators see it (benchmarks/allocator_view.py: the tensors
+held as it began, their peak in it and what made them, glibc's kept heap, the rest), so every MB above the formula
+has a name.
 
 ``--trainer``: the same question asked of the trainer at the scale ZeRO-3 is for (GPT-2 large's shape by default,
 710M parameters, 11.4 GB of fp32 weights, gradients and AdamW state), per row (``zero3``: --grad-sync custom
@@ -51,6 +56,7 @@ library (--context bytes a window), so evaluation is short. Writes results/memor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -65,8 +71,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks.allocator_view import AllocatorView, glibc_heap, held_tensor_bytes, reading
+
 ROWS = ("stage0", "stage1", "stage2", "stage3", "fsdp3")
-EXTRA_ROWS = ("stage3-file",)  # only when --rows names them
+EXTRA_ROWS = ("stage3-file", "stage3-ring")  # only when --rows names them
 TRAINER_ROWS = {"zero3": ["--grad-sync", "custom", "--zero", "3"], "fsdp3": ["--grad-sync", "fsdp", "--zero", "3"],
                 "zero0": ["--grad-sync", "custom", "--zero", "0"],  # zero0, zero3-ac: only when --rows names them
                 "zero3-ac": ["--grad-sync", "custom", "--zero", "3", "--activation-checkpointing"]}
@@ -95,7 +103,7 @@ def build(row: str, model_name: str, context: int) -> tuple[Any, Any, Any]:
             sync = FSDPSync(model, models.blocks(model), reshard_after_forward=True, init=models.initializer(model))
         else:
             sync = zero.shard(model, stage, models.blocks(model) if stage == 3 else None,
-                              init=models.initializer(model))
+                              collectives="ring" if row.endswith("-ring") else "torch", init=models.initializer(model))
     params = [p for p in model.parameters() if p.requires_grad]
     if row == "fsdp3":  # a plain one over the DTensors, as FSDP2's users build it (get_state_dict reads its state)
         return model, sync, torch.optim.AdamW(params, lr=1e-4)
@@ -148,20 +156,34 @@ def worker(rank: int, world_size: int, store_path: str, settings: dict, results:
     import zero.checkpoint  # noqa: F401
     row, steps, context = settings["row"], settings["steps"], settings["context"]
     tokens = torch.randint(0, 256, (steps + 1, 1, context + 1), generator=torch.Generator().manual_seed(rank))
+    start_held = held_tensor_bytes() if settings["view"] else 0
     dist.barrier()
-    out: dict[str, Any] = {"start_mb": utils.proc_status_mb("VmRSS")}
+    out: dict[str, Any] = {"start_mb": utils.proc_status_mb("VmRSS"), "start_rss_file_mb": utils.proc_status_mb("RssFile")}
 
     def phase(name: str, work: Any) -> Any:
         gc.collect()
         dist.barrier()
-        start_mb = utils.proc_status_mb("VmRSS")
-        utils.reset_peak_resident()
-        began = time.perf_counter()
-        value = work()
-        dist.barrier()
-        out[name] = {"peak_mb": utils.proc_status_mb("VmHWM") - out["start_mb"],
-                     "rss_before_mb": start_mb - out["start_mb"],
-                     "seconds": time.perf_counter() - began}
+        # FSDP2's own functions are torch's, which a name leaves out: its ranges (FSDP::...) name its tensors
+        view = AllocatorView(stacks=row != "fsdp3") if settings["view"] else contextlib.nullcontext()
+        with view:
+            start_mb = utils.proc_status_mb("VmRSS")
+            utils.reset_peak_resident()
+            began = time.perf_counter()
+            value = work()
+            dist.barrier()
+            peak_mb = utils.proc_status_mb("VmHWM") - out["start_mb"]
+        out[name] = {"peak_mb": peak_mb, "rss_before_mb": start_mb - out["start_mb"],
+                     "seconds": time.perf_counter() - began, "glibc_mb": glibc_heap(),
+                     # the resident set at the phase's end: anonymous (the heap, mmapped blocks) against file-backed
+                     # (the libraries' code and data, paged in as the phase first runs them)
+                     "rss_anon_mb": utils.proc_status_mb("RssAnon"), "rss_file_mb": utils.proc_status_mb("RssFile")}
+        if settings["view"]:  # one rank at a time: reading a profile's events takes a few GB while it lasts
+            for reader in range(world_size):
+                if reader == rank:
+                    out[name]["tensors"] = view.figures(start_held)
+                    del view
+                    gc.collect()
+                dist.barrier()
         return value
 
     model, sync, optimizer = phase("build", lambda: build(row, settings["model"], context))
@@ -190,12 +212,12 @@ def worker(rank: int, world_size: int, store_path: str, settings: dict, results:
     dist.destroy_process_group()
 
 
-def run_row(row: str, world_size: int, pinned: bool, args: argparse.Namespace) -> list[dict]:
-    """W fresh processes running ``row``; each rank's figures."""
+def run_row(row: str, world_size: int, pinned: bool, args: argparse.Namespace, view: bool = False) -> list[dict]:
+    """W fresh processes running ``row``; each rank's figures (``view``: under AllocatorView, tensors named)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        settings = {"row": row, "pinned": pinned, "steps": args.steps, "context": args.context,
+        settings = {"row": row, "pinned": pinned, "steps": args.steps, "context": args.context, "view": view,
                     "model": args.model, "checkpoint": os.path.join(tmp, "checkpoint")}
         store = os.path.join(tmp, "store")
         procs = [context.Process(target=worker, args=(rank, world_size, store, settings, results))
@@ -240,7 +262,7 @@ def model_shape(name: str, context: int) -> dict[str, int]:
 def expected_mb(row: str, shape: dict[str, int], world_size: int) -> float:
     """What ZeRO's formula says a rank holds between steps, fp32 and AdamW (16 bytes a parameter), plus at stage 3
     the gathered root and two units with their gradient buffers in flight (4 + 4 bytes a parameter each)."""
-    psi, row = shape["psi"], "stage3" if row == "stage3-file" else row
+    psi, row = shape["psi"], "stage3" if row in EXTRA_ROWS else row
     held = {"stage0": 16 * psi, "stage1": 8 * psi + 8 * psi / world_size, "stage2": 4 * psi + 12 * psi / world_size,
             "stage3": 16 * psi / world_size, "fsdp3": 16 * psi / world_size}[row]
     if row in ("stage3", "fsdp3"):
@@ -268,6 +290,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=64, help="bytes per sequence (default 64)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per row (default 1800)")
     parser.add_argument("--json", default=None, help="output (default results/memory-<machine>.json)")
+    parser.add_argument("--view", action="store_true",
+                        help="also name what each phase's peak is made of (benchmarks/allocator_view.py: the tensors "
+                             "held, those in use at their peak by the function or range that made them, glibc's "
+                             "kept heap): each row runs a second time under torch.profiler for the tensors' names")
     parser.add_argument("--merge", action="store_true",
                         help="keep the records already in --json's file that this run does not repeat")
     args = parser.parse_args(argv)
@@ -298,6 +324,21 @@ def print_table(records: list[dict]) -> None:
     print("(MB above each process's start, the largest rank's peak; formula: what ZeRO says a rank holds between "
           "steps, at stage 3 with the root and two units gathered; save s: the checkpoint's save, load s: its load "
           "alone, the slowest rank's)")
+
+
+def print_view(records: list[dict]) -> None:
+    """--view: each phase's peak as the allocators read it (the busiest rank), the biggest ranges in use."""
+    print(f"{'row':8} {'W':>2} {'allocator':9} {'phase':6} {'formula':>8} {'peak':>6} {'held':>6} {'tensors':>7} "
+          f"{'heap':>6} {'rest':>6}  in use at the tensors' peak, by range")
+    for r in records:
+        for p in PHASES:
+            v = r["view"][p]
+            ranges = ", ".join(f"{name} {mb:.0f}" for name, mb in list(v["in_use_by_range_mb"].items())[:3])
+            print(f"{r['row']:8} {r['world_size']:>2} {r['allocator']:9} {p:6} {r['formula_mb']:8.0f} "
+                  f"{r['peak_mb'][p]:6.0f} {v['tensors_held_mb']:6.0f} {v['tensors_peak_mb']:7.0f} "
+                  f"{v['heap_kept_mb']:6.0f} {v['rest_mb']:6.0f}  {ranges}")
+    print("(MB above the start; held: tensors alive as the phase begins; tensors: their peak in the phase; heap: "
+          "glibc's free bytes kept at its end; rest: the peak less tensors and heap)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -407,9 +448,20 @@ def main(argv: list[str] | None = None) -> dict:
                     "seconds": {p: max(r[p]["seconds"] for r in ranks) for p in PHASES},
                     "load_call_seconds": max(r["load_call_seconds"] for r in ranks),
                 })
+                records[-1]["glibc_mb"] = {p: [r[p]["glibc_mb"] for r in ranks] for p in PHASES}
+                records[-1]["rss_file_above_start_mb"] = {p: [r[p]["rss_file_mb"] - r["start_rss_file_mb"]
+                                                              for r in ranks] for p in PHASES}
+                records[-1]["rss_anon_at_end_mb"] = {p: [r[p]["rss_anon_mb"] for r in ranks] for p in PHASES}
+                if args.view:  # the same work again under the profiler; each phase read on its busiest rank
+                    viewed = run_row(row, world_size, allocator == "pinned", args, view=True)
+                    busiest = {p: max(range(world_size), key=lambda i: ranks[i][p]["peak_mb"]) for p in PHASES}
+                    records[-1]["view"] = {p: reading(ranks[i][p]["peak_mb"], ranks[i][p]["glibc_mb"],
+                                                      viewed[i][p]["tensors"]) for p, i in busiest.items()}
                 print(f"{row} W={world_size} {allocator}: " + ", ".join(
                     f"{p} {records[-1]['peak_mb'][p]:.0f} MB" for p in PHASES), flush=True)
     print_table(records)
+    if args.view:
+        print_view(records)
     payload = {"benchmark": "memory", "command": "python -m benchmarks.memory_benchmark " + " ".join(
         sys.argv[1:] if argv is None else argv), "machine": utils.machine_info(), "model": args.model,
         "shape": shape, "context": args.context, "steps": args.steps, "records": records}

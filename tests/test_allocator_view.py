@@ -1,0 +1,37 @@
+"""benchmarks/allocator_view.py, the memory benchmark's --view, on allocations whose sizes and names are known: the
+tensors held as a phase begins, their peak in it, what the phase had allocated and not freed at that peak, named by
+the range that made it, and glibc's own figures."""
+import torch
+
+from benchmarks.allocator_view import AllocatorView, glibc_heap, held_tensor_bytes
+
+MB = 1_000_000
+
+
+def test_a_phase_reads_as_held_peak_and_the_ranges_in_use_at_it():
+    baseline = held_tensor_bytes()
+    kept = torch.ones(2 * MB, dtype=torch.uint8)  # held as the phase begins
+    with AllocatorView() as view:
+        with torch.profiler.record_function("first"):
+            first = torch.ones(3 * MB, dtype=torch.uint8)
+        with torch.profiler.record_function("second"):
+            second = torch.ones(MB, dtype=torch.uint8)
+        del first  # the peak (2 held + 3 + 1) is behind
+        with torch.profiler.record_function("third"):
+            third = torch.ones(MB // 2, dtype=torch.uint8)
+        del kept  # a held one freed inside the phase
+    figures = view.figures(baseline)
+    assert figures["tensors_held_mb"] == 2.0
+    assert figures["tensors_peak_mb"] == 6.0
+    assert figures["in_use_at_peak_mb"] == 4.0
+    named = figures["in_use_by_range_mb"]
+    assert {name.split(" / ")[0]: mb for name, mb in named.items()} == {"first": 3.0, "second": 1.0}
+    assert second.numel() and third.numel()
+
+
+def test_glibc_says_its_heap_and_mmapped_blocks():
+    before = glibc_heap()
+    block = torch.ones(64 * MB, dtype=torch.uint8)  # above any mmap threshold: served by mmap
+    during = glibc_heap()
+    assert during["mmapped"] - before["mmapped"] >= 64
+    assert block.numel() and during["heap"] >= during["heap_free"] >= 0
