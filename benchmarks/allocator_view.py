@@ -11,10 +11,13 @@ So a phase's peak resident set above the process's start is read as
 
     tensors held     the storages alive as the phase begins (what ZeRO's formula counts: weights, gradients,
                      optimizer state, and whatever else a rank keeps between phases)
-    tensors in use   the storages the phase allocated and had not freed at the moment their total was highest
-                     (torch.profiler's memory events: each allocation's size, address and the ranges it was made
-                     in, record_function's names: ours, such as "all_gather wait", and the aten op), named by the
-                     range that made them
+    tensors' peak    held, plus what the phase allocated less what it freed of that, at its highest; what the
+                     phase had allocated and not freed at that moment is named by the innermost function of this
+                     repository (the profiler's Python frames: "zero/stages.py(263): _acquire") or named range
+                     (record_function's: ours such as "all_gather wait", FSDP2's "FSDP::all_gather", torch.optim's)
+                     it was made in, with the aten op (torch.profiler's memory events: each allocation's size and
+                     address). The profiler reports no free of a storage made before it started, so where a phase
+                     frees what it held (a load drops the old optimizer state first) the peak is an upper bound
     heap kept        glibc's free bytes inside its heap at the phase's end (mallinfo2's fordblks): memory freed
                      that the process still holds, the allocator's history ([Note: the allocator] in
                      memory_benchmark.py)
@@ -22,9 +25,9 @@ So a phase's peak resident set above the process's start is read as
 
 The tensors' peak and the resident set's peak need not fall at one moment, so the rest is what the peak holds
 beside the tensors at their own peak: a lower bound on what is not a tensor. The profiler's own records (its
-events, the Python frames each allocation is named by) take hundreds of MB, so the peaks and the heap are read from
-a run without it, and the tensors from the same work run again under it: the same tensors, allocated in the same
-order.
+events, the Python frames each allocation is named by) take hundreds of MB a process (about 3 GB at GPT-2 small's
+scale on 8 processes), so the peaks and the heap are read from a run without it, and the tensors from the same work
+run again under it: the same tensors, allocated in the same order.
 """
 from __future__ import annotations
 
@@ -160,7 +163,7 @@ class AllocatorView:
 
     def figures(self, start_held: int = 0) -> dict[str, Any]:
         live: dict[int, tuple[int, str]] = {}  # the phase's own allocations not yet freed
-        total = highest = 0  # every allocation less every free since the phase began (frees of held ones too)
+        total = highest = 0  # the phase's allocations less their frees (the profiler reports no other free)
         at_peak: dict[int, tuple[int, str]] = {}
         for _, ptr, size, name in _allocations(self.prof):
             if size > 0:
