@@ -12,6 +12,9 @@ def test_a_phase_reads_as_held_peak_and_the_ranges_in_use_at_it():
     baseline = held_tensor_bytes()
     kept = torch.ones(2 * MB, dtype=torch.uint8)  # held as the phase begins
     with AllocatorView() as view:
+        with torch.profiler.record_function("gone"):
+            gone = torch.ones(MB // 2, dtype=torch.uint8)
+        del gone  # made and freed before the peak: not in use at it
         with torch.profiler.record_function("first"):
             first = torch.ones(3 * MB, dtype=torch.uint8)
         with torch.profiler.record_function("second"):
