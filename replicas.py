@@ -30,8 +30,9 @@ One step, quorum n, members M:
    every new group that asked, if at least ``min_groups`` did (else it waits), and answers each ticket with it. A
    group of another identity (model, optimizer, flags: the trainer's fingerprint) is refused in one line, alone.
 2. recovery: a member not at the quorum's state (behind its step: new, restarted, back from a hang; or at it by
-   another branch: [Note: lineage]) receives, place j from place j of a member that holds it, what ``state_dict`` names (the trainer's: weights, optimizer state, position, scheduler,
-   generators, commit log) and loads it: no disk. It then computes its gradient on the live weights like any member.
+   another branch: [Note: lineage]) receives, place j from place j of a member that holds it, what ``state_dict``
+   names (the trainer's: weights, optimizer state, position, scheduler, generators, commit log) and loads it: no
+   disk. It then computes its gradient on the live weights like any member.
 3. average: each member's gradient (its own group's average) summed over the quorum and divided by |M|, on the
    quorum's process group: the mean over every sample the step used, since groups take equal batches.
 4. commit: every process of every member adds one to the quorum's vote count once its average finished, and the

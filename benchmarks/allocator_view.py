@@ -162,17 +162,19 @@ class AllocatorView:
         self.prof.__exit__(*exc)
 
     def figures(self, start_held: int = 0) -> dict[str, Any]:
-        live: dict[int, tuple[int, str]] = {}  # the phase's own allocations not yet freed
+        events = _allocations(self.prof)
         total = highest = 0  # the phase's allocations less their frees (the profiler reports no other free)
-        at_peak: dict[int, tuple[int, str]] = {}
-        for _, ptr, size, name in _allocations(self.prof):
-            if size > 0:
-                live[ptr] = (size, name)
-            else:
-                live.pop(ptr, None)
+        peak_at = -1  # the event after which the total first reached its highest
+        for index, (_, _, size, _) in enumerate(events):
             total += size
             if total > highest:
-                highest, at_peak = total, dict(live)
+                highest, peak_at = total, index
+        at_peak: dict[int, tuple[int, str]] = {}  # the phase's own allocations not yet freed at that event
+        for _, ptr, size, name in events[:peak_at + 1]:
+            if size > 0:
+                at_peak[ptr] = (size, name)
+            else:
+                at_peak.pop(ptr, None)
         by_name: dict[str, float] = {}
         for size, name in at_peak.values():
             by_name[name] = by_name.get(name, 0.0) + size / MB

@@ -158,7 +158,8 @@ def worker(rank: int, world_size: int, store_path: str, settings: dict, results:
     tokens = torch.randint(0, 256, (steps + 1, 1, context + 1), generator=torch.Generator().manual_seed(rank))
     start_held = held_tensor_bytes() if settings["view"] else 0
     dist.barrier()
-    out: dict[str, Any] = {"start_mb": utils.proc_status_mb("VmRSS"), "start_rss_file_mb": utils.proc_status_mb("RssFile")}
+    out: dict[str, Any] = {"start_mb": utils.proc_status_mb("VmRSS"),
+                           "start_rss_file_mb": utils.proc_status_mb("RssFile")}
 
     def phase(name: str, work: Any) -> Any:
         gc.collect()
