@@ -201,6 +201,10 @@ class WholeCheckpoints:
     def load_run_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> None:
         raise TypeError("an optimizer of whole parameters has no runs")
 
+    def shards_saving(self) -> None:
+        """Before a checkpoint's save reads what this rank holds (stages 2-3 drop the gradient shards zero_grad()
+        let go of)."""
+
     def shards_loading(self) -> None:
         """Before a checkpoint's load (stage 3 frees what is gathered)."""
 

@@ -49,9 +49,11 @@ rank 0's single file, and ``zero3-ac``: zero3 with --activation-checkpointing): 
 ddp_cifar100.py`` for --steps steps and a checkpoint, then a resume on W / 2 processes with the batch doubled (the
 same global batch) to twice the steps; from each run's metrics, each rank's peak per phase (the trainer's
 memory_by_phase_mb: build, restore, steps, checkpoint, evaluation, MB above its start), its absolute peak and the
-median step. Beside them,
-what --zero 0 (or DDP) would need per rank by the formula (16 Psi bytes). The text is a few files of the standard
-library (--context bytes a window), so evaluation is short. Writes results/memory-trainer-<machine>.json.
+median step. Each phase is also read against the formula plus the activations autograd keeps for the run's
+batch (activation_mb: measured once here), the bound the issue sets at 1.25x. Beside them, what --zero 0 (or DDP)
+would need per rank by the formula (16 Psi bytes). The text is a few files of the standard library (--context bytes
+a window), of which one is the validation split, so evaluation at the default batch (the micro-batch) is short.
+Writes results/memory-trainer-<machine>.json.
 """
 from __future__ import annotations
 
@@ -271,6 +273,33 @@ def expected_mb(row: str, shape: dict[str, int], world_size: int) -> float:
     return held / MB
 
 
+def saved_bytes(forward: Any, parameters: Any) -> int:
+    """The bytes autograd saves for the backward of ``forward()``: the storages of the tensors it keeps, each once,
+    those of ``parameters`` left out (they are held anyway)."""
+    held = {p.untyped_storage().data_ptr() for p in parameters}
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        forward()
+    return sum(saved.values())
+
+
+def activation_mb(name: str, context: int, batch: int) -> float:
+    """What autograd keeps for the backward of one forward of ``batch`` windows of models.py's GPT ``name``, its
+    loss included (saved_bytes), measured in this process on a model of real tensors (on the meta device storages
+    cannot be told apart)."""
+    import models
+    model = models.build_model(name, 0.0, "local", 256, context=context)
+    windows = torch.randint(0, 256, (batch, context))
+    return saved_bytes(lambda: F.cross_entropy(model(windows).flatten(0, 1), windows.flatten()),
+                       model.parameters()) / MB
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------------------
@@ -346,16 +375,20 @@ def print_view(records: list[dict]) -> None:
 # --trainer: the trainer at the scale ZeRO-3 is for
 # ----------------------------------------------------------------------------------------------------------
 def text_folder(root: str) -> str:
-    """A dozen modules of the standard library (their first 20 kB): enough windows for a few steps, and a
-    validation split a GPT-2 large evaluates in seconds."""
+    """A dozen modules of the standard library (their first 20 kB), in files of 4 kB: enough windows for a few
+    steps, and with --val-fraction 0.01 a validation split of one file (at most 62 windows of 64 bytes), which the
+    evaluation's default batch (the micro-batch, gathering the whole model at each forward at --zero 3) gets through
+    in a minute or two."""
     import data
     folder = os.path.join(root, "text")
     os.makedirs(folder)
     for name in ("abc", "ast", "bisect", "calendar", "colorsys", "copy", "enum", "functools", "heapq", "os",
                  "random", "string"):
         with open(os.path.join(data.default_text_dir(), f"{name}.py"), "rb") as f:
-            with open(os.path.join(folder, f"{name}.py"), "wb") as out:
-                out.write(f.read()[:20000])
+            text = f.read()[:20000]
+        for part in range(0, len(text), 4000):  # the shorter modules in fewer files
+            with open(os.path.join(folder, f"{name}_{part // 4000}.py"), "wb") as out:
+                out.write(text[part:part + 4000])
     return folder
 
 
@@ -366,7 +399,7 @@ def trainer_run(row: str, world_size: int, batch: int, steps: int, folder: str, 
     from benchmarks.trainer_runs import run_trainer
 
     flags = ["--device", "cpu", "--dataset", "text", "--data-dir", folder, "--model", args.model,
-             "--context", str(args.context), "--val-fraction", "0.2", "--optimizer", "adamw", "--lr", "1e-4",
+             "--context", str(args.context), "--val-fraction", "0.01", "--optimizer", "adamw", "--lr", "1e-4",
              "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--checkpoint-dir",
              checkpoint_dir, *TRAINER_ROWS[row]]
     run = run_trainer(flags, world_size, label=f"memory_benchmark --trainer: {row} on {world_size} processes",
@@ -382,6 +415,7 @@ def trainer_run(row: str, world_size: int, batch: int, steps: int, folder: str, 
 def main_trainer(args: argparse.Namespace) -> dict:
     import utils
     shape = model_shape(args.model, args.context)
+    activations = {batch: activation_mb(args.model, args.context, batch) for batch in (1, 2)}  # first, resumed
     records = []
     with tempfile.TemporaryDirectory(prefix="memory-trainer-") as tmp:
         folder = text_folder(tmp)
@@ -392,21 +426,26 @@ def main_trainer(args: argparse.Namespace) -> dict:
                 first = trainer_run(row, world_size, 1, args.steps, folder, checkpoint_dir, args)
                 resumed = trainer_run(row, world_size // 2, 2, 2 * args.steps, folder, checkpoint_dir, args)
                 stage = "stage0" if row == "zero0" else "stage3"  # zero3-ac: the same state
+                formula = {"held": expected_mb(stage, shape, world_size),
+                           "held_resumed": expected_mb(stage, shape, world_size // 2),
+                           "zero0_per_rank": expected_mb("stage0", shape, world_size)}
                 records.append({"row": row, "world_size": world_size, "first": first, "resumed": resumed,
-                                "formula_mb": {"held": expected_mb(stage, shape, world_size),
-                                               "held_resumed": expected_mb(stage, shape, world_size // 2),
-                                               "zero0_per_rank": expected_mb("stage0", shape, world_size)}})
-                for run in (first, resumed):
-                    phases = ", ".join(f"{phase} {max(peaks):.0f}"
+                                "formula_mb": formula})
+                for run, held in ((first, formula["held"]), (resumed, formula["held_resumed"])):
+                    # zero3-ac keeps less than a batch's activations: the bound is taken without its saving
+                    bound = held + activations[run["batch_size"]]
+                    phases = ", ".join(f"{phase} {max(peaks):.0f} ({max(peaks) / bound:.2f}x)"
                                        for phase, peaks in run["memory_by_phase_mb"].items())
-                    print(f"{row} on {run['world_size']}: {phases} MB above start (the largest rank); absolute peak "
-                          f"{run['peak_memory_mb']:.0f} MB; median step {run['step_time_ms_median'] / 1e3:.1f} s",
-                          flush=True)
+                    print(f"{row} on {run['world_size']}: {phases} MB above start (the largest rank; x: of the "
+                          f"formula {held:.0f} + the batch's activations {activations[run['batch_size']]:.0f} MB); "
+                          f"absolute peak {run['peak_memory_mb']:.0f} MB; median step "
+                          f"{run['step_time_ms_median'] / 1e3:.1f} s", flush=True)
     print(f"--zero 0 or DDP would hold 16 Psi = {expected_mb('stage0', shape, 1) / 1e3:.1f} GB a rank "
           f"({shape['psi'] / 1e6:.0f}M parameters)")
     payload = {"benchmark": "memory-trainer", "command": "python -m benchmarks.memory_benchmark " + " ".join(
         sys.argv[1:]), "machine": utils.machine_info(), "model": args.model, "shape": shape,
-        "context": args.context, "records": records}
+        "context": args.context, "activations_mb": {str(b): round(mb, 1) for b, mb in activations.items()},
+        "records": records}
     path = args.json or os.path.join("results", f"memory-trainer-{utils.machine_tag()}.json")
     utils.write_json(path, merged(path, payload, ("row", "world_size")) if args.merge else payload)
     print(f"wrote {path}")

@@ -1,6 +1,7 @@
 """benchmarks/allocator_view.py, the memory benchmark's --view, on allocations whose sizes and names are known: the
 tensors held as a phase begins, their peak in it, what the phase had allocated and not freed at that peak, named by
-the range that made it, and glibc's own figures."""
+the range that made it, and glibc's own figures; and the activations the memory benchmark's --trainer bound counts
+(saved_bytes)."""
 import torch
 
 from benchmarks.allocator_view import AllocatorView, glibc_heap, held_tensor_bytes
@@ -38,3 +39,13 @@ def test_glibc_says_its_heap_and_mmapped_blocks():
     during = glibc_heap()
     assert during["mmapped"] - before["mmapped"] >= 64
     assert block.numel() and during["heap"] >= during["heap_free"] >= 0
+
+
+def test_the_activations_are_what_autograd_saves_once_each_without_the_parameters():
+    from benchmarks.memory_benchmark import saved_bytes
+
+    layer = torch.nn.Linear(256, 256)
+    inputs = torch.ones(8, 256, requires_grad=True)
+    # addmm keeps its input (8 x 256 floats) for the weight's gradient and the weight (a parameter: not counted);
+    # the tanh keeps its output, and the second addmm that same output again (one storage, counted once)
+    assert saved_bytes(lambda: layer(torch.tanh(layer(inputs))).sum(), layer.parameters()) == 2 * 8 * 256 * 4

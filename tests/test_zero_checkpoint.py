@@ -426,11 +426,14 @@ def save_on_three(rank, world_size, root):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     train(model, sharded, optimizer, scheduler, data, range(STEPS), rank, world_size)
     extra = {**EXTRA, "scheduler": scheduler.state_dict()}
+    gradient_bytes = lambda: sum(t.nbytes for t in sharded.held_gradient_buffers())  # noqa: E731
+    out["gradient bytes"] = [gradient_bytes()]  # after zero_grad(): the shards wait for the next forward
     with tensor_collectives_refused():
         start = time.perf_counter()
         zero.checkpoint.save(os.path.join(root, "ours"), sharded, optimizer, extra)
         out["save s"] = time.perf_counter() - start
         out["guard"] = attempt(lambda: dist.all_reduce(torch.zeros(1)))
+    out["gradient bytes"].append(gradient_bytes())
     out["boxes"] = own_boxes(sharded, [optimizer])
     out["gathered"] = gathered(sharded, [optimizer], model)
     out["scheduler"] = scheduler.state_dict()
@@ -845,6 +848,14 @@ def test_no_tensor_collective_during_save(three):
         kind, message = r["guard"]
         assert kind == "RuntimeError" and "tensor collective all_reduce" in message
     print(f"\nsave at stage 3, 3 processes: {max(r['save s'] for r in three) * 1e3:.0f} ms")
+
+
+def test_a_save_after_zero_grad_holds_no_gradient_shard(three):
+    """zero_grad() let the gradient shards go; the save drops them before it reads the state, not the next forward
+    (FSDP2's are freed by zero_grad itself): a save beside 4 Psi / W bytes of dead gradients would peak above it."""
+    for r in three:
+        before, after = r["gradient bytes"]
+        assert before > 0 and after == 0, (before, after)
 
 
 def test_a_load_reads_exactly_what_the_ranks_shards_hold(two):

@@ -297,7 +297,9 @@ class Config:
                                             "evaluation on each rank (default: --batch-size, the micro-batch: a "
                                             "forward without gradients holds less than a training forward and "
                                             "backward of as many samples, so evaluation stays inside the steps' "
-                                            "memory); the figures are the same at any value")
+                                            "memory); the figures are the same at any value. At --zero 3 and "
+                                            "--grad-sync fsdp each forward gathers the whole model, so a small "
+                                            "batch makes a slow evaluation: raise N where memory allows")
     timeout: float = flag(1800.0, type=float, help="seconds, for process-group set-up and collectives")
     malloc_mmap_threshold: int = flag(128, type=int, metavar="KB",
                                       help="glibc's malloc serves blocks of KB kB or more by mmap and gives them back "

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import sys
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import utils
 from data import FolderData, MemoryData, TextData
@@ -62,12 +64,17 @@ def evaluate(model: nn.Module, data: MemoryData | FolderData | TextData, batch_s
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     counts = torch.zeros(3, dtype=torch.int64, device=device)  # correct top-1, correct top-5, seen
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = data.val_batches(shard, batch_size)
+    forwards = own = math.ceil(len(shard) / batch_size)
     if empty_batch is not None:
-        own = math.ceil(len(shard) / batch_size)
-        forwards = torch.tensor([own], device=comm_device)
-        dist.all_reduce(forwards, op=dist.ReduceOp.MAX)
-        batches = itertools.chain(batches, itertools.repeat(empty_batch, int(forwards) - own))
-    for images, labels in batches:
+        most = torch.tensor([own], device=comm_device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        forwards = int(most)
+        batches = itertools.chain(batches, itertools.repeat(empty_batch, forwards - own))
+    # rank 0's bar, on a terminal: at --zero 3 each forward gathers the whole model, so a small batch makes a long
+    # evaluation
+    bar = tqdm(batches, total=forwards, desc="evaluating", unit="batch", leave=False,
+               disable=not (dist.get_rank() == 0 and sys.stderr.isatty()))
+    for images, labels in bar:
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             logits = model(images)
         logits, labels = logits.flatten(0, -2), labels.flatten()  # text: every position is a prediction

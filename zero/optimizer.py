@@ -250,11 +250,7 @@ class ShardedOptimizer:
         zero_grad() dropped (the next backward makes it anew: [Note: gradient shards]); and each run's .grad its
         view of the gradient shard, put back, zeroed, where zero_grad() set it to None and the shard stays."""
         self.finish_steps()
-        if self.lazy_gradients:
-            for bucket in self.buckets:
-                runs = [run for layout in self.layouts.values() for run in layout.runs if run.bucket is bucket]
-                if runs and self.grads[bucket.index] is not None and all(run.param.grad is None for run in runs):
-                    self.grads[bucket.index] = None
+        self.drop_released_gradients()
         for optimizer, layout in self.layouts.items():
             for run in layout.runs:
                 if run.param.grad is None and self.grads[run.bucket.index] is not None:
@@ -263,6 +259,15 @@ class ShardedOptimizer:
                     run.param.grad = view
             if isinstance(optimizer, PieceOptimizer):
                 optimizer.gradients_attached = True
+
+    def drop_released_gradients(self) -> None:
+        """With ``lazy_gradients``: each gradient shard whose runs all had their .grad set to None by zero_grad()
+        dropped (before a forward, and before a save reads what the rank holds)."""
+        if self.lazy_gradients:
+            for bucket in self.buckets:
+                runs = [run for layout in self.layouts.values() for run in layout.runs if run.bucket is bucket]
+                if runs and self.grads[bucket.index] is not None and all(run.param.grad is None for run in runs):
+                    self.grads[bucket.index] = None
 
     def attach_gradients(self, bucket: Bucket) -> None:
         """A gradient shard just made (lazy_gradients): the .grad of each run in it that has none, its view."""

@@ -94,6 +94,11 @@ class ShardedStage:
         """The optimizer's state in its runs' own form (ShardedOptimizer.load_run_state)."""
         self.shards.load_run_state(optimizer, inner)
 
+    def shards_saving(self) -> None:
+        """Before a save reads this rank's state: the gradient shards zero_grad() let go of dropped now, not at the
+        next forward ([Note: gradient shards]), so the save does not hold them (4 Psi / W bytes) beside its own."""
+        self.shards.drop_released_gradients()
+
     def shards_loaded(self) -> None:
         """After this rank's master shards were written other than by a step (a checkpoint's load): stages 1-2
         gather them into every rank's whole weights, as after a step. Every rank of the group calls it."""
@@ -223,7 +228,8 @@ class ZeroStage2(ShardedStage, BucketedSync):
         # [Note: gradient shards] grads[b], this rank's accumulated gradient of bucket b: made by the first
         # reduce-scatter of a window to land, and dropped at the next forward once zero_grad() has let go of it
         # (as FSDP2's sharded gradients are), so no rank holds the 4 Psi / W of gradients from the step (or the
-        # build) to the next backward's end; the buckets that hold no parameter keep an empty one
+        # build) to the next backward's end (nor through a save: shards_saving); the buckets that hold no parameter
+        # keep an empty one
         self.grads: list[torch.Tensor | None] = [
             None if b.length else torch.zeros(0, dtype=precision.master, device=b.device) for b in self.buckets]
         self._start_sharded()

@@ -56,6 +56,7 @@ def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None,
     path = os.fspath(path)
     group = checkpoint_group(sync)
     optimizers = as_optimizers(optimizer)
+    sync.shards_saving()
     state = {"model": model_entries(sync, saving=True)}
     if optimizers:
         state["optimizer"] = optimizer_entries(sync, optimizers)

@@ -47,6 +47,9 @@ class Checkpointable(Protocol):
     def load_run_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> None:
         """A sharded optimizer's state in its runs' own form (state by run number)."""
 
+    def shards_saving(self) -> None:
+        """Before a save reads the held pieces."""
+
     def shards_loading(self) -> None:
         """Before a load writes into the held pieces."""
 
