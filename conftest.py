@@ -13,7 +13,10 @@ from harness import LocalGroup, stop_worker_server  # noqa: E402
 
 
 def pytest_collection_finish(session):
-    """The selected tests' modules that declare early_processes() have them started now (tests/processes.py)."""
+    """The selected tests' modules that declare early_processes() have them started now (tests/processes.py);
+    not under --collect-only, which runs no test."""
+    if session.config.option.collectonly:
+        return
     modules = {item.module.__name__: item.module for item in session.items
                if hasattr(getattr(item, "module", None), "early_processes")}
     processes.start_early(list(modules.values()))
