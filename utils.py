@@ -309,17 +309,23 @@ def peak_memory_mb(device: torch.device) -> float:
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library this process runs on (None where it cannot be loaded): glibc's malloc's knobs and figures."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def pin_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
     """glibc's malloc: serve every block of ``nbytes`` or more by mmap, so a freed one goes back to the system at
     once, and stop the threshold from rising (glibc raises it to the size of the first such block freed, up to
     32 MB, after which blocks of that size stay in the heap when freed and the resident set reports the allocator's
     history). What MALLOC_MMAP_THRESHOLD_=131072 does when set before the process starts. Returns whether it took
     (False off glibc)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
-    except (OSError, AttributeError):
-        return False
+    mallopt = getattr(libc(), "mallopt", None)
+    return bool(mallopt(M_MMAP_THRESHOLD, nbytes)) if mallopt is not None else False
 
 
 def _cpu_model() -> str:

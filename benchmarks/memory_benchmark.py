@@ -289,15 +289,18 @@ def saved_bytes(forward: Any, parameters: Any) -> int:
     return sum(saved.values())
 
 
-def activation_mb(name: str, context: int, batch: int) -> float:
-    """What autograd keeps for the backward of one forward of ``batch`` windows of models.py's GPT ``name``, its
-    loss included (saved_bytes), measured in this process on a model of real tensors (on the meta device storages
-    cannot be told apart)."""
+def activation_mb(name: str, context: int, batches: tuple[int, ...]) -> dict[int, float]:
+    """For each batch size, what autograd keeps for the backward of one forward of that many windows of models.py's
+    GPT ``name``, its loss included (saved_bytes), measured in this process on one model of real tensors (on the meta
+    device storages cannot be told apart)."""
     import models
     model = models.build_model(name, 0.0, "local", 256, context=context)
-    windows = torch.randint(0, 256, (batch, context))
-    return saved_bytes(lambda: F.cross_entropy(model(windows).flatten(0, 1), windows.flatten()),
-                       model.parameters()) / MB
+    found = {}
+    for batch in batches:
+        windows = torch.randint(0, 256, (batch, context))
+        found[batch] = saved_bytes(lambda: F.cross_entropy(model(windows).flatten(0, 1), windows.flatten()),
+                                   model.parameters()) / MB
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -415,7 +418,7 @@ def trainer_run(row: str, world_size: int, batch: int, steps: int, folder: str, 
 def main_trainer(args: argparse.Namespace) -> dict:
     import utils
     shape = model_shape(args.model, args.context)
-    activations = {batch: activation_mb(args.model, args.context, batch) for batch in (1, 2)}  # first, resumed
+    activations = activation_mb(args.model, args.context, (1, 2))  # the first run's batch, the resumed run's
     records = []
     with tempfile.TemporaryDirectory(prefix="memory-trainer-") as tmp:
         folder = text_folder(tmp)
