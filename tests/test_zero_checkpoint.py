@@ -852,7 +852,8 @@ def test_no_tensor_collective_during_save(three):
 
 def test_a_save_after_zero_grad_holds_no_gradient_shard(three):
     """zero_grad() let the gradient shards go; the save drops them before it reads the state, not the next forward
-    (FSDP2's are freed by zero_grad itself): a save beside 4 Psi / W bytes of dead gradients would peak above it."""
+    (FSDP2's are freed by zero_grad itself): without it the 4 Psi / W bytes of dead gradients stay through the save
+    (a background save's copy beside them) and into the phase after it."""
     for r in three:
         before, after = r["gradient bytes"]
         assert before > 0 and after == 0, (before, after)
