@@ -72,12 +72,23 @@ def run_trainer(flags: list[str], nproc: int, *, label: str, timeout_s: float | 
                 with open(metrics_path) as f:
                     metrics = json.load(f)
                 return TrainerRun(metrics, shown, wall_s, done.stderr, attempt)
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-TAIL_LINES:])
+        tail = "\n".join(workers_output(done.stdout + done.stderr)[-TAIL_LINES:])
         status = f"exit {done.returncode}" if done.returncode else "exit 0 without its metrics"
         print(f"{label} failed ({status}" + (f", attempt {attempt} of {attempts}" if attempts > 1 else "")
               + f"):\n{tail}", file=sys.stderr, flush=True)
     raise TrainerRunFailed(f"{label} failed" + (f" {attempts} times" if attempts > 1 else "")
                            + "; its output's tail is above")
+
+
+def workers_output(output: str) -> list[str]:
+    """A failed run's lines without torchrun's own report of the failure (its agent's traceback and table of exit
+    codes, some 40 lines that would push the workers' error out of the tail): the report's first line, which names
+    the exit code, is kept."""
+    lines = output.strip().splitlines()
+    for i, line in enumerate(lines):
+        if "elastic/multiprocessing/api.py" in line and "failed (exitcode" in line:
+            return lines[:i + 1]
+    return lines
 
 
 def configuration_flags(config: dict, settings: argparse.Namespace) -> list[str]:

@@ -6,6 +6,7 @@ de-duplication of identical write items, the metadata); then ``resolve_data`` pe
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -20,6 +21,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from zero.pieces import Shards, layout_strides, narrowed
 
+# DCP records a saved tensor's layout (TensorProperties.strides) in the torch this repository pins; the torch 2.11
+# of the lent GPU machines has no such field, and its readers need none.
+RECORDS_STRIDES = "strides" in {field.name for field in dataclasses.fields(TensorProperties)}
+
 
 class ShardSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner (flattening, de-duplication of identical items, the metadata), where a Shards value is
@@ -31,7 +36,8 @@ class ShardSavePlanner(DefaultSavePlanner):
         items = create_default_local_save_plan(whole, self.is_coordinator).items
         self.boxes: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         for fqn, tensor in shards.items():
-            properties = TensorProperties(dtype=tensor.dtype, strides=layout_strides(tensor.shape, tensor.order))
+            layout = {"strides": layout_strides(tensor.shape, tensor.order)} if RECORDS_STRIDES else {}
+            properties = TensorProperties(dtype=tensor.dtype, **layout)
             for offsets, sizes, view in tensor.boxes():
                 self.boxes[fqn, offsets] = view
                 items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
