@@ -18,6 +18,9 @@ attempt = len(open(tries).read()) + 1 if os.path.exists(tries) else 1
 open(tries, "a").write("x")
 print("the trainer's log, attempt", attempt, file=sys.stderr)
 if attempt <= int(os.environ["FAILURES"]):
+    if os.environ.get("AGENT_REPORT"):  # torchrun's own report of a failed worker: 50 lines after the workers'
+        print("E1128 16:44:23.708000 1051 torch/distributed/elastic/multiprocessing/api.py:986] failed "
+              "(exitcode: 3) local_rank: 0", *["  ChildFailedError"] * 50, sep="\\n", file=sys.stderr)
     sys.exit(int(os.environ["EXIT"]))
 time.sleep(float(os.environ.get("SLEEP", "0")))
 json.dump({"attempt": attempt, "threads": os.environ["OMP_NUM_THREADS"]}, open(sys.argv[-1], "w"))
@@ -45,6 +48,12 @@ def test_a_failed_attempt_is_tried_again_and_said_on_stderr(tmp_path, capsys):
     run = run_trainer([], 1, label="run x", env=env(tmp_path, failures=1, exit_code=3), wrap=stand_in, attempts=2)
     assert run.metrics["attempt"] == 2 and run.attempts == 2
     assert "run x failed (exit 3, attempt 1 of 2):\nthe trainer's log, attempt 1" in capsys.readouterr().err
+    # torchrun's report of the failure is cut from the tail (its first line kept), so the workers' error shows
+    (tmp_path / "tries").unlink()
+    run_trainer([], 1, label="run x", env=env(tmp_path, failures=1, exit_code=3, AGENT_REPORT="1"), wrap=stand_in,
+                attempts=2)
+    err = capsys.readouterr().err
+    assert "the trainer's log, attempt 1\nE1128" in err and "(exitcode: 3)" in err and "ChildFailedError" not in err
 
 
 def test_the_last_failure_and_a_timeout_are_one_line(tmp_path, capsys):
