@@ -13,11 +13,15 @@ named by the caller that opens at the launch and closes when the result has land
 one launched under a profiler is waited for before that profiler stops (zero's [Note: a profiler's window]).
 
 kind "torch" runs torch.distributed's collectives in place on ``group`` (the output is this rank's chunk of the
-input: NCCL's in-place convention, which gloo follows too). "ring" and "butterfly" run allreduce.py's algorithms,
-point-to-point messages only, on an AllreduceThread: a thread and a process group of its own over the same ranks,
-so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on ``group``. A
-``group`` made directly over a store (replicas.py's quorums, outside torch.distributed's registry) comes with its
-``thread_group``, a second such group over the same processes.
+input: NCCL's in-place convention, which gloo follows too). Gloo's own reduce_scatter_tensor and
+all_gather_into_tensor each make a whole bucket of their own while they run (the first all-reduces a copy of its
+input, the second gathers into a new buffer and copies it out), so on gloo a reduce-scatter is an all-reduce of
+``flat`` in place (this rank's chunk bit for bit as gloo's reduce-scatter gives it) and an all-gather is W
+broadcasts in place, chunk r from rank r (the same bytes, bit for bit). "ring" and "butterfly" run allreduce.py's
+algorithms, point-to-point messages only, on an AllreduceThread: a thread and a process group of its own over the
+same ranks, so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on
+``group``. A ``group`` made directly over a store (replicas.py's quorums, outside torch.distributed's registry)
+comes with its ``thread_group``, a second such group over the same processes.
 ``all_to_all`` is torch's all_to_all_single, or allreduce.py's pairwise_all_to_all on the thread.
 ``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted, on this
 object's thread only (so two Collectives in one process, a shard group's and a replicate group's, count apart); for
@@ -54,6 +58,20 @@ class Pending:
             self.ends_range.set_result(None)
 
 
+class Works:
+    """Several collectives in flight as one Work: waited for in order, its future done when all of theirs are."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([work.get_future() for work in self.works])
+
+
 class Collectives:
     """All-reduce, reduce-scatter and all-gather of flat tensors over ``group`` (module docstring)."""
 
@@ -66,6 +84,7 @@ class Collectives:
         self.thread = None if kind == "torch" else AllreduceThread(kind, timeout_s, group=group,
                                                                    own_group=thread_group)
         self.nominal_sent = 0
+        self.in_place_on_gloo = kind == "torch" and (group or dist.group.WORLD).name() == "gloo"
 
     def chunk(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a flat tensor of ``size`` equal chunks (a view)."""
@@ -89,6 +108,8 @@ class Collectives:
             if self.thread is not None:
                 return self.thread.submit(flat, operation=ring_reduce_scatter)
             self.nominal_sent += self._one_way_bytes(flat)
+            if self.in_place_on_gloo:  # gloo's own would all-reduce a copy of flat
+                return dist.all_reduce(flat, group=self.group, async_op=True)
             return dist.reduce_scatter_tensor(self.chunk(flat), flat, group=self.group, async_op=True)
         return self._launch(name, start)
 
@@ -98,6 +119,10 @@ class Collectives:
             if self.thread is not None:
                 return self.thread.submit(flat, operation=ring_all_gather)
             self.nominal_sent += self._one_way_bytes(flat)
+            if self.in_place_on_gloo:  # gloo's own would gather into a flat of its own, then copy it into ours
+                width = flat.numel() // self.size
+                return Works([dist.broadcast(flat[r * width:(r + 1) * width], group=self.group, group_src=r,
+                                             async_op=True) for r in range(self.size)])
             return dist.all_gather_into_tensor(flat, self.chunk(flat), group=self.group, async_op=True)
         with torch.no_grad():  # a flat behind parameters: gloo's in-place copies must not be recorded
             return self._launch(name, start)
@@ -133,7 +158,7 @@ class Collectives:
             else:
                 try:
                     landed = work.get_future()
-                except RuntimeError:  # gloo's reduce_scatter_tensor: "Work::getFuture not implemented"
+                except RuntimeError:  # a Work without one: "Work::getFuture not implemented"
                     ends_range = landed  # completed by Pending.wait once it has waited
             span._call_end_callbacks_on_future(landed)
         return Pending(work, self.thread is not None, ends_range)

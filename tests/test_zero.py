@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import ddp_cifar100 as trainer
 import zero
+from collectives import Collectives
 from gradsync import assign_buckets
 from data import MemoryData
 from models import blocks, build_model
@@ -286,18 +287,18 @@ def test_stage_3_gathers_at_most_two_units_besides_the_root(stage_runs):
 
 
 def count_collectives(rank, world_size, argv):
-    """train() with reduce_scatter_tensor and all_gather_into_tensor counted per training micro-batch, and stage
-    2's high-water mark of full gradient buffers."""
+    """train() with the sync's reduce-scatters and all-gathers (Collectives') counted per training micro-batch, and
+    stage 2's high-water mark of full gradient buffers."""
     calls = []
     micro_batch = [-1]
-    real = {name: getattr(dist, name) for name in ("reduce_scatter_tensor", "all_gather_into_tensor")}
+    real = {name: getattr(Collectives, name) for name in ("reduce_scatter", "all_gather")}
     real_build_model, real_shard = trainer_build.build_model, zero.shard
     syncs = []
 
     def counting(name):
-        def call(*args, **kwargs):
+        def call(self, *args, **kwargs):
             calls.append((micro_batch[0], name))
-            return real[name](*args, **kwargs)
+            return real[name](self, *args, **kwargs)
         return call
 
     def instrumented_build_model(*args, **kwargs):
@@ -310,13 +311,13 @@ def count_collectives(rank, world_size, argv):
         return syncs[-1]
 
     for name in real:
-        setattr(dist, name, counting(name))
+        setattr(Collectives, name, counting(name))
     trainer_build.build_model, zero.shard = instrumented_build_model, kept_shard
     try:
         metrics = trainer.train(trainer.parse_args(argv))
     finally:
         for name, fn in real.items():
-            setattr(dist, name, fn)
+            setattr(Collectives, name, fn)
         trainer_build.build_model, zero.shard = real_build_model, real_shard
     model = metrics.pop("model")
     return {"calls": calls, "micro_batches": micro_batch[0] + 1, "steps": metrics["optimizer_steps"],
@@ -336,11 +337,11 @@ def test_which_micro_batches_communicate(local_group, stage):
                       j == per_epoch - 1}
     scatters = {}
     for micro_batch, name in result["calls"]:
-        if name == "reduce_scatter_tensor":
+        if name == "reduce_scatter":
             scatters[micro_batch] = scatters.get(micro_batch, 0) + 1
     expected = last_of_window if stage == 1 else set(range(2 * per_epoch))
     assert scatters == {m: buckets for m in expected}
-    gathers = [c for c in result["calls"] if c[1] == "all_gather_into_tensor"]
+    gathers = [c for c in result["calls"] if c[1] == "all_gather"]
     assert len(gathers) == buckets * result["steps"]
     if stage == 2:
         # full gradients are freed as they are copied out, and the buffers reused: far fewer than the buckets
@@ -414,7 +415,7 @@ def profiled_ranges(rank, world_size, argv, directory):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_profile_shows_each_buckets_reduce_scatter_and_all_gather(local_group, tmp_path, stage):
-    """--profile on the sharded stages (gloo's reduce_scatter_tensor has no future to close a range with)."""
+    """--profile on the sharded stages: a range for each bucket's reduce-scatter and all-gather, closed when it lands."""
     argv = BASE + ["--optimizer", "sgd", "--zero", str(stage), "--max-steps", "2", "--profile-steps", "1:2"]
     names = local_group(2).run(profiled_ranges, argv, str(tmp_path))[0]
     buckets = bucket_count(torch.float32)
