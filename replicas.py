@@ -301,7 +301,9 @@ class Lighthouse:
     # goes with its commit log, replaced by its source's: the weights stay the replay of the log they carry.
 
     def _forget(self, n: int) -> None:
-        """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step)."""
+        """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step); ``forgotten``
+        says so first, for a member that was stopped while waiting for them (Replica._decision)."""
+        self.store.set(PREFIX + "forgotten", str(n))
         for key in (f"quorum/{n}", f"votes/{n}", f"decision/{n}", *(f"ticket/{t}" for t in self.tickets.pop(n, []))):
             self.store.delete_key(PREFIX + key)
 
@@ -422,17 +424,35 @@ class Replica:
         except RuntimeError as error:  # torch.distributed's DistError and its kin
             raise self._lost(one_line(error)) from None
 
-    def _wait_for(self, key: str) -> bytes:
-        """The value of ``key`` once it is set (however long: below min_groups the lighthouse waits)."""
+    def _wait_for(self, key: str, gone: Callable[[], bool] | None = None) -> bytes | None:
+        """The value of ``key`` once it is set (however long: below min_groups the lighthouse waits); None once
+        ``gone()`` says it was deleted, or will never be set."""
         while True:
             if self.heartbeat.lost:
                 raise self._lost(self.heartbeat.lost)
             try:
                 self.store.wait([key], timedelta(seconds=self.timeout_s))
-                return self._call(self.store.get, key)
             except RuntimeError as error:
                 if not (isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()):
                     raise self._lost(one_line(error)) from None
+                if gone is not None and gone():
+                    return None
+                continue
+            try:
+                return self.store.get(key)
+            except RuntimeError as error:
+                if gone is not None and gone():  # deleted between the wait and the get: stopped there (SIGSTOP)
+                    return None
+                raise self._lost(one_line(error)) from None
+
+    def _decision(self, quorum_id: int) -> bytes:
+        """decision/n once set, b"commit" or b"abort". A process stopped long enough finds quorum n forgotten (the
+        lighthouse deletes its keys at quorum n + 2): it was decided without this group, which takes it as not
+        taken; the next quorum gives it the state it missed ([Note: lineage]), as after an abort."""
+        def forgotten() -> bool:
+            return (self._call(self.store.check, [PREFIX + "forgotten"])
+                    and int(self._call(self.store.get, PREFIX + "forgotten")) >= quorum_id)
+        return self._wait_for(f"{PREFIX}decision/{quorum_id}", gone=forgotten) or b"abort"
 
     # 1. join
     def join(self, step: int) -> Quorum:
@@ -585,7 +605,7 @@ class Replica:
             self._call(self.store.compare_set, key, "", "commit")
         elif not ok:
             self._abort(quorum, f"its average failed ({self.failure})")
-        committed = self._wait_for(key) == b"commit"
+        committed = self._decision(quorum.id) == b"commit"
         if not committed:
             self._drop_group()  # a peer failed in it: the next quorum makes a new one
             return False

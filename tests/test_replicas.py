@@ -200,3 +200,41 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state():
     third = formed("commit")
     assert third["members"] == [1, 2] and third["step"] == 2
     assert third["sources"] == {"1": 2}  # the last committed branch is group 2's: group 1 receives it
+
+
+class StoppedAfterTheWait:
+    """The store as a member sees it when SIGSTOP lands between its wait for a key and its get: meanwhile the
+    lighthouse forgets the quorum (what a loaded run of the alone scenario did: that member then took the store's
+    timeout on the get for the coordinator's loss, and came back too late to rejoin)."""
+
+    def __init__(self, store, lighthouse, quorum_id):
+        self.store, self.lighthouse, self.quorum_id = store, lighthouse, quorum_id
+
+    def wait(self, keys, timeout):
+        self.store.wait(keys, timeout)
+        self.lighthouse._forget(self.quorum_id)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_decision_forgotten_while_the_member_was_stopped_is_taken_as_not_taken():
+    """Replica._decision, the member's read of a quorum's decision (commit's): once the lighthouse has
+    forgotten the quorum (its keys deleted two quorums on), the member takes its step as not taken, at once, and is
+    given the state it missed by the next quorum, instead of waiting for a key that will never be set again or
+    taking the store's timeout for the coordinator's loss."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
+    lighthouse = replicas.Lighthouse(store)
+    member = object.__new__(replicas.Replica)  # what _decision reads of a member, without its processes
+    member.store, member.timeout_s, member.group, member.address = store, 0.2, 2, "the test's store"
+    member.heartbeat = type("Beating", (), {"lost": None})()
+    for n, decision in ((4, "commit"), (5, "abort")):
+        store.set(f"{replicas.PREFIX}decision/{n}", decision)
+        assert member._decision(n) == decision.encode()  # as set, while the quorum is remembered
+    lighthouse._forget(4)  # quorum 4 forgotten before the member asked: its wait times out, and says so
+    began = time.monotonic()
+    assert member._decision(4) == b"abort" and time.monotonic() - began < 1.5
+    store.set(f"{replicas.PREFIX}decision/6", "commit")
+    member.store = StoppedAfterTheWait(store, lighthouse, 6)  # forgotten between the wait and the get
+    assert member._decision(6) == b"abort"
