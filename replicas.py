@@ -285,6 +285,9 @@ class Lighthouse:
         self.store.set(f"{PREFIX}quorum/{n}", text)
         for request in requests.values():
             self.store.set(f"{PREFIX}ticket/{request['ticket']}", text)
+        # after the tickets: a member that finds answered/g at or past its ticket and no ticket was forgotten
+        self.store.multi_set([f"{PREFIX}answered/{g}" for g in requests],
+                             [request["ticket"] for request in requests.values()])
         self.tickets[n] = [request["ticket"] for request in requests.values()]
         self.quorum, self.decided_at, self.said = quorum, None, None
         if previous is not None:
@@ -302,7 +305,8 @@ class Lighthouse:
 
     def _forget(self, n: int) -> None:
         """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step); ``forgotten``
-        says so first, for a member that was stopped while waiting for them (Replica._decision)."""
+        says so first, for a member that was stopped while waiting for them (Replica._decision; a ticket's member
+        finds answered/G past it, Replica._forgotten)."""
         self.store.set(PREFIX + "forgotten", str(n))
         for key in (f"quorum/{n}", f"votes/{n}", f"decision/{n}", *(f"ticket/{t}" for t in self.tickets.pop(n, []))):
             self.store.delete_key(PREFIX + key)
@@ -481,21 +485,37 @@ class Replica:
 
     def _ask(self, step: int) -> Quorum:
         """Ask the lighthouse (place 0 asks, every place waits for the answer to the same ticket), saying the step
-        this group's state is at and the quorum that committed the step before it ([Note: lineage])."""
-        self.requests += 1
-        ticket = f"{self.group}/{self.incarnation}/{self.requests}"
-        if self.place == 0:
-            last_commit = next((entry["quorum"] for entry in reversed(self.log) if "step" in entry), None)
-            request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit,
-                       "identity": self.identity, "size": self.size, "planned": self.planned,
-                       "min_groups": self.min_groups, "fault_timeout": self.timeout_s}
-            self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
-        answer = self._wait_for(f"{PREFIX}ticket/{ticket}")
+        this group's state is at and the quorum that committed the step before it ([Note: lineage]). A ticket
+        answered while this process was stopped (SIGSTOP), its quorum since forgotten, went on without it: ask
+        again."""
+        answer = None
+        while answer is None:
+            self.requests += 1
+            ticket = f"{self.group}/{self.incarnation}/{self.requests}"
+            if self.place == 0:
+                last_commit = next((entry["quorum"] for entry in reversed(self.log) if "step" in entry), None)
+                request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit,
+                           "identity": self.identity, "size": self.size, "planned": self.planned,
+                           "min_groups": self.min_groups, "fault_timeout": self.timeout_s}
+                self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
+            answer = self._wait_for(f"{PREFIX}ticket/{ticket}", gone=lambda: self._forgotten(ticket))
         if b"refused" in answer[:12]:
             refusal = json.loads(answer)
             raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])
         self.quorum = Quorum.parse(answer)
         return self.quorum
+
+    def _forgotten(self, ticket: str) -> bool:
+        """Whether the lighthouse answered ``ticket`` and has since forgotten its quorum (deleted the answer with
+        the quorum's keys, Lighthouse._forget): answered/G names this ticket or a later one of this process, and the
+        ticket's key is gone. Read in that order: the lighthouse sets the ticket's key before answered/G."""
+        key = f"{PREFIX}answered/{self.group}"
+        if not self._call(self.store.check, [key]):
+            return False
+        _, incarnation, number = self._call(self.store.get, key).decode().split("/")
+        mine = ticket.split("/")
+        return (incarnation == mine[1] and int(number) >= int(mine[2])
+                and not self._call(self.store.check, [f"{PREFIX}ticket/{ticket}"]))
 
     def _transfer(self, quorum: Quorum) -> None:
         """2. recovery: a member behind receives from its source; a source sends to each joiner it was given."""

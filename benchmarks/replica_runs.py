@@ -11,6 +11,7 @@ working folder; the groups' workers found by process (to kill or stop one), thei
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -131,10 +132,18 @@ class ReplicaRun:
             return f.read()
 
     def close(self) -> None:
-        """Everything this run started, stopped (the groups' whole process sessions)."""
-        for agent in self.agents.values():
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
+        """Everything this run started, stopped (the groups' whole process sessions). A group still running is
+        first sent SIGUSR1 (SIGCONT before it), which a worker that registered faulthandler for it answers with
+        every thread's stack in the group's output: where it waited."""
+        running = [group for group, agent in self.agents.items() if agent.poll() is None]
+        for group in running:
+            with contextlib.suppress(ProcessLookupError):  # a worker that ended meanwhile
+                self.signal(group, signal.SIGCONT)
+                self.signal(group, signal.SIGUSR1)
+        if running:
+            time.sleep(2.0)
+        for group in running:
+            os.killpg(self.agents[group].pid, signal.SIGKILL)
+            self.agents[group].wait()
         if self.coordinator is not None and self.coordinator.poll() is None:
             self.kill_coordinator()

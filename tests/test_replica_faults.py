@@ -62,6 +62,7 @@ def steps_of(log):
 
 def final_weights(outcome, group):
     path = os.path.join(outcome["checkpoints"][str(group)], "last.pt")
+    assert os.path.exists(path), f"group {group} ended without its checkpoint:\n{outcome['outputs'][str(group)]}"
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
@@ -97,7 +98,8 @@ def test_every_group_ends_with_the_same_weights_and_the_replay_reaches_them(loca
 
 def test_one_group_goes_on_alone_and_the_others_come_back(outcomes):
     alone = outcomes["alone"]
-    assert alone["codes"] == {"0": 0, "1": 0, "2": 0}
+    assert alone["codes"] == {"0": 0, "1": 0, "2": 0}, "\n".join(  # None: still running, its stacks printed
+        f"group {g}: {code}\n{alone['outputs'][g]}" for g, code in alone["codes"].items() if code != 0)
     log = steps_of(alone["logs"]["0"])
     assert [entry["step"] for entry in log] == list(range(replica_scenarios.STEPS["alone"]))  # every step once
     killed_at = alone["events"]["killed_at"]

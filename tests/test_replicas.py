@@ -238,3 +238,68 @@ def test_a_decision_forgotten_while_the_member_was_stopped_is_taken_as_not_taken
     store.set(f"{replicas.PREFIX}decision/6", "commit")
     member.store = StoppedAfterTheWait(store, lighthouse, 6)  # forgotten between the wait and the get
     assert member._decision(6) == b"abort"
+
+
+class StoppedBeforeTheAnswer:
+    """The store as member 2 sees it when SIGSTOP lands after its request and before it reads the answer: meanwhile
+    the lighthouse answers it (quorum 0, with group 1), aborts that quorum on its silence, goes on with group 1
+    alone, and forgets quorum 0 two quorums on, the member's ticket with it (``between``: stopped between its wait
+    and its get instead). Then the lighthouse answers whatever the member asks next."""
+
+    def __init__(self, store, lighthouse, between):
+        self.store, self.lighthouse, self.between, self.waits, self.asked = store, lighthouse, between, 0, 0
+
+    def wait(self, keys, timeout):
+        self.waits += 1
+        if self.waits == 1:
+            self._quorum([1, 2], "abort")  # the lighthouse, on the member's silence
+            time.sleep(0.3)  # past the fault timeout: the next quorum does not wait for it
+            self._quorum([1], "commit")
+            if self.between:
+                self.store.wait(keys, timeout)
+            self._quorum([1], "commit")  # forgets quorum 0
+            if self.between:
+                return
+        elif self.store.queue_len(replicas.PREFIX + "events"):  # asked again: answered at once
+            self._quorum([1, 2], "commit")
+        self.store.wait(keys, timeout)
+
+    def _quorum(self, beating, decision):
+        """Group 1 asks; the lighthouse forms the next quorum of the groups that asked and beat; decided so."""
+        self.asked += 1
+        self.store.queue_push(replicas.PREFIX + "events", json.dumps({
+            "ticket": f"1/start/{self.asked}", "group": 1, "step": 0, "last_commit": None, "identity": "same",
+            "size": 1, "planned": 2, "min_groups": 1, "fault_timeout": 0.0}))
+        for group in beating:
+            self.store.set(f"{replicas.PREFIX}hb/{group}/0", str(time.monotonic()))
+        self.lighthouse._take_requests()
+        self.lighthouse._watch_heartbeats()
+        self.lighthouse._form()
+        self.store.set(f"{replicas.PREFIX}decision/{self.lighthouse.quorum['id']}", decision)
+        assert self.lighthouse._decided()  # seen at once, as the lighthouse's loop does
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("between", [False, True], ids=["before-the-wait", "between-the-wait-and-the-get"])
+def test_a_ticket_answered_while_the_member_was_stopped_is_asked_again(between):
+    """Replica._ask: a member stopped after asking, whose answer the lighthouse gave and then forgot (its quorum
+    went on without it, and was deleted two quorums on), asks again instead of waiting for a key that will never be
+    set again (the alone scenario in CI: group 2 woken from its SIGSTOP waited for good, its run never ended) or
+    taking the store's timeout on the get for the coordinator's loss."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
+    lighthouse = replicas.Lighthouse(store)
+    member = object.__new__(replicas.Replica)  # what _ask reads of a member, without its processes
+    member.store, member.timeout_s, member.group, member.address = store, 0.2, 2, "the test's store"
+    member.heartbeat = type("Beating", (), {"lost": None})()
+    member.place, member.size, member.incarnation, member.requests, member.log = 0, 1, "start", 0, []
+    member.identity, member.planned, member.min_groups = "same", 2, 1
+    member.store = StoppedBeforeTheAnswer(store, lighthouse, between)
+    asked = []
+    thread = threading.Thread(target=lambda: asked.append(member._ask(0)), daemon=True)
+    thread.start()
+    thread.join(20)
+    assert asked, "the member still waits for the answer its lighthouse forgot"
+    assert member.requests == 2 and asked[0].id == 3 and asked[0].members == [1, 2]  # the next quorum's
