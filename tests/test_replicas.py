@@ -202,6 +202,18 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state():
     assert third["sources"] == {"1": 2}  # the last committed branch is group 2's: group 1 receives it
 
 
+def stopped_member():
+    """A store, its lighthouse, and member 2 as _decision and _ask read it (place 0 of a group of 1, waiting 0.2 s
+    at a time), without its processes."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
+    member = object.__new__(replicas.Replica)
+    member.store, member.timeout_s, member.group, member.address = store, 0.2, 2, "the test's store"
+    member.heartbeat = type("Beating", (), {"lost": None})()
+    member.place, member.size, member.incarnation, member.requests, member.log = 0, 1, "start", 0, []
+    member.identity, member.planned, member.min_groups = "same", 2, 1
+    return store, replicas.Lighthouse(store), member
+
+
 class StoppedAfterTheWait:
     """The store as a member sees it when SIGSTOP lands between its wait for a key and its get: meanwhile the
     lighthouse forgets the quorum (what a loaded run of the alone scenario did: that member then took the store's
@@ -224,11 +236,7 @@ def test_a_decision_forgotten_while_the_member_was_stopped_is_taken_as_not_taken
     forgotten the quorum (its keys deleted two quorums on), the member takes its step as not taken, at once, and is
     given the state it missed by the next quorum, instead of waiting for a key that will never be set again or
     taking the store's timeout for the coordinator's loss."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
-    lighthouse = replicas.Lighthouse(store)
-    member = object.__new__(replicas.Replica)  # what _decision reads of a member, without its processes
-    member.store, member.timeout_s, member.group, member.address = store, 0.2, 2, "the test's store"
-    member.heartbeat = type("Beating", (), {"lost": None})()
+    store, lighthouse, member = stopped_member()
     for n, decision in ((4, "commit"), (5, "abort")):
         store.set(f"{replicas.PREFIX}decision/{n}", decision)
         assert member._decision(n) == decision.encode()  # as set, while the quorum is remembered
@@ -289,13 +297,7 @@ def test_a_ticket_answered_while_the_member_was_stopped_is_asked_again(between):
     went on without it, and was deleted two quorums on), asks again instead of waiting for a key that will never be
     set again (the alone scenario in CI: group 2 woken from its SIGSTOP waited for good, its run never ended) or
     taking the store's timeout on the get for the coordinator's loss."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
-    lighthouse = replicas.Lighthouse(store)
-    member = object.__new__(replicas.Replica)  # what _ask reads of a member, without its processes
-    member.store, member.timeout_s, member.group, member.address = store, 0.2, 2, "the test's store"
-    member.heartbeat = type("Beating", (), {"lost": None})()
-    member.place, member.size, member.incarnation, member.requests, member.log = 0, 1, "start", 0, []
-    member.identity, member.planned, member.min_groups = "same", 2, 1
+    store, lighthouse, member = stopped_member()
     member.store = StoppedBeforeTheAnswer(store, lighthouse, between)
     asked = []
     thread = threading.Thread(target=lambda: asked.append(member._ask(0)), daemon=True)
