@@ -499,6 +499,9 @@ class Replica:
                            "min_groups": self.min_groups, "fault_timeout": self.timeout_s}
                 self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
             answer = self._wait_for(f"{PREFIX}ticket/{ticket}", gone=lambda: self._forgotten(ticket))
+            if answer is None and self.place == 0:
+                print(f"replicas: group {self.group}: the answer to its request {self.requests} came and was "
+                      f"forgotten while it was stopped: asking again", file=sys.stderr, flush=True)
         if b"refused" in answer[:12]:
             refusal = json.loads(answer)
             raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])

@@ -292,7 +292,7 @@ class StoppedBeforeTheAnswer:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("between", [False, True], ids=["before-the-wait", "between-the-wait-and-the-get"])
-def test_a_ticket_answered_while_the_member_was_stopped_is_asked_again(between):
+def test_a_ticket_answered_while_the_member_was_stopped_is_asked_again(between, capsys):
     """Replica._ask: a member stopped after asking, whose answer the lighthouse gave and then forgot (its quorum
     went on without it, and was deleted two quorums on), asks again instead of waiting for a key that will never be
     set again (the alone scenario in CI: group 2 woken from its SIGSTOP waited for good, its run never ended) or
@@ -305,3 +305,4 @@ def test_a_ticket_answered_while_the_member_was_stopped_is_asked_again(between):
     thread.join(20)
     assert asked, "the member still waits for the answer its lighthouse forgot"
     assert member.requests == 2 and asked[0].id == 3 and asked[0].members == [1, 2]  # the next quorum's
+    assert "forgotten while it was stopped: asking again" in capsys.readouterr().err  # said, in one line
