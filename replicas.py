@@ -26,8 +26,10 @@ process that decides who is in each quorum; everything else the members settle a
 
 One step, quorum n, members M:
 1. join: each group's place 0 asks to join (its step, identity and size, in the store's event queue); the
-   lighthouse forms quorum n once every member of n-1 has asked or is gone (a heartbeat older than STALE_S), with
-   every new group that asked, if at least ``min_groups`` did (else it waits), and answers each ticket with it. A
+   lighthouse forms quorum n once every member of n-1 has asked, is gone (a heartbeat older than STALE_S) or is
+   late (the fault timeout since n-1's decision; but where no group that asked holds the last committed step, the
+   processes that committed it are waited for until they ask or are gone: [Note: lineage]), with every new group
+   that asked, if at least ``min_groups`` did (else it waits), and answers each ticket with it. A
    group of another identity (model, optimizer, flags: the trainer's fingerprint) is refused in one line, alone.
 2. recovery: a member not at the quorum's state (behind its step: new, restarted, back from a hang; or at it by
    another branch: [Note: lineage]) receives, place j from place j of a member that holds it, what ``state_dict``
@@ -133,6 +135,8 @@ class Lighthouse:
         self.store = store
         self.quorum: dict[str, Any] | None = None  # the last one formed
         self.frontier: tuple[int, int] | None = None  # (step, quorum) of the last step committed ([Note: lineage])
+        self.holders: dict[str, str] = {}  # group -> incarnation: the processes that committed it (they hold that
+        # state until they commit again)
         self.asked: dict[int, Asked] = {}  # group -> its request for the next quorum
         self.beats: dict[str, tuple[bytes, float]] = {}  # heartbeat key -> (value, when it last changed)
         self.places: dict[int, int] = {}  # group -> its size P, from its requests
@@ -209,10 +213,21 @@ class Lighthouse:
         return max(now - self.beats.get(f"{PREFIX}hb/{group}/{j}", (None, -float("inf")))[1]
                    for j in range(self.places.get(group, 1)))
 
+    def _beating_as(self, group: int, incarnation: str) -> bool:
+        """Whether every place of the group beats (within STALE_S) as that incarnation of it (a heartbeat's value
+        is INCARNATION/COUNT)."""
+        keys = [f"{PREFIX}hb/{group}/{j}" for j in range(self.places.get(group, 1))]
+        return self._silent_for(group) <= STALE_S and all(
+            self.beats.get(key, (b"",))[0].split(b"/")[0] == incarnation.encode() for key in keys)
+
     def _decided(self) -> bool:
-        decided = self.store.check([f"{PREFIX}decision/{self.quorum['id']}"])
+        """Whether the open quorum is decided; the first time it is seen so, committed, its state is the run's."""
+        key = f"{PREFIX}decision/{self.quorum['id']}"
+        decided = self.store.check([key])
         if decided and self.decided_at is None:
             self.decided_at = time.monotonic()
+            if self.store.get(key) == b"commit":
+                self.frontier, self.holders = (self.quorum["step"] + 1, self.quorum["id"]), self.quorum["processes"]
         return decided
 
     def _abort_if_silent(self) -> None:
@@ -235,6 +250,13 @@ class Lighthouse:
             waiting_for = [g for g in self.quorum["members"]
                            if g not in alive and self._silent_for(g) <= STALE_S and not late]
             if waiting_for:
+                return
+            away = [int(g) for g, incarnation in self.holders.items()
+                    if int(g) not in alive and self._beating_as(int(g), incarnation)]
+            if away and not any((a.request["step"], a.request.get("last_commit")) == self.frontier
+                                for a in alive.values()):
+                self._say(f"waiting for replica group(s) {away}: alive, and the only holders of the last committed "
+                          f"step ([Note: lineage])")
                 return
         needed = max(asked.request["min_groups"] for asked in alive.values())
         members = sorted(self._admissible(alive))
@@ -265,8 +287,6 @@ class Lighthouse:
         requests = {g: self.asked.pop(g).request for g in members}
         steps = {g: request["step"] for g, request in requests.items()}
         aborted = previous is not None and self.store.get(f"{PREFIX}decision/{previous['id']}") == b"abort"
-        if previous is not None and not aborted:  # its members applied its step: the run's state is theirs now
-            self.frontier = (previous["step"] + 1, previous["id"])
         states = {g: (request["step"], request.get("last_commit")) for g, request in requests.items()}
         reference = self.frontier if self.frontier in states.values() else max(
             states.values(), key=lambda state: (state[0], -1 if state[1] is None else state[1]))
@@ -302,6 +322,10 @@ class Lighthouse:
     # frontier): the quorum's state is the frontier where a member holds it, else the most advanced a member holds,
     # and every member not holding exactly that state receives it, whatever its step number. The branch it drops
     # goes with its commit log, replaced by its source's: the weights stay the replay of the log they carry.
+    # Nor does the lighthouse let a quorum of groups that are all behind the frontier go on from an older state while
+    # a group that holds the frontier is alive (beating) but has not asked yet, however late (a long evaluation or
+    # save, a loaded machine): that quorum's steps would replace every step since its state once the holders came
+    # back and received it. It waits for them; a holder that dies or hangs stops beating and is waited for no more.
 
     def _forget(self, n: int) -> None:
         """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step); ``forgotten``
@@ -351,12 +375,13 @@ class Quorum:
 
 
 class Heartbeat:
-    """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own."""
+    """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own, to
+    INCARNATION/COUNT (the lighthouse tells a restarted process from the one it replaced)."""
 
-    def __init__(self, address: str, key: str, timeout_s: float):
-        self.store, self.key = connect(address, timeout_s), key
+    def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = ""):
+        self.store, self.key, self.incarnation = connect(address, timeout_s), key, incarnation
         self.stop, self.lost = threading.Event(), None
-        self.store.set(key, "0")
+        self.store.set(key, f"{incarnation}/0")
         self.thread = threading.Thread(target=self._beat, name="replica-heartbeat", daemon=True)
         self.thread.start()
 
@@ -365,7 +390,7 @@ class Heartbeat:
         while not self.stop.wait(HEARTBEAT_S):
             beats += 1
             try:
-                self.store.set(self.key, str(beats))
+                self.store.set(self.key, f"{self.incarnation}/{beats}")
             except RuntimeError as error:  # the coordinator is gone: the main thread says so at its next call
                 self.lost = one_line(error)
                 return
@@ -400,7 +425,8 @@ class Replica:
             dist.broadcast_object_list(incarnation, group=group_pg, group_src=0)
         self.incarnation = incarnation[0]
         self.store = connect(coordinator, max(fault_timeout_s, CONNECT_S))
-        self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S))
+        self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S),
+                                   self.incarnation)
         self.quorum: Quorum | None = None
         self.pg_id: int | None = None
         self.pg: Any = None

@@ -160,12 +160,16 @@ def test_diloco_replica_groups_are_one_diloco_run(diloco_groups):
     assert max_difference(groups[0][0]["state"], groups[1][0]["state"]) == 0  # the run ends on a meeting
 
 
-def test_a_group_at_the_step_by_another_branch_receives_the_state():
+@pytest.mark.parametrize("holder", ["stopped", "restarted", "beating"])
+def test_a_group_at_the_step_by_another_branch_receives_the_state(holder):
     """[Note: lineage], replayed on the lighthouse alone (what a loaded machine did once in the alone scenario):
     quorum 1 is group 1 alone (group 2 had not asked within the fault timeout) and commits step 1; group 1 is then
-    slow to ask, so quorum 2 is group 2 alone, which takes step 1 again from the state before it. Both are now at
-    step 2 by different steps 1: the next quorum must give group 2's state (the last committed) to group 1, not take
-    both as they are."""
+    late to ask again. Stopped (its heartbeat stale), it is left out: quorum 2 is group 2 alone, which takes step 1
+    again from the state before it; both are then at step 2 by different steps 1, and the next quorum must give
+    group 2's state (the last committed) to group 1, not take both as they are. So too if another process of group
+    1 beats (restarted: not the one that holds the step). Beating, it is waited for, however late: group 2 alone
+    would take the run back a step (every step since its state, in general); the next quorum is both, group 2
+    receiving group 1's state."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     lighthouse = replicas.Lighthouse(store)
     asked = []
@@ -177,13 +181,19 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state():
             "ticket": ticket, "group": group, "step": step, "last_commit": last_commit, "identity": "same",
             "size": 1, "planned": 2, "min_groups": 1, "fault_timeout": 0.0}))  # every absent member is late at once
 
-    def formed(decision):
-        for group in (1, 2):
-            store.set(f"{replicas.PREFIX}hb/{group}/0", str(time.monotonic()))  # both alive
+    def formed(decision, stopped=(), restarted=()):
+        for group in (1, 2):  # INCARNATION/COUNT
+            incarnation = "again" if group in restarted else "start"
+            store.set(f"{replicas.PREFIX}hb/{group}/0", f"{incarnation}/{time.monotonic()}")
         lighthouse._take_requests()
         lighthouse._watch_heartbeats()
+        for group in stopped:  # its heartbeat last changed two staleness periods ago
+            key = f"{replicas.PREFIX}hb/{group}/0"
+            lighthouse.beats[key] = (lighthouse.beats[key][0], time.monotonic() - 2 * replicas.STALE_S)
         assert lighthouse.quorum is None or lighthouse._decided()  # the run loop forms the next once decided
         lighthouse._form()
+        if not store.check([f"{replicas.PREFIX}ticket/{asked[-1]}"]):
+            return None
         quorum = json.loads(store.get(f"{replicas.PREFIX}ticket/{asked[-1]}"))
         store.set(f"{replicas.PREFIX}decision/{quorum['id']}", decision)
         return quorum
@@ -194,7 +204,13 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state():
     first = formed("commit")  # quorum 1: group 1 alone takes step 1
     assert (first["members"], first["step"]) == ([1], 1)
     ask(2, 1, 0)
-    second = formed("commit")  # quorum 2: group 1 late, group 2 alone takes step 1 again
+    if holder == "beating":
+        assert formed("commit") is None  # group 1, the step's only holder, alive: waited for
+        ask(1, 2, first["id"])
+        second = formed("commit")
+        assert (second["members"], second["step"], second["sources"]) == ([1, 2], 2, {"2": 1})
+        return
+    second = formed("commit", **{holder: [1]})  # quorum 2: group 1 left out, group 2 alone takes step 1 again
     assert (second["members"], second["step"]) == ([2], 1)
     ask(1, 2, first["id"]), ask(2, 2, second["id"])
     third = formed("commit")
@@ -279,7 +295,7 @@ class StoppedBeforeTheAnswer:
             "ticket": f"1/start/{self.asked}", "group": 1, "step": 0, "last_commit": None, "identity": "same",
             "size": 1, "planned": 2, "min_groups": 1, "fault_timeout": 0.0}))
         for group in beating:
-            self.store.set(f"{replicas.PREFIX}hb/{group}/0", str(time.monotonic()))
+            self.store.set(f"{replicas.PREFIX}hb/{group}/0", f"start/{time.monotonic()}")  # INCARNATION/COUNT
         self.lighthouse._take_requests()
         self.lighthouse._watch_heartbeats()
         self.lighthouse._form()
