@@ -305,7 +305,8 @@ class Lighthouse:
         self.store.set(f"{PREFIX}quorum/{n}", text)
         for request in requests.values():
             self.store.set(f"{PREFIX}ticket/{request['ticket']}", text)
-        # after the tickets: a member that finds answered/g at or past its ticket and no ticket was forgotten
+        # after the tickets' keys: a member that finds answered/G at or past its ticket, and its ticket's key gone,
+        # knows it was answered and forgotten (Replica._forgotten)
         self.store.multi_set([f"{PREFIX}answered/{g}" for g in requests],
                              [request["ticket"] for request in requests.values()])
         self.tickets[n] = [request["ticket"] for request in requests.values()]
