@@ -301,15 +301,13 @@ class Lighthouse:
                   "size": requests[members[0]]["size"],
                   "identity": requests[members[0]]["identity"],
                   "fault_timeout": max(request["fault_timeout"] for request in requests.values())}
-        text = json.dumps(quorum)
-        self.store.set(f"{PREFIX}quorum/{n}", text)
-        for request in requests.values():
-            self.store.set(f"{PREFIX}ticket/{request['ticket']}", text)
+        tickets = [request["ticket"] for request in requests.values()]
+        keys = [f"{PREFIX}quorum/{n}", *(f"{PREFIX}ticket/{ticket}" for ticket in tickets)]
+        self.store.multi_set(keys, [json.dumps(quorum)] * len(keys))
         # after the tickets' keys: a member that finds answered/G at or past its ticket, and its ticket's key gone,
         # knows it was answered and forgotten (Replica._forgotten)
-        self.store.multi_set([f"{PREFIX}answered/{g}" for g in requests],
-                             [request["ticket"] for request in requests.values()])
-        self.tickets[n] = [request["ticket"] for request in requests.values()]
+        self.store.multi_set([f"{PREFIX}answered/{g}" for g in requests], tickets)
+        self.tickets[n] = tickets
         self.quorum, self.decided_at, self.said = quorum, None, None
         if previous is not None:
             self._forget(previous["id"] - 1)

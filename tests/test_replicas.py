@@ -160,6 +160,14 @@ def test_diloco_replica_groups_are_one_diloco_run(diloco_groups):
     assert max_difference(groups[0][0]["state"], groups[1][0]["state"]) == 0  # the run ends on a meeting
 
 
+def push_request(store, ticket, group, step, last_commit):
+    """A request to join as a group's place 0 makes it (Replica._ask), of 1 process of 2 planned, with a fault
+    timeout of 0: every absent member of the last quorum is late at once."""
+    store.queue_push(replicas.PREFIX + "events", json.dumps({
+        "ticket": ticket, "group": group, "step": step, "last_commit": last_commit, "identity": "same", "size": 1,
+        "planned": 2, "min_groups": 1, "fault_timeout": 0.0}))
+
+
 @pytest.mark.parametrize("holder", ["stopped", "restarted", "beating"])
 def test_a_group_at_the_step_by_another_branch_receives_the_state(holder):
     """[Note: lineage], replayed on the lighthouse alone (what a loaded machine did once in the alone scenario):
@@ -177,9 +185,7 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state(holder):
     def ask(group, step, last_commit):
         ticket = f"{group}/start/{len(asked)}"
         asked.append(ticket)
-        store.queue_push(replicas.PREFIX + "events", json.dumps({
-            "ticket": ticket, "group": group, "step": step, "last_commit": last_commit, "identity": "same",
-            "size": 1, "planned": 2, "min_groups": 1, "fault_timeout": 0.0}))  # every absent member is late at once
+        push_request(store, ticket, group, step, last_commit)
 
     def formed(decision, stopped=(), restarted=()):
         for group in (1, 2):  # INCARNATION/COUNT
@@ -291,9 +297,7 @@ class StoppedBeforeTheAnswer:
     def _quorum(self, beating, decision):
         """Group 1 asks; the lighthouse forms the next quorum of the groups that asked and beat; decided so."""
         self.asked += 1
-        self.store.queue_push(replicas.PREFIX + "events", json.dumps({
-            "ticket": f"1/start/{self.asked}", "group": 1, "step": 0, "last_commit": None, "identity": "same",
-            "size": 1, "planned": 2, "min_groups": 1, "fault_timeout": 0.0}))
+        push_request(self.store, f"1/start/{self.asked}", 1, 0, None)
         for group in beating:
             self.store.set(f"{replicas.PREFIX}hb/{group}/0", f"start/{time.monotonic()}")  # INCARNATION/COUNT
         self.lighthouse._take_requests()
