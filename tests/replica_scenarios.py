@@ -75,6 +75,7 @@ def alone(out: str, data: str) -> dict:
         run.wait_for_step(2, back + 3, 120)  # ... and stepping
         events["stopped"] = run.signal(2, signal.SIGSTOP)
         events["stopped_at"] = time.time()
+        events["quorum_at_stop"] = max(entry["quorum"] for entry in run.committed(0))  # the last one committed
         time.sleep(FAULT_TIMEOUT_S + 8)  # past the timeout, and long enough for the others to step without it
         # under load (the whole suite on 2 cores: a new process group and a step took 3.9 s past the timeout)
         run.signal(2, signal.SIGCONT)
