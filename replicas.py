@@ -28,9 +28,10 @@ One step, quorum n, members M:
 1. join: each group's place 0 asks to join (its step, identity and size, in the store's event queue); the
    lighthouse forms quorum n once every member of n-1 has asked, is gone (a heartbeat older than STALE_S) or is
    late (the fault timeout since n-1's decision; but where no group that asked holds the last committed step, the
-   processes that committed it are waited for until they ask or are gone: [Note: lineage]), with every new group
-   that asked, if at least ``min_groups`` did (else it waits), and answers each ticket with it. A
-   group of another identity (model, optimizer, flags: the trainer's fingerprint) is refused in one line, alone.
+   processes that committed it are waited for until they ask, are gone, or LINEAGE_WAITS fault timeouts have
+   passed: [Note: lineage]), with every new group that asked, if at least ``min_groups`` did (else it waits), and
+   answers each ticket with it. A group of another identity (model, optimizer, flags: the trainer's fingerprint) is
+   refused in one line, alone.
 2. recovery: a member not at the quorum's state (behind its step: new, restarted, back from a hang; or at it by
    another branch: [Note: lineage]) receives, place j from place j of a member that holds it, what ``state_dict``
    names (the trainer's: weights, optimizer state, position, scheduler, generators, commit log) and loads it: no
@@ -81,6 +82,7 @@ PREFIX = "replicas/"  # every key of the protocol, under the store's root
 HEARTBEAT_S = 0.1  # how often every process says it is alive
 STALE_S = 1.0  # a heartbeat this old: the process is gone (killed or stopped), for forming the next quorum
 FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group once one has asked
+LINEAGE_WAITS = 10  # the fault timeouts the lighthouse waits, at most, for the holders of the last committed step
 TICK_S = 0.005  # the lighthouse's poll of its event queue and of the open quorum's decision
 WATCH_S = 0.05  # ... and of the heartbeats, when no request came meanwhile
 MESSAGE_BYTES = 64 * 2**20  # a state transfer's message
@@ -213,11 +215,12 @@ class Lighthouse:
         return max(now - self.beats.get(f"{PREFIX}hb/{group}/{j}", (None, -float("inf")))[1]
                    for j in range(self.places.get(group, 1)))
 
-    def _beating_as(self, group: int, incarnation: str) -> bool:
-        """Whether every place of the group beats (within STALE_S) as that incarnation of it (a heartbeat's value
-        is INCARNATION/COUNT)."""
+    def _may_hold(self, group: int, incarnation: str) -> bool:
+        """Whether that incarnation of the group may still hold the state it committed: every place's last heartbeat
+        says that incarnation (a heartbeat's value is INCARNATION/COUNT: a restarted process no longer holds it), and
+        none has been silent past the fault timeout (a stopped or starved process, not yet taken for dead)."""
         keys = [f"{PREFIX}hb/{group}/{j}" for j in range(self.places.get(group, 1))]
-        return self._silent_for(group) <= STALE_S and all(
+        return self._silent_for(group) <= self.quorum["fault_timeout"] and all(
             self.beats.get(key, (b"",))[0].split(b"/")[0] == incarnation.encode() for key in keys)
 
     def _decided(self) -> bool:
@@ -252,12 +255,17 @@ class Lighthouse:
             if waiting_for:
                 return
             away = [int(g) for g, incarnation in self.holders.items()
-                    if int(g) not in alive and self._beating_as(int(g), incarnation)]
+                    if int(g) not in alive and self._may_hold(int(g), incarnation)]
             if away and not any((a.request["step"], a.request.get("last_commit")) == self.frontier
                                 for a in alive.values()):
-                self._say(f"waiting for replica group(s) {away}: alive, and the only holders of the last committed "
-                          f"step ([Note: lineage])")
-                return
+                waited = time.monotonic() - self.decided_at
+                if waited <= LINEAGE_WAITS * self.quorum["fault_timeout"]:
+                    self._say(f"waiting for replica group(s) {away}: the only holders of the last committed step, "
+                              f"not gone ([Note: lineage])")
+                    return
+                self._say(f"replica group(s) {away} hold the last committed step (step {self.frontier[0]}) but have "
+                          f"not asked to join in {waited:.0f} s ({LINEAGE_WAITS} fault timeouts): the others go on "
+                          f"from their older state, which the holders will receive, losing their steps since it")
         needed = max(asked.request["min_groups"] for asked in alive.values())
         members = sorted(self._admissible(alive))
         if len(members) < needed:
@@ -322,9 +330,12 @@ class Lighthouse:
     # and every member not holding exactly that state receives it, whatever its step number. The branch it drops
     # goes with its commit log, replaced by its source's: the weights stay the replay of the log they carry.
     # Nor does the lighthouse let a quorum of groups that are all behind the frontier go on from an older state while
-    # a group that holds the frontier is alive (beating) but has not asked yet, however late (a long evaluation or
-    # save, a loaded machine): that quorum's steps would replace every step since its state once the holders came
-    # back and received it. It waits for them; a holder that dies or hangs stops beating and is waited for no more.
+    # a process that holds the frontier has not asked yet but is not gone (a long evaluation or save, a loaded
+    # machine that starved its heartbeat): that quorum's steps would replace every step since its state once the
+    # holders came back and received it. It waits for them until they ask, restart (their heartbeat names another
+    # process), are silent past the fault timeout (dead or hung), or LINEAGE_WAITS fault timeouts have passed since
+    # the last decision: a holder whose heartbeat thread beats while its training is stuck must not stall the run
+    # for good, and going on from the older state is then said in one line.
 
     def _forget(self, n: int) -> None:
         """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step); ``forgotten``

@@ -160,24 +160,27 @@ def test_diloco_replica_groups_are_one_diloco_run(diloco_groups):
     assert max_difference(groups[0][0]["state"], groups[1][0]["state"]) == 0  # the run ends on a meeting
 
 
-def push_request(store, ticket, group, step, last_commit):
-    """A request to join as a group's place 0 makes it (Replica._ask), of 1 process of 2 planned, with a fault
-    timeout of 0: every absent member of the last quorum is late at once."""
+def push_request(store, ticket, group, step, last_commit, fault_timeout=0.0):
+    """A request to join as a group's place 0 makes it (Replica._ask), of 1 process of 2 planned; with a fault
+    timeout of 0, every absent member of the last quorum is late at once."""
     store.queue_push(replicas.PREFIX + "events", json.dumps({
         "ticket": ticket, "group": group, "step": step, "last_commit": last_commit, "identity": "same", "size": 1,
-        "planned": 2, "min_groups": 1, "fault_timeout": 0.0}))
+        "planned": 2, "min_groups": 1, "fault_timeout": fault_timeout}))
 
 
-@pytest.mark.parametrize("holder", ["stopped", "restarted", "beating"])
-def test_a_group_at_the_step_by_another_branch_receives_the_state(holder):
+@pytest.mark.parametrize("holder", ["stopped", "restarted", "beating", "starved", "stuck"])
+def test_a_group_at_the_step_by_another_branch_receives_the_state(holder, capsys):
     """[Note: lineage], replayed on the lighthouse alone (what a loaded machine did once in the alone scenario):
     quorum 1 is group 1 alone (group 2 had not asked within the fault timeout) and commits step 1; group 1 is then
-    late to ask again. Stopped (its heartbeat stale), it is left out: quorum 2 is group 2 alone, which takes step 1
-    again from the state before it; both are then at step 2 by different steps 1, and the next quorum must give
-    group 2's state (the last committed) to group 1, not take both as they are. So too if another process of group
-    1 beats (restarted: not the one that holds the step). Beating, it is waited for, however late: group 2 alone
-    would take the run back a step (every step since its state, in general); the next quorum is both, group 2
-    receiving group 1's state."""
+    late to ask again. Stopped (its heartbeat silent past the fault timeout), it is left out: quorum 2 is group 2
+    alone, which takes step 1 again from the state before it; both are then at step 2 by different steps 1, and the
+    next quorum must give group 2's state (the last committed) to group 1, not take both as they are. So too if
+    another process of group 1 beats (restarted: not the one that holds the step). Beating, or silent for less than
+    the fault timeout (starved of CPU on a loaded machine), it is waited for: group 2
+    alone would take the run back a step (every step since its state, in general); the next quorum is both, group 2
+    receiving group 1's state. Beating but stuck past LINEAGE_WAITS fault timeouts, it is waited for no more, and
+    the lighthouse says so."""
+    fault_timeout = 3.0
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     lighthouse = replicas.Lighthouse(store)
     asked = []
@@ -185,18 +188,22 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state(holder):
     def ask(group, step, last_commit):
         ticket = f"{group}/start/{len(asked)}"
         asked.append(ticket)
-        push_request(store, ticket, group, step, last_commit)
+        push_request(store, ticket, group, step, last_commit, fault_timeout)
 
-    def formed(decision, stopped=(), restarted=()):
+    def formed(decision, silent=None, restarted=(), decided_ago=fault_timeout + 1):
+        """The next quorum once the last was decided decided_ago seconds ago (by default: its absent members late),
+        group g's heartbeat last changed silent[g] seconds ago; None if the lighthouse forms none."""
         for group in (1, 2):  # INCARNATION/COUNT
             incarnation = "again" if group in restarted else "start"
             store.set(f"{replicas.PREFIX}hb/{group}/0", f"{incarnation}/{time.monotonic()}")
         lighthouse._take_requests()
         lighthouse._watch_heartbeats()
-        for group in stopped:  # its heartbeat last changed two staleness periods ago
+        for group, seconds in (silent or {}).items():
             key = f"{replicas.PREFIX}hb/{group}/0"
-            lighthouse.beats[key] = (lighthouse.beats[key][0], time.monotonic() - 2 * replicas.STALE_S)
+            lighthouse.beats[key] = (lighthouse.beats[key][0], time.monotonic() - seconds)
         assert lighthouse.quorum is None or lighthouse._decided()  # the run loop forms the next once decided
+        if lighthouse.decided_at is not None:
+            lighthouse.decided_at = time.monotonic() - decided_ago
         lighthouse._form()
         if not store.check([f"{replicas.PREFIX}ticket/{asked[-1]}"]):
             return None
@@ -210,14 +217,19 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state(holder):
     first = formed("commit")  # quorum 1: group 1 alone takes step 1
     assert (first["members"], first["step"]) == ([1], 1)
     ask(2, 1, 0)
-    if holder == "beating":
-        assert formed("commit") is None  # group 1, the step's only holder, alive: waited for
+    if holder in ("beating", "starved"):
+        silent = {1: (replicas.STALE_S + fault_timeout) / 2} if holder == "starved" else None
+        assert formed("commit", silent) is None  # group 1, the step's only holder, not gone: waited for
+        assert "waiting for replica group(s) [1]" in capsys.readouterr().out
         ask(1, 2, first["id"])
         second = formed("commit")
         assert (second["members"], second["step"], second["sources"]) == ([1, 2], 2, {"2": 1})
         return
-    second = formed("commit", **{holder: [1]})  # quorum 2: group 1 left out, group 2 alone takes step 1 again
+    left_out = {"stopped": {"silent": {1: fault_timeout + replicas.STALE_S}}, "restarted": {"restarted": [1]},
+                "stuck": {"decided_ago": replicas.LINEAGE_WAITS * fault_timeout + 1}}[holder]
+    second = formed("commit", **left_out)  # quorum 2: group 1 left out, group 2 alone takes step 1 again
     assert (second["members"], second["step"]) == ([2], 1)
+    assert ("have not asked to join in" in capsys.readouterr().out) == (holder == "stuck")
     ask(1, 2, first["id"]), ask(2, 2, second["id"])
     third = formed("commit")
     assert third["members"] == [1, 2] and third["step"] == 2
