@@ -294,7 +294,8 @@ class Lighthouse:
         n = 0 if previous is None else previous["id"] + 1
         requests = {g: self.asked.pop(g).request for g in members}
         steps = {g: request["step"] for g, request in requests.items()}
-        aborted = previous is not None and self.store.get(f"{PREFIX}decision/{previous['id']}") == b"abort"
+        # whether it committed, as _decided read it (the frontier is its step then)
+        committed = previous is not None and self.frontier == (previous["step"] + 1, previous["id"])
         states = {g: (request["step"], request.get("last_commit")) for g, request in requests.items()}
         reference = self.frontier if self.frontier in states.values() else max(
             states.values(), key=lambda state: (state[0], -1 if state[1] is None else state[1]))
@@ -302,7 +303,7 @@ class Lighthouse:
         healthy = [g for g in members if states[g] == reference]
         behind = [g for g in members if states[g] != reference]
         processes = {str(g): request["ticket"].split("/")[1] for g, request in requests.items()}  # incarnations
-        same_groups = previous is not None and previous["processes"] == processes and not aborted
+        same_groups = committed and previous["processes"] == processes
         quorum = {"id": n, "members": members, "steps": {str(g): s for g, s in steps.items()}, "step": step,
                   "sources": {str(g): healthy[i % len(healthy)] for i, g in enumerate(behind)},
                   "pg": previous["pg"] if same_groups else n, "processes": processes,

@@ -176,10 +176,9 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state(holder, capsys
     alone, which takes step 1 again from the state before it; both are then at step 2 by different steps 1, and the
     next quorum must give group 2's state (the last committed) to group 1, not take both as they are. So too if
     another process of group 1 beats (restarted: not the one that holds the step). Beating, or silent for less than
-    the fault timeout (starved of CPU on a loaded machine), it is waited for: group 2
-    alone would take the run back a step (every step since its state, in general); the next quorum is both, group 2
-    receiving group 1's state. Beating but stuck past LINEAGE_WAITS fault timeouts, it is waited for no more, and
-    the lighthouse says so."""
+    the fault timeout (starved of CPU on a loaded machine), it is waited for: group 2 alone would take the run back a
+    step (every step since its state, in general); the next quorum is both, group 2 receiving group 1's state.
+    Beating but stuck past LINEAGE_WAITS fault timeouts, it is waited for no more, and the lighthouse says so."""
     fault_timeout = 3.0
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     lighthouse = replicas.Lighthouse(store)
