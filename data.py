@@ -213,6 +213,9 @@ def make_synthetic(train_size: int, val_size: int, seed: int, num_classes: int =
     coarse = 0.6 * torch.rand(1, 3, 8, 8, generator=generator) + 0.4 * torch.rand(num_classes, 3, 8, 8,
                                                                                  generator=generator)
     prototypes = F.interpolate(coarse, size=(40, 40), mode="bicubic", align_corners=False).clamp(0, 1)
+    # every 32 x 32 crop of every prototype, as a view (class, channel, top, left, row, column): a sample's crop is
+    # read from it alone, not from a copy of its prototype's whole 40 x 40 first
+    crops = prototypes.unfold(2, 32, 1).unfold(3, 32, 1)
 
     def sample(size: int, stream: int) -> ImageSet:
         g = torch.Generator().manual_seed(seed * 1000 + stream)
@@ -223,12 +226,8 @@ def make_synthetic(train_size: int, val_size: int, seed: int, num_classes: int =
             n = len(y)
             top = torch.randint(0, 9, (n,), generator=g)
             left = torch.randint(0, 9, (n,), generator=g)
-            rows = (top[:, None] + torch.arange(32))[:, None, :, None]
-            cols = (left[:, None] + torch.arange(32))[:, None, None, :]
-            idx = torch.arange(n)[:, None, None, None]
-            ch = torch.arange(3)[None, :, None, None]
-            own = prototypes[y][idx, ch, rows, cols]
-            other = prototypes[torch.randint(0, num_classes, (n,), generator=g)][idx, ch, rows, cols]
+            own = crops[y, :, top, left]  # (n, 3, 32, 32)
+            other = crops[torch.randint(0, num_classes, (n,), generator=g), :, top, left]
             mix = 0.3 + 0.2 * torch.rand(n, 1, 1, 1, generator=g)
             colour = 0.7 + 0.6 * torch.rand(n, 3, 1, 1, generator=g)
             noise = 0.25 * torch.randn(n, 3, 32, 32, generator=g)

@@ -25,13 +25,16 @@ import torch
 import torch.distributed as dist
 
 def _group_worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s: float,
-                  tasks: Any, results: Any, env: dict[str, str], owner: int) -> None:
+                  tasks: Any, results: Any, env: dict[str, str], owner: int, heap_top_pad: int) -> None:
     os.environ.update(env)  # before the first task imports anything that reads it (forked: the server's environment)
     # A forked worker inherits the fork server as its start method; the task's own processes (a DataLoader's
     # workers) start as in a fresh interpreter, by the platform's default
     mp.set_start_method(None, force=True)
     # With a couple of cores and several workers, one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
+    if heap_top_pad:
+        import utils  # the server's: already imported (_worker_context)
+        utils.pad_heap_top(heap_top_pad)
     faulthandler.enable(all_threads=True)  # a crash prints every thread's Python stack to stderr before it dies
     try:
         store = dist.FileStore(store_path, world_size)
@@ -116,7 +119,9 @@ class WorkerError(RuntimeError):
 
 class LocalGroup:
     """``world_size`` processes (forked from a server that has imported torch: _worker_context) joined in one
-    process group over a FileStore, reused across calls; ``env``: variables set in each worker before its first task.
+    process group over a FileStore, reused across calls; ``env``: variables set in each worker before its first task;
+    ``heap_top_pad_mb``: glibc's heap keeps that much free memory at its top (utils.pad_heap_top; 0: glibc's own
+    128 kB), for workers that allocate and free many large blocks and do not measure their resident set.
 
     ``group.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` in every worker and returns the results as
     a list in rank order. ``fn`` must be importable by the workers (a module-level function). Any worker's
@@ -126,7 +131,7 @@ class LocalGroup:
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 120.0,
-                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None):
+                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None, heap_top_pad_mb: int = 0):
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._dir = tempfile.mkdtemp(prefix="localgroup-")
@@ -136,7 +141,7 @@ class LocalGroup:
         self._procs = [
             ctx.Process(target=_group_worker, daemon=False,  # a worker may start processes: a DataLoader's
                         args=(r, world_size, os.path.join(self._dir, "store"), backend, timeout_s,
-                              self._tasks[r], self._results, dict(env or {}), os.getpid()))
+                              self._tasks[r], self._results, dict(env or {}), os.getpid(), heap_top_pad_mb << 20))
             for r in range(world_size)
         ]
         for p in self._procs:

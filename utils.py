@@ -328,6 +328,20 @@ def pin_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, nbytes)) if mallopt is not None else False
 
 
+M_TOP_PAD = -2  # glibc's mallopt parameter (malloc.h)
+
+
+def pad_heap_top(nbytes: int) -> bool:
+    """glibc's malloc: grow the heap by ``nbytes`` more than a request needs, and keep as much free at its top when
+    it trims. A block past the mmap threshold is then served from the heap's top while the top has room, instead of
+    by a fresh mmap that the kernel faults in page by page and that is unmapped again when freed (what every such
+    block costs under pin_mmap_threshold, once the top is trimmed). The resident set keeps up to ``nbytes`` of freed
+    memory: not for runs that measure it. What MALLOC_TOP_PAD_ does when set before the process starts. Returns
+    whether it took (False off glibc)."""
+    mallopt = getattr(libc(), "mallopt", None)
+    return bool(mallopt(M_TOP_PAD, nbytes)) if mallopt is not None else False
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
