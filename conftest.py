@@ -29,8 +29,8 @@ def pytest_sessionfinish(session):
 # The trainer pins glibc's mmap threshold at 128 kB (--malloc-mmap-threshold: its resident set then reads what is
 # alive), so in a worker whose heap is trimmed to the bone every block past it is a fresh mmap, faulted in page by
 # page and unmapped when freed. The session's workers train hundreds of small runs and measure no resident set: a
-# 64 MB pad at their heap's top serves those blocks from pages already mapped (a tiny run's page faults 15-25x
-# fewer and its system time about halved; 16 MB left the stage-3 runs' faults as they were).
+# 64 MB pad at their heap's top serves those blocks from pages already mapped (most of a small run's page faults
+# and much of its system time gone; 16 MB left the stage-3 runs' faults as they were).
 HEAP_TOP_PAD_MB = 64
 
 
