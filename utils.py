@@ -306,7 +306,7 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+M_TOP_PAD, M_MMAP_THRESHOLD = -2, -3  # glibc's mallopt parameters (malloc.h)
 
 
 @functools.cache
@@ -324,11 +324,7 @@ def pin_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
     32 MB, after which blocks of that size stay in the heap when freed and the resident set reports the allocator's
     history). What MALLOC_MMAP_THRESHOLD_=131072 does when set before the process starts. Returns whether it took
     (False off glibc)."""
-    mallopt = getattr(libc(), "mallopt", None)
-    return bool(mallopt(M_MMAP_THRESHOLD, nbytes)) if mallopt is not None else False
-
-
-M_TOP_PAD = -2  # glibc's mallopt parameter (malloc.h)
+    return _mallopt(M_MMAP_THRESHOLD, nbytes)
 
 
 def pad_heap_top(nbytes: int) -> bool:
@@ -336,10 +332,15 @@ def pad_heap_top(nbytes: int) -> bool:
     it trims. A block past the mmap threshold is then served from the heap's top while the top has room, instead of
     by a fresh mmap that the kernel faults in page by page and that is unmapped again when freed (what every such
     block costs under pin_mmap_threshold, once the top is trimmed). The resident set keeps up to ``nbytes`` of freed
-    memory: not for runs that measure it. What MALLOC_TOP_PAD_ does when set before the process starts. Returns
-    whether it took (False off glibc)."""
+    memory: not for runs that measure it. Like pin_mmap_threshold, it also stops glibc from raising the threshold.
+    What MALLOC_TOP_PAD_ does when set before the process starts. Returns whether it took (False off glibc)."""
+    return _mallopt(M_TOP_PAD, nbytes)
+
+
+def _mallopt(parameter: int, value: int) -> bool:
+    """glibc's mallopt(parameter, value): whether it took (False off glibc)."""
     mallopt = getattr(libc(), "mallopt", None)
-    return bool(mallopt(M_TOP_PAD, nbytes)) if mallopt is not None else False
+    return bool(mallopt(parameter, value)) if mallopt is not None else False
 
 
 def _cpu_model() -> str:
