@@ -1,10 +1,14 @@
 """The trainer in float64, for tests whose runs are processes of their own (torchrun's workers) and are held to
 one-process references at float64's precision: ``torchrun ... tests/float64_trainer.py FLAGS``; SIGUSR1 prints every
-thread's stack (ReplicaRun.close, for a run past its deadline). Not a test file."""
+thread's stack (ReplicaRun.close, for a run past its deadline). With FLOAT64_TRAINER_PACE="SECONDS:FILE", each
+optimizer step ends with SECONDS of sleep while FILE does not exist: a scenario whose events take a while on a slow
+machine keeps the run from ending before they are over, and opens the gate (writes FILE) when they are. Not a test
+file."""
 import faulthandler
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -12,7 +16,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_default_dtype(torch.float64)
 
 import ddp_cifar100  # noqa: E402  (after the default dtype: the model and the data are made in it)
+from trainer import faults  # noqa: E402
+
+PACE = "FLOAT64_TRAINER_PACE"
+
+
+def paced(at, seconds: float, gate: str):
+    """trainer/faults.py's hook, then at the end of a step a sleep of ``seconds`` while ``gate`` does not exist."""
+    def at_then_wait(point: str, rank: int, step: int, group: int | None = None) -> None:
+        at(point, rank, step, group)
+        if point == "after" and not os.path.exists(gate):
+            time.sleep(seconds)
+    return at_then_wait
+
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a run that does not end shows where it waits
+    if os.environ.get(PACE):
+        seconds, gate = os.environ[PACE].split(":", 1)
+        faults.at = paced(faults.at, float(seconds), gate)  # the trainer calls faults.at by its module
     sys.exit(ddp_cifar100.main())

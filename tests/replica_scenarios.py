@@ -9,7 +9,9 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   checkpoints); groups 1 and 2 at the end of step 3, one in its optimizer's step and one saving its checkpoint
   (group 1 recovers from group 0); group 0 inside step 6's all-reduce across groups (it recovers from another).
 - alone: 3 groups, --min-replica-groups 1: groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
-  back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery.
+  back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it
+  has, every step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
+  step first however fast the machine steps and however slowly it restarts the others; then the run ends at speed.
 - coordinator: 2 groups, --max-restarts 0, and the coordinator killed: each group says so in one line and stops.
 - diloco: 2 groups as DiLoCo's replicas (meeting every 3 steps), --min-replica-groups 2: group 1 SIGKILLed inside a
   window (steps 4 and 7), back from its checkpoint, recovering at the next meeting (6), then again (9), where group
@@ -30,7 +32,8 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 450, "diloco": 12}  # alone: the killed groups back well before group 0 ends
+STEPS = {"kills": 10, "alone": 200, "diloco": 12}
+PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them before group 0 could finish alone
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
 
 
@@ -61,16 +64,21 @@ def kills(out: str, data: str) -> dict:
 
 
 def alone(out: str, data: str) -> dict:
+    gate = os.path.join(out, "events-over")
     run = ReplicaRun(out, 3, flags(data, STEPS["alone"], "--checkpoint-every", "50"), entry="tests/float64_trainer.py",
-                     min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"}, min_groups=1,
+                     fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
     events = {}
+
+    def rejoined(quorum: int):
+        return lambda entries: any(e.get("recovered", {}).get("group") == 2 and e["recovered"]["quorum"] > quorum
+                                   for e in entries)
 
     def act() -> None:
         run.wait_for_step(0, 5, 120)
         events["killed"] = run.signal(1, signal.SIGKILL) + run.signal(2, signal.SIGKILL)
         events["killed_at"] = time.time()
-        run.wait_for(2, "recovery", lambda entries: any(e.get("recovered", {}).get("group") == 2 for e in entries),
-                     120)  # group 2 back
+        run.wait_for(2, "recovery", rejoined(-1), 120)  # group 2 back
         back = max(entry["step"] for entry in run.committed(2))
         run.wait_for_step(2, back + 3, 120)  # ... and stepping
         events["stopped"] = run.signal(2, signal.SIGSTOP)
@@ -80,6 +88,8 @@ def alone(out: str, data: str) -> dict:
         # under load (the whole suite on 2 cores: a new process group and a step took 3.9 s past the timeout)
         run.signal(2, signal.SIGCONT)
         events["continued_at"] = time.time()
+        run.wait_for(2, "recovery after the hang", rejoined(events["quorum_at_stop"]), 120)
+        open(gate, "w").close()  # the pace off: the run ends at speed
     return {**finish(run, act, timeout_s=400), "events": events}
 
 
