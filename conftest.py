@@ -1,9 +1,11 @@
-"""Shared pytest fixtures: one LocalGroup per world size for the whole session (rebuilt only if a case broke it),
-and a tiny image folder; and the processes test modules declare to start with the session (tests/processes.py)."""
+"""Shared pytest fixtures: one intra-op thread for the session's own process, one LocalGroup per world size for the
+whole session (rebuilt only if a case broke it), and a tiny image folder; and the processes test modules declare to
+start with the session (tests/processes.py)."""
 import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
@@ -32,6 +34,17 @@ def pytest_sessionfinish(session):
 # 64 MB pad at their heap's top serves those blocks from pages already mapped (most of a small run's page faults
 # and much of its system time gone; 16 MB left the stage-3 runs' faults as they were).
 HEAP_TOP_PAD_MB = 64
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_intra_op_thread():
+    """The session's own process computes on one intra-op thread, as each worker does: it works while the workers
+    and the processes of their own use the 2 cores, and two threads there wait on each other (a reference computed
+    beside 3 training processes took about 50x longer on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

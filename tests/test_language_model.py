@@ -299,15 +299,6 @@ def test_muon_steps_the_blocks_matrices_and_adamw_the_rest_as_one_optimizer():
     takes the two."""
     from trainer.build import Optimizers
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # this process's small matmuls; two threads wait on each other on a busy 2-core VM
-    try:
-        check_muon_and_adamw_as_one_optimizer(Optimizers)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def check_muon_and_adamw_as_one_optimizer(Optimizers):
     args = trainer.parse_args(["--dataset", "text", "--model", "gpt", "--optimizer", "muon", "--lr", "0.01",
                                "--betas", "0.8", "0.95", "--weight-decay", "0.1", "--norm-weight-decay", "0",
                                "--muon-momentum", "0.9", "--scheduler", "cosine", "--warmup-steps", "1",

@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from zero_testing import (GlobalBatches, attempt, cloned, identical, one_thread, seeded_model, state_difference,
+from zero_testing import (GlobalBatches, attempt, cloned, identical, seeded_model, state_difference,
                           weight_difference)
 
 FEATURES, HIDDEN, WIDE, CLASSES, DEPTH = 6, 16, 24, 5, 2
@@ -258,11 +258,10 @@ def three_started(local_group, root):
 def references(three_started):
     """Here, while the 3 processes train: each recipe on one process; with AdamW's step skipped once; and torch's
     Adafactor on the same gradient summed in the micro-batches' and ranks' order (test_adafactor_is_torchs_own)."""
-    with one_thread():
-        out = {recipe: reference(recipe) for recipe in RECIPES}
-        out["skip"] = reference("muon", skip=0)
-        for world_size in (2, 3):
-            out["adafactor summed", world_size] = reference("adafactor", summed_over=world_size)
+    out = {recipe: reference(recipe) for recipe in RECIPES}
+    out["skip"] = reference("muon", skip=0)
+    for world_size in (2, 3):
+        out["adafactor summed", world_size] = reference("adafactor", summed_over=world_size)
     return out
 
 
@@ -375,8 +374,7 @@ def test_a_sharded_state_loads_into_plain_torch_optimizers(runs, references, rec
     for stage in STAGES:
         for collectives in COLLECTIVES:
             saved = runs[3][0][recipe, stage, collectives]
-            with one_thread():
-                worst = max(worst, resumed_by_torch(saved, recipe, references[recipe]["weights"], x, y))
+            worst = max(worst, resumed_by_torch(saved, recipe, references[recipe]["weights"], x, y))
     print(f"\n{recipe}: saved sharded, resumed by torch.optim on one process: weights max |d| = {worst:.1e}")
     assert worst < TOL
 

@@ -1,9 +1,8 @@
 """What the tests of zero.shard over a user's own small model share (test_zero_optimizers, test_zero_matrix; cloned,
 attempt and identical for test_zero_contract and the files built on it too): the model made alike in every
 process, the global batches and each rank's micro-batches of them, the comparisons of weights and of optimizer
-state dicts, and one intra-op thread for what the test process computes while the workers train. Module level, so
-the spawned workers import them. Not a test file: pytest collects nothing here."""
-import contextlib
+state dicts (the test process computes on one intra-op thread while the workers train: conftest.py). Module level,
+so the spawned workers import them. Not a test file: pytest collects nothing here."""
 import copy
 from dataclasses import dataclass
 
@@ -97,15 +96,3 @@ def state_difference(ours: dict, theirs: dict) -> float:
 def weight_difference(ours: dict, theirs: dict) -> float:
     assert ours.keys() == theirs.keys()
     return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
-
-
-@contextlib.contextmanager
-def one_thread():
-    """This process computes on one thread while the workers run: two threads on the 2 cores the workers use take
-    ~50x longer (measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
