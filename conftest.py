@@ -1,6 +1,6 @@
 """Shared pytest fixtures: one intra-op thread for the session's own process, one LocalGroup per world size for the
-whole session (rebuilt only if a case broke it), and a tiny image folder; and the processes test modules declare to
-start with the session (tests/processes.py)."""
+whole session (rebuilt only if a case broke it), and a tiny image folder; and the processes test modules declare,
+run in the background (tests/processes.py)."""
 import os
 import sys
 
@@ -14,14 +14,28 @@ import processes  # noqa: E402
 from harness import LocalGroup, stop_worker_server  # noqa: E402
 
 
+# Modules that run after every other: their tests read what their processes (early_processes) left, so they only
+# wait for those, which the background queue (tests/processes.py) runs beside the other tests, in this order, the
+# longest first. A module with early processes not named here runs in its place, and its processes are queued first.
+RUN_LAST = ("test_replica_faults", "test_async_checkpoint", "test_report", "test_sequential_print")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """RUN_LAST's modules after all others, in its order (a stable sort: each module's tests keep theirs)."""
+    def place(item):
+        name = getattr(getattr(item, "module", None), "__name__", "")
+        return RUN_LAST.index(name) + 1 if name in RUN_LAST else 0
+    items.sort(key=place)
+
+
 def pytest_collection_finish(session):
-    """The selected tests' modules that declare early_processes() have them started now (tests/processes.py);
-    not under --collect-only, which runs no test."""
+    """The selected tests' modules that declare early_processes() have them queued now, in the order they run
+    (tests/processes.py); not under --collect-only, which runs no test."""
     if session.config.option.collectonly:
         return
     modules = {item.module.__name__: item.module for item in session.items
                if hasattr(getattr(item, "module", None), "early_processes")}
-    processes.start_early(list(modules.values()))
+    processes.queue(list(modules.values()))
 
 
 def pytest_sessionfinish(session):
@@ -31,9 +45,10 @@ def pytest_sessionfinish(session):
 # The trainer pins glibc's mmap threshold at 128 kB (--malloc-mmap-threshold: its resident set then reads what is
 # alive), so in a worker whose heap is trimmed to the bone every block past it is a fresh mmap, faulted in page by
 # page and unmapped when freed. The session's workers train hundreds of small runs and measure no resident set: a
-# 64 MB pad at their heap's top serves those blocks from pages already mapped (most of a small run's page faults
-# and much of its system time gone; 16 MB left the stage-3 runs' faults as they were).
-HEAP_TOP_PAD_MB = 64
+# 128 MB pad at their heap's top serves those blocks from pages already mapped (most of a small run's page faults
+# and much of its system time gone: tests/test_zero.py's system time 28 s at 64 MB, 16 s at 128, 256 and 512 MB;
+# 16 MB left the stage-3 runs' faults as they were).
+HEAP_TOP_PAD_MB = 128
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ utils.init_distributed's.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -27,6 +28,10 @@ import torch.distributed as dist
 def _group_worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s: float,
                   tasks: Any, results: Any, env: dict[str, str], owner: int, heap_top_pad: int) -> None:
     os.environ.update(env)  # before the first task imports anything that reads it (forked: the server's environment)
+    # What the fork server imported (torch: some 190,000 objects) lives as long as the worker: out of the collector's
+    # sight, a full collection stops walking it (60 ms each) and writing into its pages, each write a copy-on-write
+    # fault that copies a page of the server's.
+    gc.freeze()
     # A forked worker inherits the fork server as its start method; the task's own processes (a DataLoader's
     # workers) start as in a fresh interpreter, by the platform's default
     mp.set_start_method(None, force=True)
@@ -118,8 +123,9 @@ class WorkerError(RuntimeError):
 
 
 class LocalGroup:
-    """``world_size`` processes (forked from a server that has imported torch: _worker_context) joined in one
-    process group over a FileStore, reused across calls; ``env``: variables set in each worker before its first task;
+    """``world_size`` processes (forked from a server that has imported torch: _worker_context; what it imported
+    is frozen out of the garbage collector's sight) joined in one process group over a FileStore, reused across
+    calls; ``env``: variables set in each worker before its first task;
     ``heap_top_pad_mb``: glibc's heap keeps that much free memory at its top (utils.pad_heap_top; 0: glibc's own
     128 kB), for workers that allocate and free many large blocks and do not measure their resident set.
 

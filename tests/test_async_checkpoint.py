@@ -159,7 +159,7 @@ def corpus_of(root):
 
 
 def early_processes():
-    """The runs killed mid-write, under torchrun (started with the session: tests/processes.py)."""
+    """The runs killed mid-write, under torchrun (run in the background: tests/processes.py)."""
     OUT.append(OUT[0] if OUT else tempfile.mkdtemp(prefix="async-checkpoint-"))
     corpus, env = corpus_of(OUT[0]), dict(os.environ, OMP_NUM_THREADS="1")
     return {name: (TORCHRUN + [SCRIPT] + argv_of(corpus, os.path.join(OUT[0], name), stage, "--async-checkpoint"),
@@ -170,10 +170,12 @@ def early_processes():
 @pytest.fixture(scope="module")
 def runs(local_group):
     """{"in_group": runs_in_group's results by rank, "launched": the killed runs' CompletedProcess by name}."""
-    launched = processes.results_of(sys.modules[__name__], timeout=240)
-    root = OUT[0]
-    in_group = local_group(2).submit(runs_in_group, corpus_of(root), root)()
-    return {"root": root, "in_group": in_group, "launched": launched}
+    started = processes.collect(sys.modules[__name__])  # started now, unless the session's queue has started them
+    try:  # the synchronous runs while they run, on the corpus that early_processes wrote
+        in_group = local_group(2).submit(runs_in_group, os.path.join(OUT[0], "corpus"), OUT[0])()
+    finally:
+        launched = processes.wait_for(started, timeout=240)  # on an error too: no process outlives this
+    return {"root": OUT[0], "in_group": in_group, "launched": launched}
 
 
 def final_weights(root, name):

@@ -7,11 +7,13 @@ one uninterrupted reference run, whose final checkpoint the restarted, resumed a
 import importlib.util
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -31,6 +33,7 @@ from trainer_testing import (TINY, main_in_group, max_difference, model_and_labe
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 SCRIPT = os.path.join(HERE, "ddp_cifar100.py")
+OUT: list[str] = []  # the folder of this module's processes (out_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -288,19 +291,29 @@ def training_commands(out):
     return commands
 
 
+def out_dir() -> pathlib.Path:
+    """The folder of this module's processes, made once."""
+    if not OUT:
+        OUT.append(tempfile.mkdtemp(prefix="ddp-cifar100-"))
+    return pathlib.Path(OUT[0])
+
+
+def early_processes():
+    """Every run of this module that is a process of its own (training_commands, fault_commands), run in the
+    background (tests/processes.py): they are mostly interpreter start-up and waiting."""
+    return {**training_commands(out_dir()), **fault_commands()}
+
+
 @pytest.fixture(scope="module")
-def launches(local_group, image_folder, tmp_path_factory):
-    """Every run of this module that is a process of its own (training_commands, fault_commands), started at once,
-    and while they run (they are mostly interpreter start-up and waiting) the runs of main() on the session's two
-    ranks (in_group_runs). {"runs": {name: CompletedProcess}, "dir": their folder, "bad_file": the truncated image}."""
-    out = tmp_path_factory.mktemp("runs")
-    commands = {**training_commands(out), **fault_commands()}
-    procs = processes.start(commands)
+def launches(local_group, image_folder):
+    """This module's processes, and while they run the runs of main() on the session's two ranks (in_group_runs).
+    {"runs": {name: CompletedProcess}, "dir": their folder, "bad_file": the truncated image}."""
+    launched = processes.collect(sys.modules[__name__])  # started now, unless the session's queue has started them
     try:
-        runs, bad_file = in_group_runs(local_group, image_folder, out)
+        runs, bad_file = in_group_runs(local_group, image_folder, out_dir())
     finally:
-        runs_of_processes = processes.wait_for(procs, timeout=240)  # on an error too: no process outlives the fixture
-    return {"runs": {**runs_of_processes, **runs}, "dir": out, "bad_file": bad_file}
+        runs_of_processes = processes.wait_for(launched, timeout=240)  # on an error too: no process outlives this
+    return {"runs": {**runs_of_processes, **runs}, "dir": out_dir(), "bad_file": bad_file}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Faults of fault-tolerant replica groups, caused for real (tests/replica_scenarios.py, started with the session:
+"""Faults of fault-tolerant replica groups, caused for real (tests/replica_scenarios.py, run in the background:
 a coordinator and a torchrun per group, the trainer in float64), each run compared with what it must equal.
 
 - kills: each of 3 groups SIGKILLed twice, at a different point of a step each time (forward, backward, inside the
@@ -36,7 +36,7 @@ import replica_scenarios
 from trainer_testing import max_difference, replay_in_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test waits for the scenarios
-OUT: list[str] = []  # the scenarios' folder, made when the session starts them
+OUT: list[str] = []  # the scenarios' folder, made when they start
 
 
 def early_processes():

@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 
 # The report run by nbclient in a process of its own (REPORT_RERUN=0: reading mode, CI never re-runs the benchmarks),
-# the executed notebook written to the path given: started with the session (early_processes), as it reads only
+# the executed notebook written to the path given: run in the background (early_processes), as it reads only
 # the committed results, which no test writes (test_syncbn.py only when SYNCBN_ERRORS_JSON asks, and atomically).
 EXECUTE = """
 import sys

@@ -1,7 +1,7 @@
 """sequential_print.py under torchrun: the exact bytes, the same on every run.
 
-Every launch is started at once, when the session starts (early_processes: they are mostly interpreter start-up
-and waiting on each other), and each test reads the runs it checks."""
+Every launch is started at once, in the background (early_processes, tests/processes.py: they are mostly
+interpreter start-up and waiting on each other), and each test reads the runs it checks."""
 import os
 import sys
 
@@ -31,7 +31,7 @@ def torchrun_command(world_size: int, num_iter: int) -> list[str]:
 
 
 def early_processes():
-    """Every launch, by name: the torchrun cases' runs and the default run (started with the session:
+    """Every launch, by name: the torchrun cases' runs and the default run (run in the background:
     tests/processes.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     commands = {f"torchrun {w} {n} #{i}": (torchrun_command(w, n), env) for w, n, count in TORCHRUN_CASES
