@@ -33,9 +33,15 @@ def pytest_collection_finish(session):
     (tests/processes.py); not under --collect-only, which runs no test."""
     if session.config.option.collectonly:
         return
-    modules = {item.module.__name__: item.module for item in session.items
-               if hasattr(getattr(item, "module", None), "early_processes")}
+    modules = {item.module.__name__: item.module for item in session.items if reads_early_processes(item)}
     processes.queue(list(modules.values()))
+
+
+def reads_early_processes(item) -> bool:
+    """Whether the test reads its module's early processes: it uses the fixture that collects them, named in the
+    module's EARLY_PROCESSES_FIXTURE (under -m "not slow", test_ddp_cifar100's in-process tests start no torchrun)."""
+    module = getattr(item, "module", None)
+    return hasattr(module, "early_processes") and module.EARLY_PROCESSES_FIXTURE in item.fixturenames
 
 
 def pytest_sessionfinish(session):

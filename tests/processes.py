@@ -2,9 +2,10 @@
 tests, waited for together, none outliving its deadline. Not a test file: pytest collects nothing here.
 
 A test module whose processes need nothing from the tests before them declares them in a module-level
-``early_processes()`` ({name: (argv, env)}). conftest.py queues them when the session starts (``queue``), and the
-module's fixture collects them with ``results_of(module)``, which starts them at once if they are still queued, or
-if the session did not queue them (a module run alone under -p no:..., or imported elsewhere).
+``early_processes()`` ({name: (argv, env)}), and names the fixture that collects them in EARLY_PROCESSES_FIXTURE.
+conftest.py queues them when the session starts (``queue``) if a selected test uses that fixture, and the fixture
+collects them with ``results_of(module)`` (or ``collect`` and ``wait_for``), which starts them at once if they are
+still queued, or if the session did not queue them (a module run alone under -p no:..., or imported elsewhere).
 
 The queue keeps the cores busy to the session's end instead of crowding its start. The first module's processes
 start at once; each next module's start when none of the queue's is running, or when the machine has left half a

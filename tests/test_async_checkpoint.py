@@ -158,6 +158,9 @@ def corpus_of(root):
     return corpus
 
 
+EARLY_PROCESSES_FIXTURE = "runs"  # the fixture that collects them (conftest.py queues them for its tests)
+
+
 def early_processes():
     """The runs killed mid-write, under torchrun (run in the background: tests/processes.py)."""
     OUT.append(OUT[0] if OUT else tempfile.mkdtemp(prefix="async-checkpoint-"))

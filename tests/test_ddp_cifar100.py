@@ -298,6 +298,9 @@ def out_dir() -> pathlib.Path:
     return pathlib.Path(OUT[0])
 
 
+EARLY_PROCESSES_FIXTURE = "launches"  # the fixture that collects them (conftest.py queues them for its tests)
+
+
 def early_processes():
     """Every run of this module that is a process of its own (training_commands, fault_commands), run in the
     background (tests/processes.py): they are mostly interpreter start-up and waiting."""

@@ -39,6 +39,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test wait
 OUT: list[str] = []  # the scenarios' folder, made when they start
 
 
+EARLY_PROCESSES_FIXTURE = "outcomes"  # the fixture that collects them (conftest.py queues them for its tests)
+
+
 def early_processes():
     OUT.append(OUT[0] if OUT else tempfile.mkdtemp(prefix="replica-faults-"))
     return {"scenarios": ([sys.executable, "tests/replica_scenarios.py", OUT[0]], None)}

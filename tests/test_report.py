@@ -29,6 +29,9 @@ nbformat.write(nb, sys.argv[1])
 """
 
 
+EARLY_PROCESSES_FIXTURE = "report"  # the fixture that collects them (conftest.py queues them for its tests)
+
+
 def early_processes():
     try:
         import nbclient  # noqa: F401

@@ -30,6 +30,9 @@ def torchrun_command(world_size: int, num_iter: int) -> list[str]:
             "--num-iter", str(num_iter), "--timeout", "60"]
 
 
+EARLY_PROCESSES_FIXTURE = "runs"  # the fixture that collects them (conftest.py queues them for its tests)
+
+
 def early_processes():
     """Every launch, by name: the torchrun cases' runs and the default run (run in the background:
     tests/processes.py)."""
