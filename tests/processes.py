@@ -8,8 +8,8 @@ collects them with ``results_of(module)`` (or ``collect`` and ``wait_for``), whi
 still queued, or if the session did not queue them (a module run alone under -p no:..., or imported elsewhere).
 
 The queue keeps the cores busy to the session's end instead of crowding its start. The first module's processes
-start at once; each next module's start when none of the queue's is running, or when the machine has left half a
-core idle over the last second (read from /proc/stat; where there is none, a second after the last start). Those
+start at once; each next module's when none of the queue's is running, or, SETTLE_S after the last start, when the
+machine has left half a core idle over the last second (read from /proc/stat; where there is none, at once). Those
 processes are mostly interpreter start-up and waiting on each other, so they fill what the in-process tests leave
 idle (a test group's ranks wait on each other too); started all at once, they left the cores idle for the second
 half of the session. Their output goes to files, not pipes: a process that nobody reads yet never blocks on a full
@@ -27,9 +27,18 @@ from types import ModuleType
 from typing import IO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
+FOLDERS: dict[str, str] = {}  # module name -> the folder its processes write in (folder)
 POLL_S = 1.0  # how often the queue looks at the machine
 SETTLE_S = 5.0  # after a start, the new processes' start-up is not in the idle time yet: no other start before this
 SPARE_CORES = 0.5  # idle over the last poll that lets the next module's processes start
+
+
+def folder(module_name: str) -> str:
+    """The temporary folder of a module's processes, made on first use: its early_processes() and the fixture
+    that collects them share it."""
+    if module_name not in FOLDERS:
+        FOLDERS[module_name] = tempfile.mkdtemp(prefix=module_name.replace("_", "-") + "-")
+    return FOLDERS[module_name]
 
 
 @dataclass

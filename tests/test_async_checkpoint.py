@@ -22,7 +22,6 @@ import errno
 import os
 import random
 import sys
-import tempfile
 import threading
 
 import pytest
@@ -142,7 +141,6 @@ def runs_in_group(rank, world_size, corpus, root):
     return out
 
 
-OUT: list[str] = []  # the folder of this module's runs (early_processes makes it)
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 
 
@@ -163,9 +161,9 @@ EARLY_PROCESSES_FIXTURE = "runs"  # the fixture that collects them (conftest.py 
 
 def early_processes():
     """The runs killed mid-write, under torchrun (run in the background: tests/processes.py)."""
-    OUT.append(OUT[0] if OUT else tempfile.mkdtemp(prefix="async-checkpoint-"))
-    corpus, env = corpus_of(OUT[0]), dict(os.environ, OMP_NUM_THREADS="1")
-    return {name: (TORCHRUN + [SCRIPT] + argv_of(corpus, os.path.join(OUT[0], name), stage, "--async-checkpoint"),
+    root = processes.folder(__name__)
+    corpus, env = corpus_of(root), dict(os.environ, OMP_NUM_THREADS="1")
+    return {name: (TORCHRUN + [SCRIPT] + argv_of(corpus, os.path.join(root, name), stage, "--async-checkpoint"),
                    dict(env, DDP_CIFAR100_FAULT=fault))
             for name, stage, fault in (("killed 3", 3, "1:3:write"), ("killed 0", 0, "0:3:write"))}
 
@@ -175,10 +173,11 @@ def runs(local_group):
     """{"in_group": runs_in_group's results by rank, "launched": the killed runs' CompletedProcess by name}."""
     started = processes.collect(sys.modules[__name__])  # started now, unless the session's queue has started them
     try:  # the synchronous runs while they run, on the corpus that early_processes wrote
-        in_group = local_group(2).submit(runs_in_group, os.path.join(OUT[0], "corpus"), OUT[0])()
+        root = processes.folder(__name__)
+        in_group = local_group(2).submit(runs_in_group, os.path.join(root, "corpus"), root)()
     finally:
         launched = processes.wait_for(started, timeout=240)  # on an error too: no process outlives this
-    return {"root": OUT[0], "in_group": in_group, "launched": launched}
+    return {"root": processes.folder(__name__), "in_group": in_group, "launched": launched}
 
 
 def final_weights(root, name):

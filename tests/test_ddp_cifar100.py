@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -33,7 +32,6 @@ from trainer_testing import (TINY, main_in_group, max_difference, model_and_labe
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 SCRIPT = os.path.join(HERE, "ddp_cifar100.py")
-OUT: list[str] = []  # the folder of this module's processes (out_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -292,10 +290,7 @@ def training_commands(out):
 
 
 def out_dir() -> pathlib.Path:
-    """The folder of this module's processes, made once."""
-    if not OUT:
-        OUT.append(tempfile.mkdtemp(prefix="ddp-cifar100-"))
-    return pathlib.Path(OUT[0])
+    return pathlib.Path(processes.folder(__name__))
 
 
 EARLY_PROCESSES_FIXTURE = "launches"  # the fixture that collects them (conftest.py queues them for its tests)

@@ -36,15 +36,13 @@ import replica_scenarios
 from trainer_testing import max_difference, replay_in_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test waits for the scenarios
-OUT: list[str] = []  # the scenarios' folder, made when they start
 
 
 EARLY_PROCESSES_FIXTURE = "outcomes"  # the fixture that collects them (conftest.py queues them for its tests)
 
 
 def early_processes():
-    OUT.append(OUT[0] if OUT else tempfile.mkdtemp(prefix="replica-faults-"))
-    return {"scenarios": ([sys.executable, "tests/replica_scenarios.py", OUT[0]], None)}
+    return {"scenarios": ([sys.executable, "tests/replica_scenarios.py", processes.folder(__name__)], None)}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +51,7 @@ def outcomes():
     assert done.returncode == 0, done.stderr[-3000:]
     found = {}
     for name in replica_scenarios.SCENARIOS:
-        with open(os.path.join(OUT[0], name, "outcome.json")) as f:
+        with open(os.path.join(processes.folder(__name__), name, "outcome.json")) as f:
             found[name] = json.load(f)
         assert "error" not in found[name], found[name].get("error")
     return found
@@ -71,7 +69,8 @@ def final_weights(outcome, group):
 
 def replayed(local_group, outcome, group, steps):
     log = steps_of(outcome["logs"][str(group)])
-    argv = replica_scenarios.flags(os.path.join(OUT[0], "corpus"), steps)  # without the replica groups' flags
+    corpus = os.path.join(processes.folder(__name__), "corpus")
+    argv = replica_scenarios.flags(corpus, steps)  # without the replica groups' flags
     return local_group(1).run(replay_in_group, argv, log, 3)[0]
 
 
