@@ -1,14 +1,22 @@
 """Shared pytest fixtures: one intra-op thread for the session's own process, one LocalGroup per world size for the
 whole session (rebuilt only if a case broke it), and a tiny image folder; and the processes test modules declare,
 run in the background (tests/processes.py)."""
+import gc
 import os
 import sys
 
-import pytest
-import torch
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The interpreters the suite starts collect their young garbage as its workers do (tests/startup/sitecustomize.py
+# says why); this process too, from here on: the test modules' imports and its in-process tests.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(HERE, "tests", "startup"),
+                                                         os.environ.get("PYTHONPATH")]))
+gc.set_threshold(10_000, *gc.get_threshold()[1:])
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.join(HERE, "tests"))
 
 import processes  # noqa: E402
 from harness import LocalGroup, stop_worker_server  # noqa: E402
@@ -35,6 +43,7 @@ def pytest_collection_finish(session):
         return
     modules = {item.module.__name__: item.module for item in session.items if reads_early_processes(item)}
     processes.queue(list(modules.values()))
+    gc.freeze()  # what collection imported lives to the end: full collections of the session no longer walk it
 
 
 def reads_early_processes(item) -> bool:
@@ -46,6 +55,10 @@ def reads_early_processes(item) -> bool:
 
 def pytest_sessionfinish(session):
     processes.stop_all()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # the interpreter's shutdown frees what collection imported (frozen, extensions report it leaked)
 
 
 # The trainer pins glibc's mmap threshold at 128 kB (--malloc-mmap-threshold: its resident set then reads what is
