@@ -3,14 +3,15 @@ whole session (rebuilt only if a case broke it), and a tiny image folder; and th
 run in the background (tests/processes.py)."""
 import gc
 import os
+import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+STARTUP = os.path.join(HERE, "tests", "startup")
 # The interpreters the suite starts collect their young garbage as its workers do (tests/startup/sitecustomize.py
-# says why); this process too, from here on: the test modules' imports and its in-process tests.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(HERE, "tests", "startup"),
-                                                         os.environ.get("PYTHONPATH")]))
-gc.set_threshold(10_000, *gc.get_threshold()[1:])
+# says why); this process too, by the same file, from here on: the test modules' imports and its in-process tests.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [STARTUP, os.environ.get("PYTHONPATH")]))
+runpy.run_path(os.path.join(STARTUP, "sitecustomize.py"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
