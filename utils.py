@@ -242,6 +242,17 @@ def proc_status_mb(key: str) -> float | None:
     return None
 
 
+def machine_ticks() -> tuple[int, int] | None:
+    """The machine's clock ticks since boot, summed over its cores, from /proc/stat's first line: (all, idle +
+    iowait); None where it cannot be read (not Linux). Two readings apart give the cores busy and idle between."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(field) for field in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks), ticks[3] + ticks[4]
+
+
 def reset_peak_resident() -> bool:
     """VmHWM back to the resident set now (Linux's clear_refs, 5: "reset the peak resident set size"; it resets
     getrusage's ru_maxrss too); False where it cannot be reset."""

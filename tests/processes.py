@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import IO
 
+from utils import machine_ticks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 FOLDERS: dict[str, str] = {}  # module name -> the folder its processes write in (folder)
 POLL_S = 1.0  # how often the queue looks at the machine
@@ -95,19 +97,10 @@ class IdleMeter:
     """The cores left idle since the last call, from /proc/stat's first line (None where there is none)."""
 
     def __init__(self):
-        self.last = self.sample()
-
-    @staticmethod
-    def sample() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                ticks = [int(field) for field in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+        self.last = machine_ticks()
 
     def idle_cores(self) -> float | None:
-        now, last = self.sample(), self.last
+        now, last = machine_ticks(), self.last
         self.last = now
         if now is None or last is None or now[0] == last[0]:
             return None
