@@ -28,6 +28,7 @@ import threading
 import time
 
 import utils
+from benchmarks.gpu_checks import git_commit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +125,8 @@ def main() -> None:
     for name in files:
         row = rows[name] = timed([sys.executable, "-m", "pytest", "-q", name])
         print(f"{name:<36} {row['wall_s']:>8.1f} {row['cpu_s']:>8.1f}  {row['summary']}", flush=True)
-    result = {"machine": utils.machine_info(), "command": "python3 -m pytest -q", "files": rows, "suite": []}
+    result = {"machine": utils.machine_info(), "code": git_commit(None), "command": "python3 -m pytest -q",
+              "files": rows, "suite": []}
     for run in range(args.suite_runs):
         total = timed([sys.executable, "-m", "pytest", "-q"])
         result["suite"].append(total)
