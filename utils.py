@@ -244,10 +244,11 @@ def proc_status_mb(key: str) -> float | None:
 
 def machine_ticks() -> tuple[int, int] | None:
     """The machine's clock ticks since boot, summed over its cores, from /proc/stat's first line: (all, idle +
-    iowait); None where it cannot be read (not Linux). Two readings apart give the cores busy and idle between."""
+    iowait); None where it cannot be read (not Linux). Two readings apart give the cores busy and idle between.
+    "All" is user to steal: the guest fields after them are counted in user and nice already."""
     try:
         with open("/proc/stat") as f:
-            ticks = [int(field) for field in f.readline().split()[1:]]
+            ticks = [int(field) for field in f.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
     return sum(ticks), ticks[3] + ticks[4]

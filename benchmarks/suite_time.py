@@ -10,10 +10,10 @@ for its own worker groups (a few seconds each), which the whole suite pays once:
 than the suite's.
 
 Each run also says what the machine's cores did meanwhile (Linux's /proc/stat, read once a second): the core-seconds
-busy and idle, the busy ones that were not the command's (the VM's own threads, other load), and how many cores were
-busy in each 10-second slice. With C cores, a run whose cores were never idle could not have taken less than its busy
-core-seconds / C: the wall it would still need if every idle moment were filled ("floor_s"), and the busy cores by
-slice show where the idle ones were.
+busy and idle, the busy ones that were not the command's (the VM's own threads, other load, the hypervisor's steal),
+and how many cores were busy in each 10-second slice. With C cores, a run whose cores were never idle could not have
+taken less than its busy core-seconds / C: the wall it would still need if every idle moment were filled
+("floor_s"), and the busy cores by slice show where the idle ones were.
 """
 from __future__ import annotations
 
@@ -102,14 +102,14 @@ def timed(command: list[str]) -> dict:
             "summary": lines[-1] if lines else "", "core_use": meter.report(cpu)}
 
 
-def core_use_line(machine: dict | None) -> str:
+def core_use_line(use: dict | None) -> str:
     """A run's CoreMeter.report in two lines of the table."""
-    if machine is None:
+    if use is None:
         return "  the machine's cores: /proc/stat cannot be read here"
-    slices = " ".join(f"{b:.1f}" if b is not None else "-" for b in machine["busy_cores_by_slice"])
-    return (f"  the machine's {machine['cores']} cores: busy {machine['busy_core_s']:.0f} core-s (others than the "
-            f"command: {machine['others_cpu_s']:.0f}), idle {machine['idle_core_s']:.0f}; never idle, the wall could "
-            f"not go under {machine['floor_s']:.0f} s\n  busy cores, each {machine['slice_s']} s: {slices}")
+    slices = " ".join(f"{busy:.1f}" for busy in use["busy_cores_by_slice"])
+    return (f"  the machine's {use['cores']} cores: busy {use['busy_core_s']:.0f} core-s (others than the command: "
+            f"{use['others_cpu_s']:.0f}), idle {use['idle_core_s']:.0f}; never idle, the wall could not go under "
+            f"{use['floor_s']:.0f} s\n  busy cores, each {use['slice_s']} s: {slices}")
 
 
 def main() -> None:
