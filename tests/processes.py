@@ -4,8 +4,9 @@ tests, waited for together, none outliving its deadline. Not a test file: pytest
 A test module whose processes need nothing from the tests before them declares them in a module-level
 ``early_processes()`` ({name: (argv, env)}), and names the fixture that collects them in EARLY_PROCESSES_FIXTURE.
 conftest.py queues them when the session starts (``queue``) if a selected test uses that fixture, and the fixture
-collects them with ``results_of(module)`` (or ``collect`` and ``wait_for``), which starts them at once if they are
-still queued, or if the session did not queue them (a module run alone under -p no:..., or imported elsewhere).
+collects them with ``results_of(module)`` (or ``beside``, running the module's in-process runs meanwhile), which
+starts them at once if they are still queued, or if the session did not queue them (a module run alone under
+-p no:..., or imported elsewhere).
 
 The queue keeps the cores busy to the session's end instead of crowding its start. The first module's processes
 start at once; each next module's when none of the queue's is running, or, SETTLE_S after the last start, when the
@@ -24,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import IO
+from typing import IO, Callable, TypeVar
 
 from utils import machine_ticks
 
@@ -33,6 +34,7 @@ FOLDERS: dict[str, str] = {}  # module name -> the folder its processes write in
 POLL_S = 1.0  # how often the queue looks at the machine
 SETTLE_S = 5.0  # after a start, the new processes' start-up is not in the idle time yet: no other start before this
 SPARE_CORES = 0.5  # idle over the last poll that lets the next module's processes start
+T = TypeVar("T")
 
 
 def folder(module_name: str) -> str:
@@ -176,6 +178,19 @@ def collect(module: ModuleType) -> dict[str, Launch]:
 def results_of(module: ModuleType, timeout: float = 240) -> dict[str, subprocess.CompletedProcess]:
     """The module's early processes, waited for (started now if they were not yet)."""
     return wait_for(collect(module), timeout)
+
+
+def beside(module: ModuleType, work: Callable[[], T], timeout: float = 240
+           ) -> tuple[T, dict[str, subprocess.CompletedProcess]]:
+    """``work()`` (a module's in-process runs) while the module's early processes run (started now if they were not
+    yet), then those waited for: (what work returned, their CompletedProcess by name). On an error in ``work`` too,
+    no process outlives the call."""
+    launches = collect(module)
+    try:
+        done = work()
+    finally:
+        results = wait_for(launches, timeout)
+    return done, results
 
 
 def stop_all() -> None:

@@ -171,12 +171,9 @@ def early_processes():
 @pytest.fixture(scope="module")
 def runs(local_group):
     """{"in_group": runs_in_group's results by rank, "launched": the killed runs' CompletedProcess by name}."""
-    started = processes.collect(sys.modules[__name__])  # started now, unless the session's queue has started them
     root = processes.folder(__name__)
-    try:  # the synchronous runs while they run, on the corpus that early_processes wrote
-        in_group = local_group(2).submit(runs_in_group, os.path.join(root, "corpus"), root)()
-    finally:
-        launched = processes.wait_for(started, timeout=240)  # on an error too: no process outlives this
+    in_group, launched = processes.beside(  # the synchronous runs while they run, on early_processes' corpus
+        sys.modules[__name__], lambda: local_group(2).submit(runs_in_group, os.path.join(root, "corpus"), root)())
     return {"root": root, "in_group": in_group, "launched": launched}
 
 

@@ -304,11 +304,8 @@ def early_processes():
 def launches(local_group, image_folder):
     """This module's processes, and while they run the runs of main() on the session's two ranks (in_group_runs).
     {"runs": {name: CompletedProcess}, "dir": their folder, "bad_file": the truncated image}."""
-    launched = processes.collect(sys.modules[__name__])  # started now, unless the session's queue has started them
-    try:
-        runs, bad_file = in_group_runs(local_group, image_folder, out_dir())
-    finally:
-        runs_of_processes = processes.wait_for(launched, timeout=240)  # on an error too: no process outlives this
+    (runs, bad_file), runs_of_processes = processes.beside(
+        sys.modules[__name__], lambda: in_group_runs(local_group, image_folder, out_dir()))
     return {"runs": {**runs_of_processes, **runs}, "dir": out_dir(), "bad_file": bad_file}
 
 
