@@ -536,6 +536,7 @@ def check_syncs(given: argparse.Namespace) -> None:
 
 FT_FLAGS = ("replica_group", "replica_groups", "coordinator")  # together or not at all
 FT_OPTIONS = {"min_replica_groups": 1, "fault_timeout": 60.0, "commit_log": None}  # only with them
+MAX_FAULT_TIMEOUT_S = 86400.0  # a day: longer is a typo, and a timedelta of inf overflows in the store's client
 
 
 def check_replica_groups(given: argparse.Namespace) -> None:
@@ -552,16 +553,24 @@ def check_replica_groups(given: argparse.Namespace) -> None:
         raise UsageError("--replica-group, --replica-groups and --coordinator go together (fault-tolerant replica "
                          "groups)")
     groups, group = given.replica_groups, given.replica_group
-    if groups < 1 or not 0 <= group < groups:
+    if groups < 1:
+        raise UsageError(f"--replica-groups must be positive, got {groups}")
+    if not 0 <= group < groups:
         raise UsageError(f"--replica-group must be between 0 and --replica-groups - 1 = {groups - 1}, got {group}")
     if not 1 <= given.min_replica_groups <= groups:
         raise UsageError(f"--min-replica-groups must be between 1 and --replica-groups {groups}, got "
                          f"{given.min_replica_groups}")
-    if not given.fault_timeout > 0:
-        raise UsageError(f"--fault-timeout must be positive, got {given.fault_timeout}")
+    if not 0 < given.fault_timeout <= MAX_FAULT_TIMEOUT_S:  # nan and inf too: a timedelta of them overflows
+        raise UsageError(f"--fault-timeout must be positive and at most {MAX_FAULT_TIMEOUT_S:.0f} s, got "
+                         f"{given.fault_timeout}")
     host, _, port = given.coordinator.rpartition(":")
     if not port.isdigit():
         raise UsageError(f"--coordinator is HOST:PORT, got {given.coordinator!r}")
+    if not 1 <= int(port) <= 65535:
+        raise UsageError(f"--coordinator's port must be between 1 and 65535, got {port}")
+    folder = os.path.dirname(given.commit_log or "") or "."
+    if given.commit_log is not None and not os.path.isdir(folder):
+        raise UsageError(f"--commit-log {given.commit_log}: no such folder {folder}")
     if given.grad_sync not in ("custom", *OUTER_SYNCS) or given.zero != 0:
         raise UsageError(f"fault-tolerant replica groups train --grad-sync custom, diloco or localsgd with --zero 0 "
                          f"inside each group; --grad-sync {given.grad_sync} --zero {given.zero} is not supported (ZeRO "
