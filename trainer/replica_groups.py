@@ -1,8 +1,8 @@
 """Fault-tolerant replica groups (--replica-group I --replica-groups R --coordinator HOST:PORT): this torchrun is
 group I of R, each its own torchrun of P processes (``torchrun --standalone --max-restarts K``, its own
---checkpoint-dir), trained together through replicas.py's quorums, so that a lost group stops no other.
+--checkpoint-dir), trained together through the replicas package's quorums, so that a lost group stops no other.
 
-    python replicas.py serve --port 29400
+    python -m replicas serve --port 29400
     torchrun --standalone --nproc_per_node P --max-restarts 100 ddp_cifar100.py ... --replica-group 0 \\
         --replica-groups 3 --coordinator 127.0.0.1:29400 --checkpoint-dir run/group0     # and groups 1, 2
 
@@ -89,7 +89,7 @@ class ReplicaGroups:
     def _join(self) -> None:
         asked = time.time()
         self.recovered = False
-        quorum = self.replica.join(self.position.optimizer_steps)
+        quorum = self.replica.join(self.position.optimizer_steps).quorum
         if self.recovered:
             transfer = self.replica.recovered[-1]
             self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
