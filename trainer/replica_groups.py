@@ -62,8 +62,8 @@ class ReplicaGroups:
             config.coordinator, config.replica_group, config.replica_groups, identity, self.live_state,
             self.take_live_state, min_groups=config.min_replica_groups, fault_timeout_s=config.fault_timeout,
             collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step)
-        if parts.outer is not None:
-            parts.outer.meet = self.meet
+        if parts.outer is not None:  # diloco: the groups meet through this quorum's meeting
+            parts.outer.meet_through(self.meet)
 
     def _fault(self, point: str) -> None:
         """trainer/faults.py's injection, inside the average and the state transfer."""
