@@ -83,12 +83,14 @@ class Replica:
     committed step; ``step``: the step this process starts from (its checkpoint's), so that a log left by this
     group's earlier processes keeps only the steps those weights have taken (the later ones are taken again).
     ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed) and inside a state
-    transfer ("send": half the tensors sent), where a test kills the process."""
+    transfer ("send": half the tensors sent), where a test kills the process. ``transport(pg, fault)``: the live
+    state's StateTransport for a quorum's process group (transfer.py; PGTransport: over that group)."""
 
     def __init__(self, coordinator: str, group: int, planned: int, identity: str,
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,
                  fault_timeout_s: float = 60.0, collectives: str = "torch", group_pg: Any = None,
-                 commit_log: str | None = None, fault: Callable[[str], None] | None = None, step: int = 0):
+                 commit_log: str | None = None, fault: Callable[[str], None] | None = None, step: int = 0,
+                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = PGTransport):
         self.address, self.group, self.planned, self.identity = coordinator, group, planned, identity
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives
@@ -105,7 +107,8 @@ class Replica:
         self.pg_id: int | None = None
         self.pg: Any = None
         self.comm: Collectives | None = None
-        self.transport: StateTransport | None = None  # the live state's way, over the quorum's process group
+        self.transports = transport
+        self.transport: StateTransport | None = None  # the live state's way, made with the quorum's process group
         self.requests = 0
         self.failure: str | None = None  # why the last average failed
         self.total_weight: float | None = None  # the last weighted average's sum of the groups' weights
@@ -252,7 +255,7 @@ class Replica:
             groups[-1].set_timeout(timedelta(seconds=quorum.fault_timeout))  # its collectives': a hang's limit
         self.pg, thread_pg = groups[0], groups[1] if len(groups) > 1 else None
         self.comm = Collectives(self.pg, self.kind, quorum.fault_timeout, thread_group=thread_pg)
-        self.transport = PGTransport(self.pg, self.fault)
+        self.transport = self.transports(self.pg, self.fault)
         self.pg_id = quorum.pg
 
     def _drop_group(self) -> None:
