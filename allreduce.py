@@ -174,7 +174,7 @@ def _cut(region: torch.Tensor, width: int) -> list[torch.Tensor]:
 
 def place_in(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """This process's rank in ``group`` and the group's size: the default group (None), a group torch.distributed
-    made, or a process group made directly over a store of its own (a ProcessGroupGloo: replicas.py's quorums,
+    made, or a process group made directly over a store of its own (a ProcessGroupGloo: the replica groups' quorums,
     which torch.distributed's registry does not know; its point-to-point calls take ``group_dst``/``group_src``)."""
     if group is None:
         return dist.get_rank(), dist.get_world_size()

@@ -20,7 +20,7 @@ input, the second gathers into a new buffer and copies it out), so on gloo a red
 broadcasts in place, chunk r from rank r (the same bytes, bit for bit). "ring" and "butterfly" run allreduce.py's
 algorithms, point-to-point messages only, on an AllreduceThread: a thread and a process group of its own over the
 same ranks, so they overlap backward and never interleave with the caller's collectives (SyncBatchNorm's) on
-``group``. A ``group`` made directly over a store (replicas.py's quorums, outside torch.distributed's registry)
+``group``. A ``group`` made directly over a store (the replica groups' quorums, outside torch.distributed's registry)
 comes with its ``thread_group``, a second such group over the same processes.
 ``all_to_all`` is torch's all_to_all_single, or allreduce.py's pairwise_all_to_all on the thread.
 ``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted, on this

@@ -256,13 +256,15 @@ class DiLoCo:
     ``local_steps`` H; ``outer_lr``, ``outer_momentum`` and ``nesterov``: the outer SGD's; ``compress``: the outer
     all-reduce's encoding (with error feedback unless "none"); ``fragments`` F and ``delay`` (inner steps between an
     all-reduce's launch and its application). The outer state (shared point, momentum, error feedback) lives on the
-    CPU in the parameters' dtype. Call ``step()`` after every inner optimizer step."""
+    CPU in the parameters' dtype. Call ``step()`` after every inner optimizer step. ``meets_outside``: the meetings
+    are the caller's (fault-tolerant replica groups), given once by ``meet_through``; else the ring's, across
+    ``group``."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, local_steps: int = 500,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, compress: str = "none",
                  fragments: int = 1, delay: int = 0, timeout_s: float | None = None,
                  params: list[torch.Tensor] | None = None, after_write: Callable[[], None] | None = None,
-                 meet: Callable[[torch.Tensor | None], torch.Tensor] | None = None):
+                 meets_outside: bool = False):
         if compress not in CODECS:
             raise ValueError(f"compress is one of {', '.join(CODECS)}, not {compress!r}")
         if local_steps < 1 or fragments < 1 or local_steps < fragments:
@@ -270,7 +272,7 @@ class DiLoCo:
         if not 0 <= delay <= local_steps // fragments:
             raise ValueError(f"delay must be in [0, local_steps // fragments = {local_steps // fragments}] (one "
                              f"fragment in flight at a time), got {delay}")
-        if meet is not None and (fragments, delay, compress) != (1, 0, "none"):
+        if meets_outside and (fragments, delay, compress) != (1, 0, "none"):
             raise ValueError("meetings through fault-tolerant replica groups take one fragment, no delay and no "
                              "compression")
         self.model, self.local_steps, self.compress, self.delay = model, local_steps, compress, delay
@@ -287,13 +289,27 @@ class DiLoCo:
         self.error = [torch.zeros_like(s) for s in self.start] if compress != "none" else None
         self.outer_optimizer = torch.optim.SGD(self.start, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=nesterov and outer_momentum > 0)
-        # meet: the meeting done by the caller (fault-tolerant replica groups: trainer/replica_groups.py), given the
-        # pseudo-gradient and giving back its average once the quorum committed it; else our ring, on its thread
-        self.meet = meet
-        self.thread = None if meet is not None else AllreduceThread("ring", timeout_s, group=group)
+        # meets_outside: the meetings are the caller's (fault-tolerant replica groups: trainer/replica_groups.py),
+        # which gives the meeting once it holds one (meet_through); else our ring, on its thread
+        self.meets_outside = meets_outside
+        self.meet: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None
+        self.thread = None if meets_outside else AllreduceThread("ring", timeout_s, group=group)
         self.inner_steps = 0
         self.in_flight: list[InFlight] = []
         self.log: list[dict[str, Any]] = []  # one entry per outer all-reduce: step, fragment, bytes, wait
+
+    def meet_through(self, meet: Callable[[torch.Tensor | None], torch.Tensor | None]) -> None:
+        """The caller's meeting (``meets_outside``), given once, before the first: ``meet(pseudo)`` gives back the
+        average of the replicas' pseudo-gradients once they agreed on it (None where none brought one: no outer
+        step), ``meet(None)`` takes part bringing nothing."""
+        if not self.meets_outside or self.meet is not None:
+            raise RuntimeError("DiLoCo.meet_through: a meeting is given once, to a DiLoCo made with meets_outside")
+        self.meet = meet
+
+    def _meeting(self) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+        if self.meet is None:
+            raise RuntimeError("DiLoCo meets outside (meets_outside) and no meeting was given yet (meet_through)")
+        return self.meet
 
     def _flatten(self, f: int) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.fragments[f]])
@@ -326,9 +342,9 @@ class DiLoCo:
     def _launch(self, f: int) -> None:
         local = self._flatten(f)
         pseudo = self.start[f] - local  # Delta_r: the shared point minus this replica's
-        if self.meet is not None:  # averaged over the replica groups alive, applied now (delay 0)
+        if self.meets_outside:  # averaged over the replica groups alive, applied now (delay 0)
             self.log.append({"step": self.inner_steps, "fragment": f, "elements": pseudo.numel(), "bytes": None})
-            self.in_flight.append(InFlight(f, self.inner_steps, self.meet(pseudo), None, None, None))
+            self.in_flight.append(InFlight(f, self.inner_steps, self._meeting()(pseudo), None, None, None))
             return
         if self.error is not None:
             pseudo += self.error[f]  # error feedback: what earlier roundings lost, sent now
@@ -379,7 +395,7 @@ class DiLoCo:
         """A replica that has just taken the live state at a meeting (fault-tolerant replica groups): no progress of
         its own to bring, it takes the meeting's average (``meet(None)``) and its outer step like the others (none
         where no replica brought a pseudo-gradient: a meeting of replicas that all just started)."""
-        average = self.meet(None)
+        average = self._meeting()(None)
         if average is not None:
             self._apply(InFlight(0, self.inner_steps, average, None, None, None))
 

@@ -2,7 +2,7 @@
 of a random replica every --kill-every seconds (30) during the first --seconds (300), on one fault schedule, three
 ways:
 
-- ours: replicas.py's fault-tolerant replica groups (3 torchruns of 1 process, a coordinator): the survivors go on,
+- ours: the fault-tolerant replica groups of replicas/ (3 torchruns of 1 process, a coordinator): the survivors go on,
   a restarted group takes the live state from one of them (benchmarks/replica_runs.py);
 - elastic: one torchrun of 3 processes with --max-restarts and --checkpoint-every 25, as the trainer is run today:
   every fault restarts every process, which resume from the last checkpoint and redo the steps since it;
@@ -362,13 +362,12 @@ def transfer_worker(group: int, address: str, workdir: str) -> None:
         step[0] = state["step"]
     replica = replicas.Replica(address, group, 2, "gpt2", lambda: {"model": model.state_dict(), "optimizer":
                                optimizer.state_dict(), "step": step[0]}, load, min_groups=2, fault_timeout_s=120)
-    replica.join(step[0])
+    received = replica.join(step[0]).recovery  # group 0's: the state it received (group 1's: None)
     replica.commit(True)
     if group == 0:
-        figures = replica.recovered[-1]
         utils.write_json(os.path.join(workdir, "joiner.json"), {
-            "seconds": figures["seconds"], "load_s": figures["load_s"], "bytes": figures["bytes"],
-            "gb_per_s": figures["bytes"] / figures["seconds"] / 1e9,
+            "seconds": received.seconds, "load_s": received.load_s, "bytes": received.bytes,
+            "gb_per_s": received.bytes / received.seconds / 1e9,
             "peak_rss_mb": utils.proc_status_mb("VmHWM")})
     replica.close()
 

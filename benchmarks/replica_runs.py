@@ -1,5 +1,5 @@
 """A run of fault-tolerant replica groups on this machine, for the fault benchmark and the fault tests: the coordinator
-(``python replicas.py serve --port 0``, the port the OS hands out) and each group a ``torchrun --standalone
+(``python -m replicas serve --port 0``, the port the OS hands out) and each group a ``torchrun --standalone
 --nproc_per_node P --max-restarts K`` of the trainer with its own checkpoint folder, commit log and metrics, in a
 working folder; the groups' workers found by process (to kill or stop one), their commit logs read as they grow.
 
@@ -53,9 +53,9 @@ class ReplicaRun:
             self.start_group(group)
 
     def start_coordinator(self, port: int = 0) -> None:
-        """``replicas.py serve`` on ``port`` (0: one the OS hands out), once it listens."""
+        """``python -m replicas serve`` on ``port`` (0: one the OS hands out), once it listens."""
         log = open(os.path.join(self.workdir, "coordinator.log"), "a")
-        self.coordinator = subprocess.Popen([sys.executable, "replicas.py", "serve", "--host", "127.0.0.1", "--port",
+        self.coordinator = subprocess.Popen([sys.executable, "-m", "replicas", "serve", "--host", "127.0.0.1", "--port",
                                              str(port)], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline, seen = time.monotonic() + 120, 0 if self.address is None else len(self._ports(log.name))
         while len(self._ports(log.name)) <= seen:

@@ -38,10 +38,11 @@ def trainer_flags() -> set[str]:
 
 
 def repository_flags() -> set[str]:
-    """Every option string an argparse parser of the repository's scripts, benchmarks and trainer/ tools declares."""
+    """Every option string an argparse parser of the repository's scripts, benchmarks, trainer/ tools and the
+    coordinator (replicas/) declares."""
     declared = set()
     for path in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "benchmarks", "*.py")) + \
-            glob.glob(os.path.join(ROOT, "trainer", "*.py")):
+            glob.glob(os.path.join(ROOT, "trainer", "*.py")) + glob.glob(os.path.join(ROOT, "replicas", "*.py")):
         for call in re.findall(r"add_argument\(\s*((?:[\"']-{1,2}[\w-]+[\"']\s*,\s*)+)", open(path).read()):
             declared.update(FLAG.findall(call))
     return declared

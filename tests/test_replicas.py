@@ -1,4 +1,4 @@
-"""Fault-tolerant replica groups (replicas.py, trainer/replica_groups.py), on the tiny GPT in float64.
+"""Fault-tolerant replica groups (replicas/, trainer/replica_groups.py), on the tiny GPT in float64.
 
 Without faults: 2 replica groups of 2 processes, each its own process group and coordinated only through the
 coordinator's store, give the weights of one run of 4 processes at --zero 0, and one process replaying the commit

@@ -273,18 +273,13 @@ def make_outer(config: Config, model: nn.Module, across: Any, sync: DataParallel
     if config.grad_sync not in OUTER_SYNCS:
         return None
     sharded = {"params": sync.weights, "after_write": sync.drop_gathered} if config.zero == 3 else {}
-    meets = {"meet": meeting_not_ready} if config.coordinator else {}  # replica groups meet through the quorum
+    # replica groups meet through their quorum: trainer/replica_groups.py gives DiLoCo that meeting (meet_through)
     try:
         return DiLoCo(model, across, config.local_steps, config.outer_lr, config.outer_momentum,
                       config.outer_optimizer == "nesterov", config.outer_compress, config.fragments,
-                      config.outer_delay, config.timeout, **sharded, **meets)
+                      config.outer_delay, config.timeout, **sharded, meets_outside=bool(config.coordinator))
     except ValueError as exc:  # e.g. more fragments than the model has parameters
         raise UsageError(f"--grad-sync {config.grad_sync}: {exc}") from None
-
-
-def meeting_not_ready(pseudo: Any) -> Any:
-    """DiLoCo's meeting before the replica groups are joined (trainer/replica_groups.py sets the real one)."""
-    raise RuntimeError("the replica groups' meeting is not set up yet")
 
 
 def dynamo_counts() -> dict[str, int]:

@@ -249,14 +249,14 @@ class Config:
                                      help="fault tolerance: this torchrun is replica group I (0 .. R-1) of a run "
                                           "whose groups train together through --coordinator and carry on when "
                                           "one is lost, a group that comes back taking the live state from another "
-                                          "(replicas.py; custom --zero 0, or diloco and localsgd with each group a "
+                                          "(replicas/; custom --zero 0, or diloco and localsgd with each group a "
                                           "replica; each group its own --checkpoint-dir)")
     replica_groups: int | None = flag(None, type=int, metavar="R",
                                       help="fault tolerance: the replica groups the run is planned for; group I's "
                                            "processes take the data of ranks I*P .. I*P+P-1 of one R*P-process run, "
                                            "which R groups of P processes are without faults")
     coordinator: str | None = flag(None, metavar="HOST:PORT",
-                                   help="fault tolerance: the coordinator's address (`python replicas.py serve` "
+                                   help="fault tolerance: the coordinator's address (`python -m replicas serve` "
                                         "starts one, listening on PORT)")
     min_replica_groups: int = flag(1, type=int, metavar="N",
                                    help="fault tolerance: a step waits until N replica groups are alive")

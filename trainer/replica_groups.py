@@ -1,8 +1,8 @@
 """Fault-tolerant replica groups (--replica-group I --replica-groups R --coordinator HOST:PORT): this torchrun is
 group I of R, each its own torchrun of P processes (``torchrun --standalone --max-restarts K``, its own
---checkpoint-dir), trained together through replicas.py's quorums, so that a lost group stops no other.
+--checkpoint-dir), trained together through the replicas package's quorums, so that a lost group stops no other.
 
-    python replicas.py serve --port 29400
+    python -m replicas serve --port 29400
     torchrun --standalone --nproc_per_node P --max-restarts 100 ddp_cifar100.py ... --replica-group 0 \\
         --replica-groups 3 --coordinator 127.0.0.1:29400 --checkpoint-dir run/group0     # and groups 1, 2
 
@@ -57,14 +57,13 @@ class ReplicaGroups:
         self.history: list[dict[str, Any]] = []
         self.epoch: Any = None  # the loop's epoch under way (its sums), or None between epochs
         self.sums: list[float] = list(NO_SUMS)  # this rank's sums of the epoch under way, once the live state is taken
-        self.recovered = False
         self.joined = False  # diloco: whether this process has joined once (then it meets only at outer steps)
         self.replica = replicas.Replica(
             config.coordinator, config.replica_group, config.replica_groups, identity, self.live_state,
             self.take_live_state, min_groups=config.min_replica_groups, fault_timeout_s=config.fault_timeout,
             collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step)
-        if parts.outer is not None:
-            parts.outer.meet = self.meet
+        if parts.outer is not None:  # diloco: the groups meet through this quorum's meeting
+            parts.outer.meet_through(self.meet)
 
     def _fault(self, point: str) -> None:
         """trainer/faults.py's injection, inside the average and the state transfer."""
@@ -77,27 +76,29 @@ class ReplicaGroups:
         takes its part at once in its quorum's meeting with nothing to bring (DiLoCo.meet_as_joiner): the groups
         there at a meeting bring theirs, and a quorum of groups that all just started brings none, and applies no
         outer step."""
-        self.position, self.history, self.epoch, self.recovered = position, history, epoch, False
+        self.position, self.history, self.epoch = position, history, epoch
         if self.parts.outer is not None and self.joined:
             return False
         self.joined = True
-        self._join()
+        recovered = self._join()
         if self.parts.outer is not None:
             self.parts.outer.meet_as_joiner()
-        return self.recovered
+        return recovered
 
-    def _join(self) -> None:
+    def _join(self) -> bool:
+        """This step's quorum joined; whether this group received the live state in it (``take_live_state`` has
+        then loaded it), noted in the commit log with its timings."""
         asked = time.time()
-        self.recovered = False
-        quorum = self.replica.join(self.position.optimizer_steps)
-        if self.recovered:
-            transfer = self.replica.recovered[-1]
+        joined = self.replica.join(self.position.optimizer_steps)
+        quorum, received = joined.quorum, joined.recovery
+        if received is not None:
             self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
-                                             "quorum": quorum.id, "source": transfer["source"],
+                                             "quorum": quorum.id, "source": received.source,
                                              "started": STARTED, "asked": asked,
-                                             "quorum_s": time.time() - asked - transfer["seconds"] - transfer["load_s"],
-                                             "transfer_s": transfer["seconds"], "load_s": transfer["load_s"],
-                                             "bytes": transfer["bytes"]}})
+                                             "quorum_s": time.time() - asked - received.seconds - received.load_s,
+                                             "transfer_s": received.seconds, "load_s": received.load_s,
+                                             "bytes": received.bytes}})
+        return received is not None
 
     def meet(self, pseudo: torch.Tensor | None) -> torch.Tensor | None:
         """diloco's meeting (diloco.DiLoCo's ``meet``): this group's pseudo-gradient (None: it has just joined and
@@ -106,10 +107,8 @@ class ReplicaGroups:
         pseudo-gradient. The meeting's quorum: a new one, unless this process has just joined (it is in one)."""
         joined = pseudo is None
         while True:
-            if not joined:
-                self._join()
-                if self.recovered:  # this group was behind (back from a hang): its pseudo-gradient is stale
-                    pseudo = None
+            if not joined and self._join():  # this group was behind (back from a hang): its pseudo-gradient is stale
+                pseudo = None
             joined = False
             average = torch.zeros_like(self.parts.outer.start[0]) if pseudo is None else pseudo.clone()
             if self.replica.commit(self.replica.average([average], 0.0 if pseudo is None else 1.0)):
@@ -138,7 +137,6 @@ class ReplicaGroups:
         torch.set_rng_state(state["rng"])
         if parts.outer is not None:
             parts.outer.load_state_dict(state["outer"])
-        self.recovered = True
 
     def average(self) -> bool:
         """The sync's gradient buckets (averaged in the group) averaged across the quorum's groups (diloco: an inner

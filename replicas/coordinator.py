@@ -1,0 +1,284 @@
+"""The coordinator: a TCPStore and, beside it, the lighthouse, the one process that decides who is in each quorum
+(the package docstring's step 1). It holds membership, not state: everything the members need is in the store's
+keys (protocol.py), and everything else the members settle among themselves through the store.
+
+    python -m replicas serve --port 29400 [--host 0.0.0.0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from replicas.protocol import FINISHED, PREFIX, STALE_S, one_line
+
+FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group once one has asked
+LINEAGE_WAITS = 10  # the fault timeouts the lighthouse waits, at most, for the holders of the last committed step
+TICK_S = 0.005  # the lighthouse's poll of its event queue and of the open quorum's decision
+WATCH_S = 0.05  # ... and of the heartbeats, when no request came meanwhile
+
+
+@dataclass
+class Asked:
+    """A group's latest request to join, as the lighthouse holds it."""
+    request: dict[str, Any]
+    at: float  # the lighthouse's clock when it came
+
+
+
+class Lighthouse:
+    """Forms the quorums (the package docstring, step 1) from the join requests in the store's event queue, and aborts a
+    quorum whose member went silent. It keeps no state that the members need besides the store's keys: quorum/n
+    (the quorum), ticket/T (its answer to request T), decision/n (written by members, or by it on silence)."""
+
+    def __init__(self, store: TCPStore):
+        self.store = store
+        self.quorum: dict[str, Any] | None = None  # the last one formed
+        self.frontier: tuple[int, int] | None = None  # (step, quorum) of the last step committed ([Note: lineage])
+        self.holders: dict[str, str] = {}  # group -> incarnation: the processes that committed it (they hold that
+        # state until they commit again)
+        self.asked: dict[int, Asked] = {}  # group -> its request for the next quorum
+        self.beats: dict[str, tuple[bytes, float]] = {}  # heartbeat key -> (value, when it last changed)
+        self.places: dict[int, int] = {}  # group -> its size P, from its requests
+        self.tickets: dict[int, list[str]] = {}  # quorum -> the tickets it answered
+        self.first_asked: float | None = None
+        self.decided_at: float | None = None
+        self.said: str | None = None
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        watched = 0.0
+        while stop is None or not stop.is_set():
+            asked = self._take_requests()
+            decided = self.quorum is None or self._decided()
+            if asked or time.monotonic() - watched > WATCH_S:
+                self._watch_heartbeats()
+                watched = time.monotonic()
+                if decided:
+                    self._form()
+                else:
+                    self._abort_if_silent()
+            time.sleep(TICK_S)
+
+    def _take_requests(self) -> int:
+        """The requests in the queue (how many). Once a quorum exists, one of another identity or size is refused at
+        once; a newer start of a group replaces the older's request (which is told so: that process is gone, or is
+        not the group it says)."""
+        queue, taken = PREFIX + "events", 0
+        while self.store.queue_len(queue):
+            taken += 1
+            request = json.loads(self.store.queue_pop(queue, False))
+            group = request["group"]
+            why = self._unfit(request, self.quorum) if self.quorum is not None else None
+            older = self.asked.get(group)
+            if why is None and older is not None and older.request["ticket"].split("/")[1] != \
+                    request["ticket"].split("/")[1]:
+                self._refuse(older.request, f"replaced by a newer start of replica group {group}")
+            if why is not None:
+                self._refuse(request, why)
+                continue
+            self.places[group] = request["size"]
+            self.asked[group] = Asked(request, time.monotonic())
+            self.first_asked = self.first_asked or time.monotonic()
+        return taken
+
+    def _unfit(self, request: dict[str, Any], reference: dict[str, Any]) -> str | None:
+        """Why a group may not join the run (None: it may)."""
+        if request["identity"] != reference["identity"]:
+            return "another configuration (its fingerprint differs)"
+        if request["size"] != reference["size"]:
+            return f"{request['size']} processes, where the run's replica groups have {reference['size']}"
+        finished = json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
+        if finished is not None and request["step"] < finished["step"]:
+            return (f"{FINISHED} at step {finished['step']} while this group was away (it is at step "
+                    f"{request['step']}): no group is left to take the live state from, and nothing is left to "
+                    f"train; the run's weights are the other groups'")
+        return None
+
+    def _refuse(self, request: dict[str, Any], why: str) -> None:
+        self.store.set(f"{PREFIX}ticket/{request['ticket']}",
+                       json.dumps({"refused": f"replica group {request['group']} refused by the coordinator: {why}",
+                                   "finished": why.startswith(FINISHED)}))
+
+    def _watch_heartbeats(self) -> None:
+        keys = [f"{PREFIX}hb/{g}/{j}" for g, size in self.places.items() for j in range(size)]
+        present = [key for key in keys if self.store.check([key])]
+        now = time.monotonic()
+        for key, value in zip(present, self.store.multi_get(present) if present else []):
+            if self.beats.get(key, (None, 0.0))[0] != value:
+                self.beats[key] = (value, now)
+
+    def _silent_for(self, group: int) -> float:
+        """Seconds since the staler of the group's places last beat (inf: never seen)."""
+        now = time.monotonic()
+        return max(now - self.beats.get(f"{PREFIX}hb/{group}/{j}", (None, -float("inf")))[1]
+                   for j in range(self.places.get(group, 1)))
+
+    def _may_hold(self, group: int, incarnation: str) -> bool:
+        """Whether that incarnation of the group may still hold the state it committed: every place's last heartbeat
+        says that incarnation (a heartbeat's value is INCARNATION/COUNT: a restarted process no longer holds it), and
+        none has been silent past the fault timeout (a stopped or starved process, not yet taken for dead)."""
+        keys = [f"{PREFIX}hb/{group}/{j}" for j in range(self.places.get(group, 1))]
+        return self._silent_for(group) <= self.quorum["fault_timeout"] and all(
+            self.beats.get(key, (b"",))[0].split(b"/")[0] == incarnation.encode() for key in keys)
+
+    def _decided(self) -> bool:
+        """Whether the open quorum is decided; the first time it is seen so, committed, its state is the run's."""
+        key = f"{PREFIX}decision/{self.quorum['id']}"
+        decided = self.store.check([key])
+        if decided and self.decided_at is None:
+            self.decided_at = time.monotonic()
+            if self.store.get(key) == b"commit":
+                self.frontier, self.holders = (self.quorum["step"] + 1, self.quorum["id"]), self.quorum["processes"]
+        return decided
+
+    def _abort_if_silent(self) -> None:
+        quorum = self.quorum
+        silent = [g for g in quorum["members"] if self._silent_for(g) > quorum["fault_timeout"]]
+        if silent:
+            self.store.compare_set(f"{PREFIX}decision/{quorum['id']}", "", "abort")
+
+    def _form(self) -> None:
+        """The next quorum, when its conditions hold (the package docstring, step 1)."""
+        alive = {g: asked for g, asked in self.asked.items() if self._silent_for(g) <= STALE_S}
+        if not alive:
+            return
+        if self.quorum is None:
+            planned = max(asked.request["planned"] for asked in alive.values())
+            if len(alive) < planned and time.monotonic() - self.first_asked < FIRST_WAIT_S:
+                return
+        else:
+            late = time.monotonic() - self.decided_at > self.quorum["fault_timeout"]
+            waiting_for = [g for g in self.quorum["members"]
+                           if g not in alive and self._silent_for(g) <= STALE_S and not late]
+            if waiting_for:
+                return
+            away = [int(g) for g, incarnation in self.holders.items()
+                    if int(g) not in alive and self._may_hold(int(g), incarnation)]
+            if away and not any((a.request["step"], a.request.get("last_commit")) == self.frontier
+                                for a in alive.values()):
+                waited = time.monotonic() - self.decided_at
+                if waited <= LINEAGE_WAITS * self.quorum["fault_timeout"]:
+                    self._say(f"waiting for replica group(s) {away}: the only holders of the last committed step, "
+                              f"not gone ([Note: lineage])")
+                    return
+                self._say(f"replica group(s) {away} hold the last committed step (step {self.frontier[0]}) but have "
+                          f"not asked to join in {waited:.0f} s ({LINEAGE_WAITS} fault timeouts): the others go on "
+                          f"from their older state, which the holders will receive, losing their steps since it")
+        needed = max(asked.request["min_groups"] for asked in alive.values())
+        members = sorted(self._admissible(alive))
+        if len(members) < needed:
+            self._say(f"waiting: {len(members)} replica group(s) alive, --min-replica-groups {needed}")
+            return
+        self._publish(members)
+
+    def _admissible(self, alive: dict[int, Asked]) -> list[int]:
+        """The groups that may join: of the quorum's identity and size (the first quorum: the most common), the
+        others refused in one line each."""
+        requests = [asked.request for asked in alive.values()]
+        reference = self.quorum or max(({"identity": r["identity"], "size": r["size"]} for r in requests),
+                                       key=lambda ref: sum(r["identity"] == ref["identity"] for r in requests))
+        members = []
+        for group, asked in alive.items():
+            why = self._unfit(asked.request, reference)
+            if why:
+                self._refuse(asked.request, why)
+                del self.asked[group]
+            else:
+                members.append(group)
+        return members
+
+    def _publish(self, members: list[int]) -> None:
+        previous = self.quorum
+        n = 0 if previous is None else previous["id"] + 1
+        requests = {g: self.asked.pop(g).request for g in members}
+        steps = {g: request["step"] for g, request in requests.items()}
+        # whether it committed, as _decided read it (the frontier is its step then)
+        committed = previous is not None and self.frontier == (previous["step"] + 1, previous["id"])
+        states = {g: (request["step"], request.get("last_commit")) for g, request in requests.items()}
+        reference = self.frontier if self.frontier in states.values() else max(
+            states.values(), key=lambda state: (state[0], -1 if state[1] is None else state[1]))
+        step = reference[0]
+        healthy = [g for g in members if states[g] == reference]
+        behind = [g for g in members if states[g] != reference]
+        processes = {str(g): request["ticket"].split("/")[1] for g, request in requests.items()}  # incarnations
+        same_groups = committed and previous["processes"] == processes
+        quorum = {"id": n, "members": members, "steps": {str(g): s for g, s in steps.items()}, "step": step,
+                  "sources": {str(g): healthy[i % len(healthy)] for i, g in enumerate(behind)},
+                  "pg": previous["pg"] if same_groups else n, "processes": processes,
+                  "size": requests[members[0]]["size"],
+                  "identity": requests[members[0]]["identity"],
+                  "fault_timeout": max(request["fault_timeout"] for request in requests.values())}
+        tickets = [request["ticket"] for request in requests.values()]
+        keys = [f"{PREFIX}quorum/{n}", *(f"{PREFIX}ticket/{ticket}" for ticket in tickets)]
+        self.store.multi_set(keys, [json.dumps(quorum)] * len(keys))
+        # after the tickets' keys: a member that finds answered/G at or past its ticket, and its ticket's key gone,
+        # knows it was answered and forgotten (Replica._forgotten)
+        self.store.multi_set([f"{PREFIX}answered/{g}" for g in requests], tickets)
+        self.tickets[n] = tickets
+        self.quorum, self.decided_at, self.said = quorum, None, None
+        if previous is not None:
+            self._forget(previous["id"] - 1)
+
+    # [Note: lineage] A step number alone does not say which state a group holds. A member of the last quorum may
+    # be slow to ask again (a loaded machine); past the fault timeout the lighthouse forms the next quorum without
+    # it, and a group left out of that last quorum takes the same step again from the state before it: two groups
+    # then reach step s + 1 by different steps s. Counted both at the step, they would average gradients computed on
+    # different weights and stay apart for good (seen under load: two groups 0.055 apart after 450 steps). So each
+    # group also says which quorum committed its last step, and the lighthouse keeps the last committed one (the
+    # frontier): the quorum's state is the frontier where a member holds it, else the most advanced a member holds,
+    # and every member not holding exactly that state receives it, whatever its step number. The branch it drops
+    # goes with its commit log, replaced by its source's: the weights stay the replay of the log they carry.
+    # Nor does the lighthouse let a quorum of groups that are all behind the frontier go on from an older state while
+    # a process that holds the frontier has not asked yet but is not gone (a long evaluation or save, a loaded
+    # machine that starved its heartbeat): that quorum's steps would replace every step since its state once the
+    # holders came back and received it. It waits for them until they ask, restart (their heartbeat names another
+    # process), are silent past the fault timeout (dead or hung), or LINEAGE_WAITS fault timeouts have passed since
+    # the last decision: a holder whose heartbeat thread beats while its training is stuck must not stall the run
+    # for good, and going on from the older state is then said in one line.
+
+    def _forget(self, n: int) -> None:
+        """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step); ``forgotten``
+        says so first, for a member that was stopped while waiting for them (Replica._decision; a ticket's member
+        finds answered/G past it, Replica._forgotten)."""
+        self.store.set(PREFIX + "forgotten", str(n))
+        for key in (f"quorum/{n}", f"votes/{n}", f"decision/{n}", *(f"ticket/{t}" for t in self.tickets.pop(n, []))):
+            self.store.delete_key(PREFIX + key)
+
+    def _say(self, text: str) -> None:
+        if text != self.said:
+            print(f"replicas serve: {text}", flush=True)
+            self.said = text
+
+
+
+
+def serve(port: int, host: str = "0.0.0.0") -> None:
+    """The coordinator: a TCPStore server on HOST:PORT and the lighthouse, until the process is stopped."""
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    print(f"replicas serve: coordinator on {host}:{store.port}", flush=True)
+    Lighthouse(store).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m replicas", description="the coordinator of fault-tolerant "
+                                     "replica groups (see the package docstring)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serving = commands.add_parser("serve", help="a TCPStore and the lighthouse that forms the quorums")
+    serving.add_argument("--port", type=int, required=True, help="the port to listen on (0: one the OS picks)")
+    serving.add_argument("--host", default="0.0.0.0", help="the address to listen on")
+    args = parser.parse_args(argv)
+    try:
+        serve(args.port, args.host)
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as error:
+        print(f"replicas serve: {one_line(error)}", file=sys.stderr, flush=True)
+        return 1
+    return 0

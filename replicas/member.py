@@ -1,0 +1,330 @@
+"""A member: one process of one replica group (Replica), and its heartbeat. It joins each step's quorum (receiving
+the live state first where it is behind), averages across the quorum's groups, votes, and applies the step only on
+the quorum's commit (the package docstring's steps 1-4).
+
+What it needs of the coordinator is the store at its address and the keys of protocol.py: it pushes join requests,
+waits for its ticket's answer and the quorum's decision, votes, and beats; it holds no connection to the lighthouse
+itself. What it needs of its peers: the quorum's process groups (made over the store, per quorum) for the average,
+and a StateTransport (transfer.py) for the live state."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ProcessGroupGloo
+
+from collectives import Collectives
+from replicas.commit_log import adopt, append_log, last_commit, resume_log, write_log
+from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, Quorum, ReplicaRefused, RunFinished,
+                               connect, one_line)
+from replicas.transfer import PGTransport, StateTransport
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The live state a process received in joining a quorum: the quorum's step, the group it came from, the
+    seconds it took to arrive and to load, and its tensors' bytes."""
+    step: int
+    source: int
+    seconds: float
+    load_s: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What ``Replica.join`` gives back: the step's quorum and, where this group was behind it, the state it
+    received (None: it held the quorum's state)."""
+    quorum: Quorum
+    recovery: Recovery | None = None
+
+
+class Heartbeat:
+    """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own, to
+    INCARNATION/COUNT (the lighthouse tells a restarted process from the one it replaced)."""
+
+    def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = ""):
+        self.store, self.key, self.incarnation = connect(address, timeout_s), key, incarnation
+        self.stop, self.lost = threading.Event(), None
+        self.store.set(key, f"{incarnation}/0")
+        self.thread = threading.Thread(target=self._beat, name="replica-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        beats = 0
+        while not self.stop.wait(HEARTBEAT_S):
+            beats += 1
+            try:
+                self.store.set(self.key, f"{self.incarnation}/{beats}")
+            except RuntimeError as error:  # the coordinator is gone: the main thread says so at its next call
+                self.lost = one_line(error)
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class Replica:
+    """One process of replica group ``group`` (the package docstring). ``state_dict()`` gives and ``load_state_dict``
+    takes what a joiner needs to continue (any nesting of dicts, lists and tuples of tensors and picklable values);
+    ``group_pg`` is the group's own process group (default: the default group, torchrun's world; None when the
+    group is this process alone), over which the group's places agree on one incarnation. ``collectives``: "torch"
+    or "ring", for the average across groups. ``commit_log``: a file (JSON lines) where place 0 writes every
+    committed step; ``step``: the step this process starts from (its checkpoint's), so that a log left by this
+    group's earlier processes keeps only the steps those weights have taken (the later ones are taken again).
+    ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed) and inside a state
+    transfer ("send": half the tensors sent), where a test kills the process. ``transport(pg, fault)``: the live
+    state's StateTransport for a quorum's process group (transfer.py; PGTransport: over that group)."""
+
+    def __init__(self, coordinator: str, group: int, planned: int, identity: str,
+                 state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,
+                 fault_timeout_s: float = 60.0, collectives: str = "torch", group_pg: Any = None,
+                 commit_log: str | None = None, fault: Callable[[str], None] | None = None, step: int = 0,
+                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = PGTransport):
+        self.address, self.group, self.planned, self.identity = coordinator, group, planned, identity
+        self.state_dict, self.load_state_dict = state_dict, load_state_dict
+        self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives
+        alone = not dist.is_initialized()
+        self.place, self.size = (0, 1) if alone else (dist.get_rank(group_pg), dist.get_world_size(group_pg))
+        incarnation = [uuid.uuid4().hex[:12]]
+        if not alone:
+            dist.broadcast_object_list(incarnation, group=group_pg, group_src=0)
+        self.incarnation = incarnation[0]
+        self.store = connect(coordinator, max(fault_timeout_s, CONNECT_S))
+        self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S),
+                                   self.incarnation)
+        self.quorum: Quorum | None = None
+        self.pg_id: int | None = None
+        self.pg: Any = None
+        self.comm: Collectives | None = None
+        self.transports = transport
+        self.transport: StateTransport | None = None  # the live state's way, made with the quorum's process group
+        self.requests = 0
+        self.failure: str | None = None  # why the last average failed
+        self.total_weight: float | None = None  # the last weighted average's sum of the groups' weights
+        self.log_path = commit_log if self.place == 0 else None
+        # every committed step this run knows (a joiner receives the past); an earlier process's, up to ``step``
+        self.log: list[dict[str, Any]] = resume_log(self.log_path, step) if self.log_path else []
+        self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
+        self.fault = fault or (lambda point: None)
+
+    # the store, with the coordinator's loss said in one line
+    def _lost(self, why: str) -> CoordinatorLost:
+        return CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone ({why}); this "
+                               f"group stops, its checkpoints as they were")
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RuntimeError as error:  # torch.distributed's DistError and its kin
+            raise self._lost(one_line(error)) from None
+
+    def _wait_for(self, key: str, gone: Callable[[], bool] | None = None) -> bytes | None:
+        """The value of ``key`` once it is set (however long: below min_groups the lighthouse waits); None once
+        ``gone()`` says it was deleted, or will never be set."""
+        while True:
+            if self.heartbeat.lost:
+                raise self._lost(self.heartbeat.lost)
+            try:
+                self.store.wait([key], timedelta(seconds=self.timeout_s))
+            except RuntimeError as error:
+                if not (isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()):
+                    raise self._lost(one_line(error)) from None
+                if gone is not None and gone():
+                    return None
+                continue
+            try:
+                return self.store.get(key)
+            except RuntimeError as error:
+                if gone is not None and gone():  # deleted between the wait and the get: stopped there (SIGSTOP)
+                    return None
+                raise self._lost(one_line(error)) from None
+
+    def _decision(self, quorum_id: int) -> bytes:
+        """decision/n once set, b"commit" or b"abort". A process stopped long enough finds quorum n forgotten (the
+        lighthouse deletes its keys at quorum n + 2): it was decided without this group, which takes it as not
+        taken; the next quorum gives it the state it missed ([Note: lineage]), as after an abort."""
+        def forgotten() -> bool:
+            return (self._call(self.store.check, [PREFIX + "forgotten"])
+                    and int(self._call(self.store.get, PREFIX + "forgotten")) >= quorum_id)
+        return self._wait_for(f"{PREFIX}decision/{quorum_id}", gone=forgotten) or b"abort"
+
+    # 1. join
+    # 1. join
+    def join(self, step: int) -> Joined:
+        """This step's quorum, and the live state this group received in joining it (loaded already) where it was
+        behind. Every place calls it. A transfer whose other end dies aborts the quorum, and this process asks again
+        (the state it had is intact: a joiner loads only what it received whole)."""
+        while True:
+            quorum = self._ask(step)
+            try:
+                if quorum.pg != self.pg_id:
+                    self._make_group(quorum)
+                return Joined(quorum, self._transfer(quorum))
+            except (RuntimeError, dist.DistError) as error:  # a member died before the group was made or the state
+                self._abort(quorum, f"joining quorum {quorum.id} failed ({one_line(error)})")  # arrived
+
+    def _abort(self, quorum: Quorum, why: str) -> None:
+        """This quorum's step is not taken: decided so (if nobody decided first), said once per group, and the
+        process group left behind (a peer failed in it)."""
+        self._call(self.store.compare_set, f"{PREFIX}decision/{quorum.id}", "", "abort")
+        self.failure = why
+        if self.place == 0:
+            print(f"replicas: group {self.group}: step {quorum.step} not taken by quorum {quorum.id} "
+                  f"{quorum.members}: {why}", file=sys.stderr, flush=True)
+        self._drop_group()
+
+    def _ask(self, step: int) -> Quorum:
+        """Ask the lighthouse (place 0 asks, every place waits for the answer to the same ticket), saying the step
+        this group's state is at and the quorum that committed the step before it ([Note: lineage]). A ticket
+        answered while this process was stopped (SIGSTOP), its quorum since forgotten, went on without it: ask
+        again."""
+        answer = None
+        while answer is None:
+            self.requests += 1
+            ticket = f"{self.group}/{self.incarnation}/{self.requests}"
+            if self.place == 0:
+                request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit(self.log),
+                           "identity": self.identity, "size": self.size, "planned": self.planned,
+                           "min_groups": self.min_groups, "fault_timeout": self.timeout_s}
+                self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
+            answer = self._wait_for(f"{PREFIX}ticket/{ticket}", gone=lambda: self._forgotten(ticket))
+            if answer is None and self.place == 0:
+                print(f"replicas: group {self.group}: the answer to its request {self.requests} came and was "
+                      f"forgotten while it was stopped: asking again", file=sys.stderr, flush=True)
+        if b"refused" in answer[:12]:
+            refusal = json.loads(answer)
+            raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])
+        self.quorum = Quorum.parse(answer)
+        return self.quorum
+
+    def _forgotten(self, ticket: str) -> bool:
+        """Whether the lighthouse answered ``ticket`` and has since forgotten its quorum (deleted the answer with
+        the quorum's keys, Lighthouse._forget): answered/G names this ticket or a later one of this process, and the
+        ticket's key is gone. Read in that order: the lighthouse sets the ticket's key before answered/G."""
+        key = f"{PREFIX}answered/{self.group}"
+        if not self._call(self.store.check, [key]):
+            return False
+        _, incarnation, number = self._call(self.store.get, key).decode().split("/")
+        mine = ticket.split("/")
+        return (incarnation == mine[1] and int(number) >= int(mine[2])
+                and not self._call(self.store.check, [f"{PREFIX}ticket/{ticket}"]))
+
+    # 2. recovery
+    def _transfer(self, quorum: Quorum) -> Recovery | None:
+        """A member behind receives from its source (what it received); a source sends to each joiner it was given,
+        its state and its commit log."""
+        source = quorum.sources.get(self.group)
+        recovery = self._receive_state(quorum.members.index(source), quorum) if source is not None else None
+        for joiner, giver in sorted(quorum.sources.items()):
+            if giver == self.group:
+                self.transport.send({"state": self.state_dict(), "log": self.log}, quorum.members.index(joiner))
+        return recovery
+
+    def _receive_state(self, source: int, quorum: Quorum) -> Recovery:
+        received = self.transport.receive(source)
+        arrived = time.perf_counter()
+        self.log = adopt(self.log, received.state["log"])
+        self.load_state_dict(received.state["state"])
+        recovery = Recovery(quorum.step, quorum.members[source], received.seconds, time.perf_counter() - arrived,
+                            received.bytes)
+        self.recovered.append(dataclasses.asdict(recovery))
+        if self.log_path:
+            write_log(self.log_path, self.log)
+        return recovery
+
+    def _make_group(self, quorum: Quorum) -> None:
+        """The quorum's process groups at this place: one for the average and state, one for the ring's thread."""
+        self._drop_group()
+        connect = timedelta(seconds=max(quorum.fault_timeout, CONNECT_S))
+        rank = quorum.members.index(self.group)
+        base = PrefixStore(f"{PREFIX}pg/{quorum.pg}/{self.place}", self.store)
+        groups = []
+        for name in ("main",) if self.kind == "torch" else ("main", "ring"):
+            groups.append(ProcessGroupGloo(PrefixStore(name, base), rank, len(quorum.members), connect))
+            groups[-1].set_timeout(timedelta(seconds=quorum.fault_timeout))  # its collectives': a hang's limit
+        self.pg, thread_pg = groups[0], groups[1] if len(groups) > 1 else None
+        self.comm = Collectives(self.pg, self.kind, quorum.fault_timeout, thread_group=thread_pg)
+        self.transport = self.transports(self.pg, self.fault)
+        self.pg_id = quorum.pg
+
+    def _drop_group(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+        self.comm, self.pg, self.pg_id, self.transport = None, None, None, None
+
+    # 2. recovery
+    # 3. average
+    def average(self, tensors: list[torch.Tensor], weight: float | None = None) -> bool:
+        """Each tensor averaged over the quorum's groups, in place; False (and ``failure`` says why) where a peer
+        died or timed out, or the quorum was already aborted (a transfer in it failed). ``weight`` (every member
+        gives one, or none does): each group's tensors count by their group's weight, sum(w t) / sum(w) (a group
+        with nothing to bring: 0)."""
+        if self._call(self.store.check, [f"{PREFIX}decision/{self.quorum.id}"]):
+            self.failure = "the quorum was aborted before its average"
+            return False
+        weights = [] if weight is None else [torch.tensor([weight], dtype=torch.float64)]
+        if weights:
+            torch._foreach_mul_(tensors, weight)
+        try:
+            pending = [self.comm.all_reduce(t, f"allreduce across replicas {i}")
+                       for i, t in enumerate(tensors + weights)]
+            self.fault("allreduce")
+            for work in pending:
+                work.wait()
+        except (RuntimeError, dist.DistError) as error:
+            self.failure = one_line(error)
+            return False
+        self.total_weight = None if weight is None else weights[0].item() * len(self.quorum.members)
+        if weights and weights[0].item() > 0:  # (all 0: the tensors are 0, and stay so)
+            torch._foreach_div_(tensors, weights[0].item())
+        return True
+
+    # 4. commit
+    def commit(self, ok: bool, samples_of: Callable[[int], Any] | None = None) -> bool:
+        """Whether the quorum applies this step (the package docstring, step 4); every place calls it. ``samples_of``:
+        what group g used in this step (its samples, which every group can name: the trainer's data order is a
+        function of the group and the step), written into the commit log beside the participants."""
+        quorum, key = self.quorum, f"{PREFIX}decision/{self.quorum.id}"
+        if ok and self._call(self.store.add, f"{PREFIX}votes/{quorum.id}", 1) == quorum.voters:
+            self._call(self.store.compare_set, key, "", "commit")
+        elif not ok:
+            self._abort(quorum, f"its average failed ({self.failure})")
+        committed = self._decision(quorum.id) == b"commit"
+        if not committed:
+            self._drop_group()  # a peer failed in it: the next quorum makes a new one
+            return False
+        entry = {"step": quorum.step, "quorum": quorum.id, "participants": quorum.members, "time": time.time()}
+        if samples_of is not None:
+            entry["samples"] = {str(g): samples_of(g) for g in quorum.members}
+        self.log.append(entry)
+        if self.log_path:
+            append_log(self.log_path, entry)
+        return True
+
+    def finish(self, step: int) -> None:
+        """This group is done at ``step``: a group that comes back later, behind it, has no one to take the state
+        from, and is told so in one line instead of training on alone."""
+        if self.place == 0:
+            self._call(self.store.compare_set, PREFIX + "finished", "", json.dumps({"step": step, "group": self.group}))
+
+    def note(self, entry: dict[str, Any]) -> None:
+        """Something else worth keeping beside the committed steps (a recovery's timings), in the commit log."""
+        self.log.append(entry)
+        if self.log_path:
+            append_log(self.log_path, entry)
+
+    def close(self) -> None:
+        self.heartbeat.close()
+        self._drop_group()
+

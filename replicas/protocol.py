@@ -1,0 +1,74 @@
+"""What the coordinator and the members share: the store's keys and timings, the errors a member raises, the
+connection to the coordinator's store, and the quorum as the lighthouse publishes it.
+
+The store's keys, all under PREFIX: events (the queue of join requests), ticket/T (the lighthouse's answer to
+request T: a quorum, or a refusal), answered/G (group G's last answered ticket), quorum/n, votes/n and decision/n
+(quorum n, its commit votes, its first decision: "commit" or "abort"), forgotten (the last quorum whose keys were
+deleted), finished (the step where a group finished the run), hb/G/J (place J of group G's heartbeat:
+INCARNATION/COUNT) and pg/N/J/... (the process groups of quorum N's place J)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+PREFIX = "replicas/"  # every key of the protocol, under the store's root
+HEARTBEAT_S = 0.1  # how often every process says it is alive
+STALE_S = 1.0  # a heartbeat this old: the process is gone (killed or stopped), for forming the next quorum
+FINISHED = "the run finished"  # how a refusal of a group back after the end begins (RunFinished)
+CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's process group (a loaded machine's processes)
+SERVE = "python -m replicas serve"  # the coordinator's command
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator cannot be reached: one line, naming it."""
+
+
+class ReplicaRefused(ValueError):
+    """The lighthouse refused this group (another identity, another size): one line, why."""
+
+
+class RunFinished(ReplicaRefused):
+    """The run finished while this group was away: nothing is left for it to do. Not a failure: a torchrun that
+    restarted the group after a fault need not restart it again (its process ends with 0)."""
+
+
+def connect(address: str, timeout_s: float) -> TCPStore:
+    """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line."""
+    host, _, port = address.rpartition(":")
+    try:
+        return TCPStore(host or "127.0.0.1", int(port), is_master=False, wait_for_workers=False,
+                        timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as error:
+        raise CoordinatorLost(f"coordinator {address} unreachable ({one_line(error)}): start it with `{SERVE} "
+                              f"--port {port}`") from None
+
+
+def one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+@dataclass
+class Quorum:
+    """One step's quorum, as the lighthouse formed it (a member's reading of quorum/n: the lighthouse also writes
+    the members' incarnations and identity there, for itself)."""
+    id: int
+    members: list[int]
+    steps: dict[int, int]  # each member's step when it asked
+    step: int  # the step the quorum takes: the most advanced member's
+    sources: dict[int, int]  # member behind -> the member it receives the state from
+    pg: int  # the quorum whose process group this one uses (a new one when a member is a new process, after an abort)
+    size: int  # P, processes per group
+    fault_timeout: float = 60.0
+    voters: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.voters = len(self.members) * self.size
+
+    @classmethod
+    def parse(cls, text: bytes) -> Quorum:
+        raw = json.loads(text)
+        return cls(raw["id"], raw["members"], {int(g): s for g, s in raw["steps"].items()}, raw["step"],
+                   {int(g): s for g, s in raw["sources"].items()}, raw["pg"], raw["size"], raw["fault_timeout"])
