@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from collectives import Collectives
-from gradsync import Bucket
+from zero.buckets import Bucket
 from zero.matrix import WHOLE_MATRIX, PieceOptimizer, whole_parameters
 from zero.optimizer_kinds import check_optimizer_class, missing_optimizer_state, state_kinds
 from zero.pieces import Cover, OptimizerView, covers
