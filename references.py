@@ -265,7 +265,6 @@ class FSDPSync:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from zero import checkpoint
-        from zero.checkpoint.disk import Writer
         from zero.optimizer_kinds import as_optimizers
 
         if one_file:
@@ -280,10 +279,10 @@ class FSDPSync:
         if extra is not None and dist.get_rank() == 0:  # DCP's coordinator: one copy, as zero.checkpoint writes it
             state["extra"] = checkpoint.encode_extra(extra)
         if writer is None:
-            dcp.save(state, storage_writer=Writer(path))  # DCP's FileSystemWriter, the disk's errors kept
+            dcp.save(state, storage_writer=checkpoint.Writer(path))  # DCP's FileSystemWriter, the disk's errors kept
             return None
         writer.wait()  # one save in flight
-        return writer.adopt(dcp.async_save(state, storage_writer=Writer(path),
+        return writer.adopt(dcp.async_save(state, storage_writer=checkpoint.Writer(path),
                                            process_group=writer.writer_group(None)))
 
     def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
@@ -297,13 +296,12 @@ class FSDPSync:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from zero import checkpoint
-        from zero.checkpoint.checksums import verify
         from zero.optimizer_kinds import as_optimizers
 
         if os.path.isfile(path):
             return checkpoint.load_file(path, self, optimizer, stepped)
         optimizers = as_optimizers(optimizer)
-        problem = verify(path, ("model", "extra", *(("optimizer",) if optimizers else ())))
+        problem = checkpoint.verify(path, ("model", "extra", *(("optimizer",) if optimizers else ())))
         if problem:  # flipped bytes, refused before anything is read (zero/checkpoint/checksums.py)
             raise checkpoint.CheckpointError(f"zero.checkpoint.load: checkpoint {path}: {problem}")
         with self._fsdp2_state_dicts():

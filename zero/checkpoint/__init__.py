@@ -93,8 +93,9 @@ zero/pieces.py's. DCP's flattening and its inverse come from its private modules
 ``_traverse.set_element``): the ones DCP's own planners and ``dcp_to_torch_save`` use, so the keys and the rebuilt
 structure are DCP's by construction.
 
-Its names are imported at their first use (``__getattr__``, as zero's own): the stages inherit ``WholeCheckpoints``
-without torch.distributed.checkpoint's half a second of start-up.
+Everything used from outside zero/ is a name of this module (nothing outside imports its files), imported at its first
+use (``__getattr__``, as zero's own): the stages inherit ``WholeCheckpoints`` without torch.distributed.checkpoint's
+half a second of start-up.
 """
 from __future__ import annotations
 
@@ -106,10 +107,15 @@ EXPORTS = {
     "save": "zero.checkpoint.api", "load": "zero.checkpoint.api", "read_extra": "zero.checkpoint.api",
     "read_whole": "zero.checkpoint.api",
     "save_file": "zero.checkpoint.whole", "load_file": "zero.checkpoint.whole", "read_file": "zero.checkpoint.whole",
-    "load_any": "zero.checkpoint.whole",
+    "load_any": "zero.checkpoint.whole", "write_file": "zero.checkpoint.whole", "read_shared": "zero.checkpoint.whole",
+    "load_model": "zero.checkpoint.whole", "load_optimizer": "zero.checkpoint.whole",
+    "check_complete": "zero.checkpoint.whole", "KEYS": "zero.checkpoint.whole",
     "Checkpoints": "zero.checkpoint.methods", "WholeCheckpoints": "zero.checkpoint.methods",
     "AsyncWriter": "zero.checkpoint.background", "StagingBuffers": "zero.checkpoint.background",
     "CheckpointError": "zero.checkpoint.checks", "one_line": "zero.checkpoint.checks",
+    "agree": "zero.checkpoint.checks", "read_folder": "zero.checkpoint.checks",
+    "file_problem": "zero.checkpoint.checksums", "verify": "zero.checkpoint.checksums",
+    "Writer": "zero.checkpoint.disk", "disk_problem": "zero.checkpoint.disk",
     "Checkpointable": "zero.checkpoint.state_dict", "encode_extra": "zero.checkpoint.state_dict",
     "model_entries": "zero.checkpoint.state_dict", "optimizer_entries": "zero.checkpoint.state_dict",
     "ShardSavePlanner": "zero.checkpoint.planner", "ShardLoadPlanner": "zero.checkpoint.planner",
