@@ -1,7 +1,7 @@
 """The three collectives data parallelism is made of, in one place: average a flat tensor over a process group
 (all-reduce), average it into this rank's chunk (reduce-scatter), and give every rank every rank's chunk
 (all-gather); and a fourth for the whole-matrix optimizers (zero/matrix.py): send each rank its own segment
-(all-to-all). gradsync.py's stage 0 and zero's stages 1-3 move their buckets with nothing else.
+(all-to-all). zero's stages 0 (zero/stage0.py) to 3 move their buckets with nothing else.
 
     comm = Collectives(group=None, kind="torch")       # or "ring" / "butterfly" (allreduce.py's, on a thread)
     pending = comm.reduce_scatter(flat, "reduce_scatter bucket 3 (1.0 MB)")

@@ -13,7 +13,7 @@ This file is the loop; each part of the trainer lives in a room of its own under
     trainer/generation.py  --generate: bytes sampled from a checkpoint's GPT
     trainer/export.py      python -m trainer.export: a checkpoint out as transformers' GPT-2 or safetensors;
                            --init-from reads them back
-The data (in memory, image folders, text) is data.py's, the models models.py's, the syncs zero's (zero/), gradsync.py's,
+The data (in memory, image folders, text) is data.py's, the models models.py's, the syncs zero's (zero/),
 references.py's and diloco.py's.
 
 Every rank holds a full replica of the model and sees its own shard of each epoch's data (DistributedSampler,

@@ -466,7 +466,7 @@ class DiLoCoSync:
 
     def save_checkpoint(self, path: str, optimizer: Any = None, extra: Any = None, *, one_file: bool = True,
                         writer: Any = None) -> Any:
-        from zero.checkpoint.whole import write_file
+        from zero.checkpoint import write_file
         if not one_file:
             raise ValueError("DiLoCo's replicas hold weights of their own: its checkpoint is one file (one_file)")
         optimizer_state = optimizer.state_dict() if optimizer is not None else None  # gathered in the replica
@@ -498,8 +498,7 @@ class DiLoCoSync:
     def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
         import os
 
-        from zero.checkpoint import CheckpointError
-        from zero.checkpoint.whole import KEYS, check_complete, load_model, load_optimizer, read_shared
+        from zero.checkpoint import KEYS, CheckpointError, check_complete, load_model, load_optimizer, read_shared
         if not os.path.isfile(path):
             raise CheckpointError(f"zero.checkpoint.load: checkpoint {path} is a folder of a sharded sync's state; "
                                   f"DiLoCo keeps each replica's own weights and outer state, which it does not hold: "

@@ -1,4 +1,4 @@
-"""PyTorch's own data parallelism behind the interface of zero.shard (gradsync.DataParallel), side by side: the
+"""PyTorch's own data parallelism behind the interface of zero.shard (zero.stage0.DataParallel), side by side: the
 references every hand-written stage is measured against.
 
     DDPSync(model, device, bucket_mb)                       stage 0: DistributedDataParallel
@@ -11,9 +11,10 @@ references every hand-written stage is measured against.
 Each leaves the user's optimizer code as it is and PyTorch's own clipping (torch.nn.utils.clip_grad_norm_, which
 FSDP2's DTensors make global) in place. Their optimizers' state_dict() gives torch.optim's ordinary, unsharded
 form on the group's rank 0 ({} on the others, which must call it too), as zero.shard's do, so a checkpoint of any
-of them loads into any stage. Each offers every sync's checkpoints (save_checkpoint, load_checkpoint): DDP's are
-zero.checkpoint's of whole tensors (gradsync.WholeCheckpoints), FSDP2's are folders written and read FSDP2's way
-(get_state_dict, torch.distributed.checkpoint, set_state_dict) in zero.checkpoint's format; either also as one file.
+of them loads into any stage. Each offers every sync's checkpoints (zero.checkpoint.Checkpoints: save_checkpoint,
+load_checkpoint): DDP's are zero.checkpoint's of whole tensors (zero.checkpoint.WholeCheckpoints), FSDP2's are
+folders written and read FSDP2's way (get_state_dict, torch.distributed.checkpoint, set_state_dict) in
+zero.checkpoint's format; either also as one file.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync import WholeCheckpoints, broadcast_state, check_keys_on_rank0, only_rank0_holds
+from zero.broadcast import broadcast_state, check_keys_on_rank0, only_rank0_holds
+from zero.checkpoint import WholeCheckpoints
 from zero.pieces import OptimizerView, whole_optimizer_view
 
 
@@ -138,6 +140,9 @@ class DDPSync(WholeCheckpoints):
         if dist.get_rank() == 0:
             self.model.load_state_dict(state)
         broadcast_state(self.model)
+
+    def held_shards(self) -> list[torch.Tensor]:
+        return []
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
         return []  # the .grad views of DDP's buckets are counted through the parameters
@@ -260,7 +265,6 @@ class FSDPSync:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from zero import checkpoint
-        from zero.checkpoint.disk import Writer
         from zero.optimizer_kinds import as_optimizers
 
         if one_file:
@@ -275,10 +279,10 @@ class FSDPSync:
         if extra is not None and dist.get_rank() == 0:  # DCP's coordinator: one copy, as zero.checkpoint writes it
             state["extra"] = checkpoint.encode_extra(extra)
         if writer is None:
-            dcp.save(state, storage_writer=Writer(path))  # DCP's FileSystemWriter; the disk's errors kept (disk.py)
+            dcp.save(state, storage_writer=checkpoint.Writer(path))  # DCP's FileSystemWriter, the disk's errors kept
             return None
         writer.wait()  # one save in flight
-        return writer.adopt(dcp.async_save(state, storage_writer=Writer(path),
+        return writer.adopt(dcp.async_save(state, storage_writer=checkpoint.Writer(path),
                                            process_group=writer.writer_group(None)))
 
     def load_checkpoint(self, path: str, optimizer: Any = None, *, stepped: bool = False) -> Any:
@@ -292,13 +296,12 @@ class FSDPSync:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from zero import checkpoint
-        from zero.checkpoint.checksums import verify
         from zero.optimizer_kinds import as_optimizers
 
         if os.path.isfile(path):
             return checkpoint.load_file(path, self, optimizer, stepped)
         optimizers = as_optimizers(optimizer)
-        problem = verify(path, ("model", "extra", *(("optimizer",) if optimizers else ())))
+        problem = checkpoint.verify(path, ("model", "extra", *(("optimizer",) if optimizers else ())))
         if problem:  # flipped bytes, refused before anything is read (zero/checkpoint/checksums.py)
             raise checkpoint.CheckpointError(f"zero.checkpoint.load: checkpoint {path}: {problem}")
         with self._fsdp2_state_dicts():

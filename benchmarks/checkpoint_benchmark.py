@@ -89,6 +89,7 @@ def measure(rank: int, world_size: int, row: str, settings: dict) -> dict:
     import utils
     import zero.checkpoint
     from benchmarks.memory_benchmark import build, step
+    from zero.checkpoint import save  # noqa: F401  (its modules and DCP's, imported before anything is measured)
 
     utils.pin_mmap_threshold()  # freed blocks go back: the resident set is what is alive ([Note: the allocator])
     context, saves = settings["context"], settings["saves"]

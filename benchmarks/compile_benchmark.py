@@ -420,7 +420,7 @@ def overlap_in_trace(path: str) -> dict[str, Any]:
 
     Every all_reduce launched inside the "backward" range is a gradient bucket's (the runs use --norm local, so
     no SyncBatchNorm collective is there): torch.profiler's "c10d::allreduce_" event marks its launch, for
-    gradsync's hooks and DDP's reducer alike. The last bucket launches when the last gradient (the first layer's)
+    stage 0's hooks and DDP's reducer alike. The last bucket launches when the last gradient (the first layer's)
     is ready, so the backward's computation ends there: ``compute_ms`` = last launch - start of backward;
     ``overlapped_ms`` = last launch - first launch, the part of that computation with a bucket's all_reduce
     already running beside it; ``tail_ms`` = end of backward - last launch, what is left after the computation
@@ -452,7 +452,7 @@ def run_overlap_part(args: argparse.Namespace) -> dict[str, Any]:
              "--profile-steps", "8:11"]
     print(f"part overlap: ddp_cifar100.py --model {args.overlap_model} {' '.join(flags)} --profile DIR, "
           f"{NPROC} processes; the gradient buckets in rank 0's trace, eager vs --compile forward|blocks "
-          f"(--grad-sync custom: the hooks of gradsync.py; ddp: DistributedDataParallel's reducer, for which "
+          f"(--grad-sync custom: the hooks of zero/stage0.py; ddp: DistributedDataParallel's reducer, for which "
           f"Dynamo's DDPOptimizer splits the compiled graph at the buckets)", flush=True)
     rows = []
     progress = progress_bar(len(OVERLAP_RUNS), "overlap")

@@ -155,7 +155,7 @@ def worker(rank: int, world_size: int, store_path: str, settings: dict, results:
     import models  # noqa: F401  (imported before the baseline, as the trainer's start-up does)
     import references  # noqa: F401
     import zero  # noqa: F401
-    import zero.checkpoint  # noqa: F401
+    from zero.checkpoint import save  # noqa: F401  (its modules, and torch.distributed.checkpoint)
     row, steps, context = settings["row"], settings["steps"], settings["context"]
     tokens = torch.randint(0, 256, (steps + 1, 1, context + 1), generator=torch.Generator().manual_seed(rank))
     start_held = held_tensor_bytes() if settings["view"] else 0

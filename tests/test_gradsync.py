@@ -1,4 +1,4 @@
-"""gradsync.py: the hand-written gradient averaging against DistributedDataParallel, inside the trainer (the
+"""zero/stage0.py: the hand-written gradient averaging against DistributedDataParallel, inside the trainer (the
 session's reusable gloo workers, ``local_group``)."""
 import contextlib
 import copy
@@ -13,10 +13,10 @@ from torch.nn.parallel import DistributedDataParallel
 import ddp_cifar100 as trainer
 import references
 from collectives import Collectives
-from gradsync import GradientSync
 from trainer import build as trainer_build
 from models import build_model
 from trainer_testing import TINY, max_difference, train_in_group
+from zero.stage0 import GradientSync
 
 
 def count_all_reduces(rank, world_size, argv):

@@ -465,7 +465,6 @@ def load_file_in_group(rank, world_size, folder, shared):
     import torch
     import torch.distributed as dist
     import zero
-    from zero.checkpoint import whole
 
     def built():
         torch.manual_seed(0)
@@ -477,16 +476,16 @@ def load_file_in_group(rank, world_size, folder, shared):
     optimizer.step()
     path = os.path.join(folder if shared else f"{folder}-{rank}", "last.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    whole.save_file(path, sync, optimizer, {"step": 1})
+    zero.checkpoint.save_file(path, sync, optimizer, {"step": 1})
     saved = ({k: v.clone() for k, v in sync.model.state_dict().items()},
              {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()})
     sync, optimizer = built()
     sent, broadcast = [], dist.broadcast_object_list
-    whole.dist.broadcast_object_list = lambda message, *a, **k: (sent.append(1), broadcast(message, *a, **k))[1]
+    dist.broadcast_object_list = lambda message, *a, **k: (sent.append(1), broadcast(message, *a, **k))[1]
     try:
-        extra = whole.load_file(path, sync, optimizer, stepped=True)
+        extra = zero.checkpoint.load_file(path, sync, optimizer, stepped=True)
     finally:
-        whole.dist.broadcast_object_list = broadcast
+        dist.broadcast_object_list = broadcast
     with open("/proc/self/maps") as maps:
         still_mapped = path in maps.read()
     loaded = (sync.model.state_dict(), optimizer.state_dict()["state"][0])

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 import ddp_cifar100 as trainer
 import zero
 from collectives import Collectives
-from gradsync import assign_buckets
 from data import MemoryData
 from models import blocks, build_model
 from trainer import build as trainer_build
@@ -36,6 +35,7 @@ from trainer.build import make_optimizer, make_scaler
 from trainer.evaluation import validate
 from trainer_testing import (TINY, collect_all, max_difference, model_and_labelled_set, normalized_batch,
                              train_in_group, try_train_in_group)
+from zero.buckets import assign_buckets
 
 # 1 epoch: 64 samples per rank at 2 processes (43 at 3: uneven shards of the data too) in micro-batches of 8,
 # grad-accum 3, so the last window is short; buckets of at most 20 kB, so the small ResNet's 83,892 parameters

@@ -31,7 +31,8 @@ import utils
 import zero
 from data import FolderData, MemoryData, TextData, load_data
 from diloco import DiLoCo, DiLoCoSync
-from gradsync import DataParallel, broadcast_state
+from zero.broadcast import broadcast_state
+from zero.stage0 import DataParallel
 from models import blocks, build_model, initializer
 from references import DDPSync, FSDPSync
 from trainer.config import DTYPES, OURS, OUTER_SYNCS, Config

@@ -340,7 +340,7 @@ def named_step(directory: str) -> int | None:
 
 def whole(path: str) -> bool:
     """Whether a DCP folder is whole: its .metadata readable, every data file it names there at its size."""
-    from zero.checkpoint.checks import read_folder  # DCP, imported only where a folder is looked at
+    from zero.checkpoint import read_folder  # DCP, imported only where a folder is looked at
     return read_folder(path)[1] is None
 
 
@@ -397,7 +397,7 @@ def read_checkpoint(path: str, whole: bool = True) -> dict[str, Any]:
     """last.pt, mapped (torch.load's mmap: a tensor's bytes are read only where it is used), once its records'
     CRC32s are checked (zero.checkpoint.checksums: torch.load checks none); not ``whole``: its pickle's alone, for a
     reader of the run state, whose resume then loads the tensors through the sync, which checks every record."""
-    from zero.checkpoint.checksums import file_problem
+    from zero.checkpoint import file_problem
     problem = file_problem(path, pickle_only=not whole)
     if problem:
         raise UsageError(f"cannot read checkpoint {path}: {problem}; delete it to start afresh")
@@ -552,7 +552,7 @@ def write_then_publish(parts: Parts, state: dict[str, Any], name: str, write: An
 def disk_error(write: Any) -> str | None:
     """``write()``, and the disk's error it raised in words (a full disk, a quota, a read-only or unwritable
     folder: zero/checkpoint/disk.py), or None; any other error raised as it is."""
-    from zero.checkpoint.disk import disk_problem
+    from zero.checkpoint import disk_problem
     try:
         write()
     except Exception as exc:
@@ -568,7 +568,7 @@ def settle(parts: Parts, name: str, problem: str | None) -> None:
     in one line naming the checkpoint that stays current. Rank 0 first removes what the save left (its .partial
     folder: the space it took; last.pt's temporary file is removed by atomic_write), so the previous checkpoint,
     untouched, is still the one a resume reads."""
-    from zero.checkpoint.checks import agree
+    from zero.checkpoint import agree
     directory = parts.config.checkpoint_dir
     if problem is not None and parts.ctx.rank == 0:
         shutil.rmtree(os.path.join(directory, name + PARTIAL), ignore_errors=True)
@@ -628,7 +628,7 @@ def wait_for_saves(parts: Parts) -> None:
     except zero.checkpoint.CheckpointError as exc:
         problem = str(background_failure(parts, exc))
     if dist.get_world_size() > 1:
-        from zero.checkpoint.checks import agree
+        from zero.checkpoint import agree
         problem = agree(problem, None)
     if problem:
         raise UsageError(problem)

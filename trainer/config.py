@@ -107,7 +107,7 @@ class Config:
                                      "tests'), eager")
     dropout: float = flag(0.5, type=float, help="net: dropout2 rate, dropout1 gets half (0 disables both)")
     grad_sync: str = flag("custom", choices=("custom", "ddp", "fsdp", *OUTER_SYNCS),
-                          help="custom: gradsync.py / zero/, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's "
+                          help="custom: zero/, by hand; ddp: DistributedDataParallel; fsdp: FSDP2's "
                                "fully_shard on the model's blocks and the root (with --zero 2 or 3); diloco: "
                                "--replicas that train alone (custom inside each, --zero 0-3) and meet every "
                                "--local-steps through an outer optimizer (diloco.py); localsgd: the same, meeting by "

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 import utils
 from data import FolderData, MemoryData, TextData
-from gradsync import broadcast_state
 from trainer.build import Parts
+from zero.broadcast import broadcast_state
 
 
 def scatter_shard(total: int, comm_device: torch.device) -> torch.Tensor:

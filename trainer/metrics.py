@@ -5,7 +5,7 @@ Seeing inside a step: every --log-every N optimizer steps rank 0 writes the mean
 its own samples, train/lr, train/step_ms, train/data_wait_ms, train/samples_per_s) to TensorBoard and the bar,
 reading the device's loss sum once per N steps. --profile DIR runs torch.profiler over --profile-steps A:B on
 every rank (DIR/rank<R>.pt.trace.json) with named ranges: micro-batch i/K (sync or no sync), forward, backward,
-gradsync.py's "allreduce bucket I (S)" and "allreduce wait" (zero's "reduce_scatter"/"all_gather bucket I",
+stage 0's "allreduce bucket I (S)" and "allreduce wait" (zero's "reduce_scatter"/"all_gather bucket I",
 and at stage 3 "unit I forward", "unit I backward", "all_gather unit I (S)", "reduce_scatter unit I (S)"),
 syncbn's collectives, optimizer step, outer step. Without --profile no profiler exists and no range is made.
 

@@ -23,7 +23,11 @@ and Adafactor; parameter groups keep their hyperparameters; several optimizers m
 
 Where each part is, by concern (FSDP2's ``_fully_shard/`` and DCP's split):
     zero/api.py           shard(): its checks as named steps, the units, state_bytes (and the memory formula)
-    zero/stages.py        stages 1 and 2 (what each adds to stage 0: gradsync.py), and what 1-3 share
+    zero/stage0.py        stage 0: gradients averaged in flat buckets from autograd's hooks (GradientSync); the
+                          hooks and the end of backward every stage builds on; the training interface (DataParallel)
+    zero/buckets.py       parameters as one flat tensor (Bucket), sized as DDP sizes them: what every stage moves
+    zero/broadcast.py     a whole state dict given on the group's rank 0, sent to every rank
+    zero/stages.py        stages 1 and 2 (what each adds to stage 0), and what 1-3 share
     zero/stage3.py        stage 3: units gathered around their forward and backward, prefetch, frozen parameters
     zero/optimizer.py     the optimizer side of stages 1-3: runs of the shards, groups, clipping, state dicts
     zero/optimizer_kinds.py  which optimizers the shards carry, and what state each keeps
@@ -33,7 +37,8 @@ Where each part is, by concern (FSDP2's ``_fully_shard/`` and DCP's split):
     zero/init.py          a model built on the meta device, materialized shard by shard (init=)
     zero/pieces.py        what a rank holds of each tensor: flat ranges as parameters' pieces and n-D boxes
     zero/checkpoint/      checkpoints: sharded in torch.distributed.checkpoint's format (api, state_dict, planner,
-                          checks), or one file of the whole state dicts (whole); imported at first use
+                          checks), or one file of the whole state dicts (whole); the checkpoint methods every sync
+                          offers (methods: Checkpoints, WholeCheckpoints); its names imported at first use
 Names are imported at their first use (``__getattr__``): ``import zero.init`` (models.py's) loads no stage.
 """
 from __future__ import annotations
@@ -44,21 +49,22 @@ from typing import Any
 # name -> the module that defines it
 EXPORTS = {
     "shard": "zero.api", "default_units": "zero.api", "stage_3_units": "zero.api", "state_bytes": "zero.api",
+    "GradientSync": "zero.stage0", "DataParallel": "zero.stage0", "Bucket": "zero.buckets",
     "ZeroStage1": "zero.stages", "ZeroStage2": "zero.stages", "ZeroStage3": "zero.stage3", "Unit": "zero.stage3",
     "UnitState": "zero.stage3", "ShardedOptimizer": "zero.optimizer", "ShardRun": "zero.optimizer",
     "ELEMENTWISE": "zero.optimizer_kinds", "WHOLE_PARAMETER": "zero.optimizer_kinds",
     "check_optimizer_class": "zero.optimizer_kinds", "state_kinds": "zero.optimizer_kinds",
     "missing_optimizer_state": "zero.optimizer_kinds",
 }
-SUBMODULES = ("api", "stages", "stage3", "optimizer", "optimizer_kinds", "matrix", "precision", "hybrid", "init",
-              "pieces", "checkpoint")
+SUBMODULES = ("api", "stage0", "buckets", "broadcast", "stages", "stage3", "optimizer", "optimizer_kinds", "matrix",
+              "precision", "hybrid", "init", "pieces", "checkpoint")
 
 __all__ = [*EXPORTS, *SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
-    """``zero.NAME``, imported at its first use: the stages bring the collectives and gradsync with them, and
-    zero.checkpoint brings torch.distributed.checkpoint (about half a second of every process's start-up)."""
+    """``zero.NAME``, imported at its first use: the stages bring the collectives with them, and zero.checkpoint's
+    functions bring torch.distributed.checkpoint (about half a second of every process's start-up)."""
     if name in EXPORTS:
         return getattr(importlib.import_module(EXPORTS[name]), name)
     if name in SUBMODULES:

@@ -1,6 +1,6 @@
 """``zero.shard``, the entry: the arguments checked as named steps (each refusal one line, before any collective, the
 same on every rank), the model placed (broadcast from rank 0, or materialized from the meta device: zero/init.py),
-and the stage built (gradsync.py's stage 0, zero/stages.py's 1-2, zero/stage3.py's 3). Also what a rank holds, in
+and the stage built (zero/stage0.py's stage 0, zero/stages.py's 1-2, zero/stage3.py's 3). Also what a rank holds, in
 bytes (``state_bytes``), for every sync.
 
 What a rank holds, for Psi parameters trained with AdamW (two state tensors per parameter), in bytes, with fp32
@@ -8,7 +8,7 @@ masters and state and weights in fp32 (p = 4) or bf16 (p = 2, param_dtype=torch.
 stage 1 the fp32 gradient shards, are then 4 Psi / W more each, tensors of their own):
 
     stage   weights             gradients       optimizer state   total (fp32)         total (bf16 weights)
-    0       4 Psi               4 Psi           8 Psi             16 Psi               (gradsync.GradientSync, DDP)
+    0       4 Psi               4 Psi           8 Psi             16 Psi               (zero.stage0.GradientSync, DDP)
     1       p Psi (+ 4 Psi / W) p Psi (+ 4 Psi / W) 8 Psi / W     8 Psi + 8 Psi / W    4 Psi + 16 Psi / W
     2       p Psi (+ 4 Psi / W) 4 Psi / W (+)   8 Psi / W         4 Psi + 12 Psi / W   2 Psi + 16 Psi / W
     3       4 Psi / W           4 Psi / W (+)   8 Psi / W         16 Psi / W           16 Psi / W
@@ -30,11 +30,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import Collectives
-from gradsync import GradientSync, assign_buckets, broadcast_state
 from zero import init as init_module
+from zero.broadcast import broadcast_state
+from zero.buckets import assign_buckets
 from zero.hybrid import Replicas, check_grid
 from zero.optimizer_kinds import as_optimizers
 from zero.precision import resolve
+from zero.stage0 import GradientSync
 from zero.stage3 import ZeroStage3
 from zero.stages import ZeroStage1, ZeroStage2
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import Collectives
-from gradsync import broadcast_state
+from zero.broadcast import broadcast_state
 
 
 def check_grid(group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup) -> None:

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from collectives import Collectives
-from gradsync import Bucket
+from zero.buckets import Bucket
 from zero.matrix import WHOLE_MATRIX, PieceOptimizer, whole_parameters
 from zero.optimizer_kinds import check_optimizer_class, missing_optimizer_state, state_kinds
 from zero.pieces import Cover, OptimizerView, covers
@@ -91,6 +91,42 @@ def total_norm(parts: list[torch.Tensor], norm_type: float, group: dist.ProcessG
     total = norms.pow(norm_type).sum()
     dist.all_reduce(total, group=group)
     return total.pow(1.0 / norm_type)
+
+
+def check_groups_agree(layout: Layout, saved: dict[int, dict[str, Any]], shapes: dict[int, torch.Size],
+                       elementwise: Callable[[int, str], bool]) -> None:
+    """A saved state's parameter groups, refused in one line unless a run can carry them: every parameter of a group
+    with an entry or none, the same keys and scalars (a whole-matrix optimizer's entries stand alone), and each
+    element-wise tensor in its parameter's shape. The same verdict on every rank, whichever runs it holds."""
+    for g, indices in enumerate(layout.groups):
+        with_state = [index for index in indices if index in saved]
+        if not with_state:
+            continue
+        if layout.per_parameter:
+            for index in with_state:
+                check_shapes(saved[index], index, shapes[index], elementwise)
+            continue
+        first = saved[with_state[0]]
+        for index in indices:
+            other = saved.get(index)
+            differs = ("has no state" if other is None else "holds other keys" if other.keys() != first.keys()
+                       else "has other scalars (step counts)" if any(not _same(other[key], value)
+                                                             for key, value in first.items()
+                                                             if not elementwise(index, key)) else None)
+            if differs:
+                raise ValueError(f"the optimizer state cannot be loaded: in parameter group {g}, parameter "
+                                 f"{index} {differs}, unlike parameter {with_state[0]}; a sharded optimizer "
+                                 f"steps a group's parameters together (in runs across their boundaries)")
+            check_shapes(other, index, shapes[index], elementwise)
+
+
+def check_shapes(entry: dict[str, Any], index: int, shape: torch.Size,
+                 elementwise: Callable[[int, str], bool]) -> None:
+    """Parameter ``index``'s saved element-wise tensors each in its shape, or refused in one line."""
+    for key, value in entry.items():
+        if elementwise(index, key) and tuple(value.shape) != tuple(shape):
+            raise ValueError(f"the optimizer state's {key!r} of parameter {index} is "
+                             f"{tuple(value.shape)}, the parameter {tuple(shape)}")
 
 
 class ShardedOptimizer:
@@ -418,19 +454,9 @@ class ShardedOptimizer:
         if sizes != [len(indices) for indices in layout.groups]:
             raise ValueError(f"the optimizer state has parameter groups of {sizes} parameters; this optimizer's "
                              f"are of {[len(indices) for indices in layout.groups]}")
-        torch_class = layout.torch_class
         shapes = {layout.index[id(p)][1]: p.shape for b in self.buckets for p in b.params if id(p) in layout.index}
-        group_of = {index: g for g, index in layout.index.values()}
-        probed: dict[tuple[int, int], dict[str, bool]] = {}
-
-        def kinds(index: int) -> dict[str, bool]:
-            g, dim = group_of[index], max(len(shapes[index]), 1) if layout.per_parameter else 1
-            if (g, dim) not in probed:
-                probed[g, dim] = state_kinds(torch_class, {**optimizer.param_groups[g], **full["param_groups"][g]},
-                                             self.weights[0].device, dim)
-            return probed[g, dim]
-
-        problem = missing_optimizer_state(torch_class, full, every_parameter=False, kinds=kinds)
+        kinds = self._probed_kinds(optimizer, full, shapes)
+        problem = missing_optimizer_state(layout.torch_class, full, every_parameter=False, kinds=kinds)
         if problem:
             raise ValueError(f"the optimizer state cannot be loaded: {problem}")
         saved = {int(index): values for index, values in full["state"].items()}
@@ -442,32 +468,36 @@ class ShardedOptimizer:
             value = saved[index][key]  # a key the probe did not show: by its shape
             return torch.is_tensor(value) and value.dim() > 0 and value.shape == shapes[index]
 
-        for g, indices in enumerate(layout.groups):  # the same verdict on every rank, whichever runs it holds
-            with_state = [index for index in indices if index in saved]
-            if not with_state:
-                continue
-            if layout.per_parameter:
-                for index in with_state:
-                    for key, value in saved[index].items():
-                        if elementwise(index, key) and tuple(value.shape) != tuple(shapes[index]):
-                            raise ValueError(f"the optimizer state's {key!r} of parameter {index} is "
-                                             f"{tuple(value.shape)}, the parameter {tuple(shapes[index])}")
-                continue
-            first = saved[with_state[0]]
-            for index in indices:
-                other = saved.get(index)
-                differs = ("has no state" if other is None else "holds other keys" if other.keys() != first.keys()
-                           else "has other scalars (step counts)" if any(not _same(other[key], value)
-                                                                 for key, value in first.items()
-                                                                 if not elementwise(index, key)) else None)
-                if differs:
-                    raise ValueError(f"the optimizer state cannot be loaded: in parameter group {g}, parameter "
-                                     f"{index} {differs}, unlike parameter {with_state[0]}; a sharded optimizer "
-                                     f"steps a group's parameters together (in runs across their boundaries)")
-                for key, value in other.items():
-                    if elementwise(index, key) and tuple(value.shape) != tuple(shapes[index]):
-                        raise ValueError(f"the optimizer state's {key!r} of parameter {index} is "
-                                         f"{tuple(value.shape)}, the parameter {tuple(shapes[index])}")
+        check_groups_agree(layout, saved, shapes, elementwise)
+        state = self._cut_into_runs(layout, saved, elementwise)
+        inner_index = {id(run): number for number, run in enumerate(layout.runs)}
+        groups = [{**group, "params": [inner_index[id(run)] for run in layout.runs if run.group == g]}
+                  for g, group in enumerate(full["param_groups"])]
+        return {"state": state, "param_groups": groups}
+
+    def _probed_kinds(self, optimizer: torch.optim.Optimizer, full: dict[str, Any],
+                      shapes: dict[int, torch.Size]) -> Callable[[int], dict[str, bool]]:
+        """Parameter index -> {key: whether it is element-wise}, as ``state_kinds`` probes the optimizer with the
+        saved group's settings: once per group (and for a whole-matrix optimizer per parameter dimension)."""
+        layout = self.layouts[optimizer]
+        group_of = {index: g for g, index in layout.index.values()}
+        probed: dict[tuple[int, int], dict[str, bool]] = {}
+
+        def kinds(index: int) -> dict[str, bool]:
+            g, dim = group_of[index], max(len(shapes[index]), 1) if layout.per_parameter else 1
+            if (g, dim) not in probed:
+                probed[g, dim] = state_kinds(layout.torch_class,
+                                             {**optimizer.param_groups[g], **full["param_groups"][g]},
+                                             self.weights[0].device, dim)
+            return probed[g, dim]
+
+        return kinds
+
+    def _cut_into_runs(self, layout: Layout, saved: dict[int, dict[str, Any]],
+                       elementwise: Callable[[int, str], bool]) -> dict[int, dict[str, Any]]:
+        """The inner optimizer's state, by run number: each element-wise key laid out in its bucket's flat (one
+        bucket and key at a time) and cut at this rank's runs; the scalars and whole tensors, a run's first
+        parameter's."""
         state: dict[int, dict[str, Any]] = {}
         for b in sorted({run.bucket.index for run in layout.runs}):
             bucket = self.buckets[b]
@@ -489,7 +519,4 @@ class ShardedOptimizer:
                 for key, value in saved.get(index, {}).items():
                     if not elementwise(index, key):
                         state.setdefault(number, {})[key] = _own_copy(value)
-        inner_index = {id(run): number for number, run in enumerate(layout.runs)}
-        groups = [{**group, "params": [inner_index[id(run)] for run in layout.runs if run.group == g]}
-                  for g, group in enumerate(full["param_groups"])]
-        return {"state": state, "param_groups": groups}
+        return state

@@ -4,7 +4,7 @@ pieces in torch.distributed.checkpoint's).
 
 A rank's shard of a stage-1-3 bucket is a contiguous range of a flat buffer that crosses parameters; inside each
 parameter it is a contiguous range [start, end) of the parameter's elements in its memory order
-(gradsync.gradient_view: a channels-last weight is laid out by its strides).
+(zero.buckets.gradient_view: a channels-last weight is laid out by its strides).
 
 - ``covers(bucket, lo, hi)``: the parameters a range of a flat covers, each a Cover (its elements [start, end), at
   the range's element ``at``). The one translation from flat runs to parameters: the stages' pieces
@@ -138,7 +138,7 @@ class Cover(NamedTuple):
 
 
 def covers(bucket: Any, lo: int, hi: int) -> list[Cover]:
-    """The parameters of ``bucket`` (gradsync.Bucket: each parameter at its offset, laid out by its strides) that
+    """The parameters of ``bucket`` (zero.buckets.Bucket: each parameter at its offset, laid out by its strides) that
     its flat's elements [lo, hi) cover, in the flat's order, none empty."""
     found = []
     for p, offset in zip(bucket.params, bucket.offsets):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import Collectives
-from gradsync import Bucket
+from zero.buckets import Bucket
 
 
 @dataclass(frozen=True)

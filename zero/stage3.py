@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import utils
 from collectives import Collectives
-from gradsync import Bucket, broadcast_state, check_keys_on_rank0
+from zero.broadcast import broadcast_state, check_keys_on_rank0
+from zero.buckets import Bucket
 from zero.hybrid import Replicas
 from zero.pieces import Piece, flat_pieces
 from zero.precision import (Precision, gather_full, gathered_state_dict, load_masters, scatter_masters,

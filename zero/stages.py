@@ -1,5 +1,5 @@
 """ZeRO stages 1 and 2 (zero.shard(model, 1 | 2)): the optimizer's state sharded (1), and the gradients too (2), over
-the W ranks of a process group, on the flat buckets of stage 0 (gradsync.py), padded to W equal chunks.
+the W ranks of a process group, on the flat buckets of stage 0 (zero/stage0.py), padded to W equal chunks.
 
 Each stage class says what it adds to the one before it, and in its own body what runs after a backward and after
 a step; ShardedStage holds what stages 1-3 share (the precision, the replicas, the state dicts and close() in the
@@ -15,12 +15,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import Collectives
-from gradsync import Bucket, BucketedSync, GradientSync
+from zero.buckets import Bucket
 from zero.hybrid import Replicas
 from zero.optimizer import ShardedOptimizer
 from zero.pieces import OptimizerView, Piece, flat_pieces
 from zero.precision import (Precision, cast_forward_inputs, gather_full, load_masters, master_state_dict,
                             scatter_masters, shard_weights)
+from zero.stage0 import BucketedSync, GradientSync
 
 
 def all_gather_weights(stage: ZeroStage1 | ZeroStage2, buckets: list[Bucket]) -> None:
@@ -71,7 +72,7 @@ class ShardedStage:
                                                               state)
 
     # ------------------------------------------------------------------------------------------------------
-    # What the stage tells its checkpoint (zero/checkpoint/: gradsync.GradientSync's methods, for shards)
+    # What the stage tells its checkpoint (zero/checkpoint/: WholeCheckpoints' methods, for shards)
     # ------------------------------------------------------------------------------------------------------
     holds_shards = True
 
@@ -132,7 +133,7 @@ class ShardedStage:
 
 
 class ZeroStage1(ShardedStage, GradientSync):
-    """Stage 1, the optimizer's state sharded. What it adds to stage 0 (gradsync.GradientSync): the buckets are
+    """Stage 1, the optimizer's state sharded. What it adds to stage 0 (zero.stage0.GradientSync): the buckets are
     padded to W equal chunks and hold the weights too (the parameters become views of flat weight buckets); on the
     window's last backward each complete bucket is reduce-scattered instead of all-reduced, so chunk r of it holds
     the average over ranks, which is the gradient of this rank's shard; the optimizer steps the shards, and the

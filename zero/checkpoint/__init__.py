@@ -29,14 +29,14 @@ parameter's own (global) shape and the model's own dtype (the masters under para
 ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` makes ours an ordinary state dict, an FSDP2 program
 loads ours with ``dcp.load`` + ``set_state_dict``, and ours loads FSDP2's (``load`` then returns None: no extra).
 
-The chunk arithmetic ([Note: boxes], zero/pieces.py). A rank's shard of a stage-1-3 bucket is a contiguous range of a
-flat buffer that crosses parameters; inside each parameter it is a contiguous range [start, end) of the parameter's elements in
-its memory order (gradsync.gradient_view: a channels-last weight is laid out by its strides). DCP describes a
-rank's part of a tensor as n-D boxes (ChunkStorageMetadata: offsets, sizes), so each range is written as the boxes
-it covers: ``range_boxes`` cuts a range of a row-major shape into at most 2(n-1)+1 boxes, each one contiguous in
-memory (a view of the shard, no copy), none empty, none overlapping; ``layout_boxes`` does it in a permuted
-layout's memory order and maps the boxes back to the tensor's own dimensions. On load the same boxes are the
-rank's local chunks, and DCP's ``create_read_items_for_chunk_list`` intersects them with the boxes on disk,
+The chunk arithmetic ([Note: boxes], zero/pieces.py). A rank's shard of a stage-1-3 bucket is a contiguous range of
+a flat buffer that crosses parameters; inside each parameter it is a contiguous range [start, end) of the
+parameter's elements in its memory order (zero/buckets.py's gradient_view: a channels-last weight is laid out by its
+strides). DCP describes a rank's part of a tensor as n-D boxes (ChunkStorageMetadata: offsets, sizes), so each range
+is written as the boxes it covers: ``range_boxes`` cuts a range of a row-major shape into at most 2(n-1)+1 boxes,
+each one contiguous in memory (a view of the shard, no copy), none empty, none overlapping; ``layout_boxes`` does it
+in a permuted layout's memory order and maps the boxes back to the tensor's own dimensions. On load the same boxes
+are the rank's local chunks, and DCP's ``create_read_items_for_chunk_list`` intersects them with the boxes on disk,
 whatever world size, stage or FSDP2 wrote them.
 
 What each rank holds is said by the sync itself, through the methods of ``Checkpointable``
@@ -86,20 +86,48 @@ zero/checkpoint/background.py (AsyncWriter: the staging buffers and the writer t
 zero/checkpoint/state_dict.py (the state dict of one rank: what the sync holds, in get_state_dict's layout; the
 places a load reads into; extra), zero/checkpoint/planner.py (DCP's default planners, with pieces written and read
 as boxes), zero/checkpoint/checks.py (every refusal, in one line, the same on every rank), zero/checkpoint/checksums.py
-(the CRC32s checked before a read), zero/checkpoint/disk.py (the disk's errors of a save, named); the piece arithmetic
-without DCP is zero/pieces.py's. DCP's flattening and its inverse come from its private modules
-(``_nested_dict.flatten_state_dict``, ``_traverse.set_element``): the ones DCP's own planners and
-``dcp_to_torch_save`` use, so the keys and the rebuilt structure are DCP's by construction.
-"""
-from zero.checkpoint.api import load, read_extra, read_whole, save
-from zero.checkpoint.background import AsyncWriter, StagingBuffers
-from zero.checkpoint.checks import CheckpointError, one_line
-from zero.checkpoint.planner import ShardLoadPlanner, ShardSavePlanner
-from zero.checkpoint.state_dict import Checkpointable, encode_extra, model_entries, optimizer_entries
-from zero.checkpoint.whole import load_any, load_file, read_file, save_file
-from zero.pieces import Piece, Shards, flat_pieces, layout_boxes, memory_order, range_boxes
+(the CRC32s checked before a read), zero/checkpoint/disk.py (the disk's errors of a save, named),
+zero/checkpoint/whole.py (one file of the whole state dicts), zero/checkpoint/methods.py (the checkpoint methods every
+sync offers, ``Checkpoints``, and a whole-tensor sync's, ``WholeCheckpoints``); the piece arithmetic without DCP is
+zero/pieces.py's. DCP's flattening and its inverse come from its private modules (``_nested_dict.flatten_state_dict``,
+``_traverse.set_element``): the ones DCP's own planners and ``dcp_to_torch_save`` use, so the keys and the rebuilt
+structure are DCP's by construction.
 
-__all__ = ["save", "load", "read_extra", "read_whole", "save_file", "load_file", "read_file", "load_any",
-           "AsyncWriter", "StagingBuffers", "CheckpointError", "one_line", "Checkpointable", "encode_extra",
-           "model_entries", "optimizer_entries", "ShardSavePlanner", "ShardLoadPlanner", "Piece", "Shards",
-           "flat_pieces", "layout_boxes", "memory_order", "range_boxes"]
+Everything used from outside zero/ is a name of this module (nothing outside imports its files), imported at its first
+use (``__getattr__``, as zero's own): the stages inherit ``WholeCheckpoints`` without torch.distributed.checkpoint's
+half a second of start-up.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module that defines it
+EXPORTS = {
+    "save": "zero.checkpoint.api", "load": "zero.checkpoint.api", "read_extra": "zero.checkpoint.api",
+    "read_whole": "zero.checkpoint.api",
+    "save_file": "zero.checkpoint.whole", "load_file": "zero.checkpoint.whole", "read_file": "zero.checkpoint.whole",
+    "load_any": "zero.checkpoint.whole", "write_file": "zero.checkpoint.whole", "read_shared": "zero.checkpoint.whole",
+    "load_model": "zero.checkpoint.whole", "load_optimizer": "zero.checkpoint.whole",
+    "check_complete": "zero.checkpoint.whole", "KEYS": "zero.checkpoint.whole",
+    "Checkpoints": "zero.checkpoint.methods", "WholeCheckpoints": "zero.checkpoint.methods",
+    "AsyncWriter": "zero.checkpoint.background", "StagingBuffers": "zero.checkpoint.background",
+    "CheckpointError": "zero.checkpoint.checks", "one_line": "zero.checkpoint.checks",
+    "agree": "zero.checkpoint.checks", "read_folder": "zero.checkpoint.checks",
+    "file_problem": "zero.checkpoint.checksums", "verify": "zero.checkpoint.checksums",
+    "Writer": "zero.checkpoint.disk", "disk_problem": "zero.checkpoint.disk",
+    "Checkpointable": "zero.checkpoint.state_dict", "encode_extra": "zero.checkpoint.state_dict",
+    "model_entries": "zero.checkpoint.state_dict", "optimizer_entries": "zero.checkpoint.state_dict",
+    "ShardSavePlanner": "zero.checkpoint.planner", "ShardLoadPlanner": "zero.checkpoint.planner",
+    "Piece": "zero.pieces", "Shards": "zero.pieces", "flat_pieces": "zero.pieces", "layout_boxes": "zero.pieces",
+    "memory_order": "zero.pieces", "range_boxes": "zero.pieces",
+}
+
+__all__ = list(EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """``zero.checkpoint.NAME``, imported at its first use."""
+    if name in EXPORTS:
+        return getattr(importlib.import_module(EXPORTS[name]), name)
+    raise AttributeError(f"module 'zero.checkpoint' has no attribute {name!r}")

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zero.matrix import PROBE_DIMS
-from zero.optimizer import state_kinds
+from zero.optimizer_kinds import state_kinds
 
 
 class CheckpointError(ValueError):

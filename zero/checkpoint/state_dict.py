@@ -7,7 +7,7 @@ holds, built from what the sync says it holds (``Checkpointable``), and the plac
      "extra":     anything}                            encode_extra / decode_extra ([Note: extra])
 
 A sync tells its checkpoint what it holds through ``Checkpointable``'s methods, and nothing here reads a sync's
-internals: zero.shard's stage 0 (gradsync.py) holds every tensor whole and plain optimizers; stages 1-3
+internals: zero.shard's stage 0 (zero/stage0.py) holds every tensor whole and plain optimizers; stages 1-3
 (zero/stages.py, zero/stage3.py) hold pieces of the parameters kept in flat buckets, and optimizers over runs of
 those pieces (zero/optimizer.py), each run's ``covers`` the one translation from runs to parameters.
 """
@@ -28,7 +28,7 @@ from zero.pieces import OptimizerView, Piece, Shards, shards_by_name
 
 @runtime_checkable
 class Checkpointable(Protocol):
-    """What a sync tells its checkpoint (zero.shard's stages 0-3 implement it: gradsync.BucketedSync for stage 0,
+    """What a sync tells its checkpoint (zero.shard's stages 0-3 implement it: zero.stage0.BucketedSync for stage 0,
     zero/stages.py's ShardedStage for 1-3)."""
 
     model: nn.Module
