@@ -1,4 +1,4 @@
-"""What the trainer's tests share (test_ddp_cifar100, test_gradsync, test_zero, the replica groups'): the tiny run's
+"""What the trainer's tests share (test_ddp_cifar100, test_zero_stage0, test_zero, the replica groups'): the tiny run's
 flags, the worker functions a LocalGroup runs (module level, so the spawned workers import them), a seeded model with
 a labelled set, and the replay of a commit log. Not a test file: pytest collects nothing here."""
 import io

@@ -5,7 +5,7 @@ loop changes only the model's and the optimizer's state.
 
 The syncs (--grad-sync, --zero) share one interface, zero.shard's contract: set_requires_gradient_sync before each
 backward, clip_grad_norm_, an optimizer built by sync.optimizer over the model's own parameters, the state dicts and
-close(). custom, diloco and localsgd are zero.shard's stages (gradsync.py at stage 0); ddp (with --zero 1,
+close(). custom, diloco and localsgd are zero.shard's stages (zero/stage0.py at stage 0); ddp (with --zero 1,
 ZeroRedundancyOptimizer) and fsdp (FSDP2's fully_shard on the same units as stage 3) are references.py's.
 
 Data parallelism over slow links (--grad-sync diloco|localsgd, diloco.py): --replicas R groups of W/R processes,
@@ -31,12 +31,12 @@ import utils
 import zero
 from data import FolderData, MemoryData, TextData, load_data
 from diloco import DiLoCo, DiLoCoSync
-from zero.broadcast import broadcast_state
-from zero.stage0 import DataParallel
 from models import blocks, build_model, initializer
 from references import DDPSync, FSDPSync
 from trainer.config import DTYPES, OURS, OUTER_SYNCS, Config
 from utils import UsageError
+from zero.broadcast import broadcast_state
+from zero.stage0 import DataParallel
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
