@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -59,11 +59,6 @@ class Parts:
     replica_size: int  # ... and how many ranks each replica has
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
     phases: utils.PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
-    checkpoint_folders: bool = False  # what checkpoint.save writes: DCP folders, or last.pt (checkpoint.restore says)
-    checkpoint_lock: int | None = None  # rank 0's lock on --checkpoint-dir for the run's life (checkpoint.lock)
-    checkpoint_writer: Any = None  # --async-checkpoint: zero.checkpoint.AsyncWriter (checkpoint.restore makes it)
-    checkpoint_stalls: list[float] = field(default_factory=list)  # seconds the loop spent in each checkpoint.save
-    checkpoint_final_wait: float = 0.0  # --async-checkpoint: seconds the run's end waited for its last save
     replicas: Any = None  # fault-tolerant replica groups (trainer/replica_groups.py), made once the run is restored
 
     @property
