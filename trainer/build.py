@@ -34,7 +34,9 @@ from diloco import DiLoCo, DiLoCoSync
 from gradsync import DataParallel, broadcast_state
 from models import blocks, build_model, initializer
 from references import DDPSync, FSDPSync
+from trainer.checkpoint import current
 from trainer.config import DTYPES, OURS, OUTER_SYNCS, Config
+from trainer.export import InitFrom
 from utils import UsageError
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -146,14 +148,11 @@ def init_from(config: Config, model: nn.Module) -> Any:
     the same answer before any rank reads a tensor; then every rank opens the file itself."""
     if config.init_from is None:
         return None
-    from trainer import checkpoint  # trainer.checkpoint imports this file
-    from trainer.export import InitFrom
-
     answer: list[Any] = [None]  # ("read" | "resume" | "error", what rank 0 says)
     start = None
     if dist.get_rank() == 0:
         try:
-            resumes = config.checkpoint_dir is not None and checkpoint.current(config.checkpoint_dir) is not None
+            resumes = config.checkpoint_dir is not None and current(config.checkpoint_dir) is not None
         except Exception:  # noqa: BLE001 - a torn folder, an unreadable one: restore says which in one line
             resumes = True
         try:
