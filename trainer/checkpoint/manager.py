@@ -51,7 +51,7 @@ class Checkpointer:
         self.sync, self.optimizer, self.states, self.run = sync, optimizer, states, run
         self.comm_device, self.phases = comm_device, phases
         self.rank = run.rank  # this process's rank in the run (its world's: utils.DistContext)
-        self.folders = False  # what save writes: DCP folders, or last.pt (restore decides)
+        self.saves_folders = False  # what save writes: DCP folders, or last.pt (restore decides)
         self.lock: int | None = None  # rank 0's lock on the folder for the run's life (folders.lock)
         self.writer: Any = None  # --async-checkpoint: zero.checkpoint.AsyncWriter (restore makes it)
         self.stalls: list[float] = []  # seconds the loop spent in each save
@@ -89,7 +89,7 @@ class Checkpointer:
             return run.position, run.history, list(NO_SUMS)
         if not config.eval_only:  # a reader (--eval-only) needs no lock
             self.take_lock()
-        self.folders = self.writes_folders()
+        self.saves_folders = self.writes_folders()
         if config.async_checkpoint and not config.eval_only:
             self.writer = zero.checkpoint.AsyncWriter()
         loaded = self.load_on_rank0()
@@ -209,7 +209,7 @@ class Checkpointer:
         self.wait_for_saves()
         self.run.sums = sums
         state = self.state_dict()
-        if self.folders:
+        if self.saves_folders:
             self.save_folder(state)
         else:
             self.save_file(state)
