@@ -85,7 +85,7 @@ descriptor = os.open(sys.argv[1], os.O_RDONLY)
 fcntl.flock(descriptor, fcntl.LOCK_EX)
 print("held", flush=True)
 time.sleep(300)
-"""  # another run on the folder: its lock, as checkpoint.lock takes it
+"""  # another run on the folder: its lock, as trainer.checkpoint.folders.lock takes it
 
 
 @pytest.fixture(scope="module")
