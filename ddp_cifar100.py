@@ -7,7 +7,8 @@ image folder up to ImageNet scale, or text.
 This file is the loop; each part of the trainer lives in a room of its own under trainer/:
     trainer/config.py      the flags: Config (one frozen dataclass), parse_args and every check between flags
     trainer/build.py       process and replica groups, data, model, sync, compile, optimizer, scheduler, scaler
-    trainer/checkpoint.py  save, restore, the trajectory's fingerprint and its compatibility, the replicas' gathering
+    trainer/checkpoint/    the Checkpointer (save, restore, the lock, the background writer), the folder's layout,
+                           the run state, the trajectory's fingerprint and its compatibility
     trainer/evaluation.py  the scattered shard, evaluate, validate (exact at any world size)
     trainer/metrics.py     epoch sums, recent steps, the bar, TensorBoard, the profiler, the metrics JSON
     trainer/generation.py  --generate: bytes sampled from a checkpoint's GPT
@@ -52,9 +53,9 @@ import torch.nn.functional as F
 import replicas
 import utils
 from data import derive_seed
-from trainer import checkpoint, faults
+from trainer import faults
 from trainer.build import Parts, build
-from trainer.checkpoint import NO_SUMS, Position
+from trainer.checkpoint import NO_SUMS, Checkpointer, Position
 from trainer.config import Config, parse_args
 from trainer.evaluation import validate
 from trainer.generation import generate
@@ -70,12 +71,12 @@ def train(config: Config) -> dict[str, Any]:
     wall_start = time.perf_counter()
     parts = build(config)  # process group, data, model, sync, optimizer, schedule, scaler
     meter = Meter(parts)  # step times, --log-every's window, TensorBoard
+    checkpointer = Checkpointer.of(parts)  # saves and restores the sync, the scheduler, the scaler, the run state
     try:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
-        position, history, saved_sums = checkpoint.restore(parts)
+        position, history, saved_sums = checkpointer.restore()
         if config.coordinator:  # fault-tolerant replica groups: this group trains with the others through it
-            parts.replicas = ReplicaGroups(parts, checkpoint.fingerprint(checkpoint.trajectory(parts)),
-                                           position.optimizer_steps)
+            parts.replicas = ReplicaGroups(parts, checkpointer.fingerprint, position.optimizer_steps)
         meter.start(position)
         epoch, final = None, None
         while not config.eval_only and position.epoch < config.epochs and not stop_requested(config, position):
@@ -90,11 +91,12 @@ def train(config: Config) -> dict[str, Any]:
             if not optimizer_step(parts, meter, position, epoch):
                 epoch.rewind(parts, position)
                 continue
-            checkpoint.poll_saves(parts)  # --async-checkpoint: a background save that failed stops the run here
-            # a checkpoint inside the epoch when due (the epoch's end is checkpointed after its validation)
+            checkpointer.poll()  # --async-checkpoint: a background save that failed stops the run here
+            # a checkpoint inside the epoch when due (the epoch's end is checkpointed after its validation): the
+            # position and the history restore returned, every rank's sums of the epoch
             due = config.checkpoint_every and position.optimizer_steps % config.checkpoint_every == 0
             if (due or stop_requested(config, position)) and not epoch.over(position):
-                checkpoint.save(parts, position, history, epoch.sums.gather(parts.comm_device))
+                checkpointer.save(epoch.sums.gather(parts.comm_device))
             # --eval-every: the validation loss against the time and the bytes sent so far
             if config.eval_every and position.optimizer_steps % config.eval_every == 0:
                 start, entry = time.perf_counter(), meter.eval_entry(position)
@@ -109,12 +111,12 @@ def train(config: Config) -> dict[str, Any]:
                 if finished:
                     history.append(final)
                     position.epoch, position.micro_batch = position.epoch + 1, 0
-                    checkpoint.save(parts, position, history, [NO_SUMS] * parts.ctx.world_size)
+                    checkpointer.save([NO_SUMS] * parts.ctx.world_size)
                 else:
                     final["complete"] = False
                 meter.show_epoch(final, position.optimizer_steps)
                 epoch = None
-        checkpoint.finish_saves(parts)  # --async-checkpoint: the last save written before the run ends
+        checkpointer.finish()  # --async-checkpoint: the last save written before the run ends
         if parts.replicas is not None:  # a replica group that comes back later has no one left to rejoin
             parts.replicas.finish(position)
         meter.close()  # the profiler's window written, TensorBoard flushed
@@ -123,7 +125,7 @@ def train(config: Config) -> dict[str, Any]:
             final = {"train_loss": history[-1]["train_loss"] if history else None, **validate(parts)}
             utils.print0(f"evaluation | val loss {final['val_loss']:.4f} acc {100 * final['val_acc']:.2f}% top-5 "
                          f"{100 * final['val_acc5']:.2f}% ({final['val_correct']}/{final['val_total']})")
-        metrics = summarize(meter, position, history, final, wall_start)
+        metrics = summarize(meter, checkpointer, position, history, final, wall_start)
     finally:
         try:  # hooks off, --zero 3's units gathered, --allreduce ring|butterfly's thread stopped
             parts.sync.close()  # before the profiler stops: what it launched under the profiler lands first
@@ -134,8 +136,7 @@ def train(config: Config) -> dict[str, Any]:
             if parts.replicas is not None:
                 parts.replicas.close()
             parts.data.close()
-            checkpoint.close_writer(parts)  # stopped by an error: its save in flight left unpublished
-            checkpoint.unlock(parts)
+            checkpointer.close()  # stopped by an error: its save in flight left unpublished; the lock released
     if parts.ctx.rank == 0 and config.metrics_out:
         utils.write_json(config.metrics_out, metrics)
     metrics["model"] = parts.model  # for in-process callers (tests), whole (sync.close()); not part of the JSON

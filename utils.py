@@ -292,8 +292,8 @@ class PhasePeaks:
 
 
 def measured_phase(phase: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A trainer function whose first argument is the run's Parts: when it returns, ``phase`` ends
-    (Parts.phases, PhasePeaks)."""
+    """A trainer function whose first argument holds the run's ``phases`` (trainer.build.Parts, or a method's
+    self: trainer.checkpoint.Checkpointer): when it returns, ``phase`` ends (PhasePeaks)."""
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def run(parts: Any, *args: Any, **kwargs: Any) -> Any:

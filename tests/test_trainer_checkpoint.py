@@ -1,4 +1,4 @@
-"""The trainer's sharded checkpoints (trainer/checkpoint.py), on the tiny GPT in float64: saved at --zero 3 on 4
+"""The trainer's sharded checkpoints (trainer/checkpoint/), on the tiny GPT in float64: saved at --zero 3 on 4
 processes as a torch.distributed.checkpoint folder (every rank its own shards), resumed at --zero 1, by FSDP2 and by
 DDP on 2 processes with --batch-size doubled (the same global batch), each ending where an uninterrupted run ends;
 last.pt still resuming at a sharded sync (which then writes folders); --eval-only and --generate reading a folder;
@@ -85,7 +85,7 @@ descriptor = os.open(sys.argv[1], os.O_RDONLY)
 fcntl.flock(descriptor, fcntl.LOCK_EX)
 print("held", flush=True)
 time.sleep(300)
-"""  # another run on the folder: its lock, as checkpoint.lock takes it
+"""  # another run on the folder: its lock, as trainer.checkpoint.folders.lock takes it
 
 
 @pytest.fixture(scope="module")
@@ -277,16 +277,17 @@ def test_a_reader_of_a_live_folder_never_races_its_writer(runs, tmp_path, monkey
     """A reader (--generate, tools) that finds step-2 current while the run makes step-3 current and removes step-2
     reads step-3: what a live run's folder holds is never "no such folder"."""
     from trainer import checkpoint
+    from trainer.checkpoint import reading
     shutil.copytree(runs["root"] / "saved" / "step-2", tmp_path / "step-2")
     (tmp_path / "latest").write_text("step-2\n")
-    read_state = checkpoint.read_state
+    read_state = reading.read_state
 
     def superseded_meanwhile(found):
         if found.path.endswith("step-2"):  # the writer, between the reader's look at latest and its read
             shutil.copytree(tmp_path / "step-2", tmp_path / "step-3.partial")
             checkpoint.make_current(str(tmp_path), "step-3")
         return read_state(found)
-    monkeypatch.setattr(checkpoint, "read_state", superseded_meanwhile)
+    monkeypatch.setattr(reading, "read_state", superseded_meanwhile)  # read_alone's reader
     found, state = checkpoint.read_alone(str(tmp_path))
     assert found.path == str(tmp_path / "step-3") and sorted(os.listdir(tmp_path)) == ["latest", "step-3"]
     assert state["optimizer_steps"] == 2 and "model" in state

@@ -1,7 +1,8 @@
 """The trainer's parts, a room each; ddp_cifar100.py is the loop that calls them.
 
-config (the flags as one dataclass) <- build (the parts of a run) <- checkpoint, evaluation <- metrics; generation
-reads a checkpoint, and export writes one out in other formats (and reads them back for build's --init-from). Each
-imports only the rooms to its left and the library (data, models, zero, references, diloco, utils), which
-imports none of them; build takes export's reader, and export checkpoint's, at the call (trainer.checkpoint imports
-build)."""
+config (the flags as one dataclass), faults <- checkpoint (the Checkpointer: save and restore over the run's parts as
+objects with state_dict(), never build's Parts) <- export (a checkpoint out in other formats, and back in for
+--init-from) <- build (the parts of a run) <- evaluation, replica_groups <- metrics; generation reads a checkpoint.
+Each imports only the rooms to its left and the library (data, models, zero, references, diloco, replicas, utils),
+which imports none of them.
+"""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -33,7 +33,9 @@ from data import FolderData, MemoryData, TextData, load_data
 from diloco import DiLoCo, DiLoCoSync
 from models import blocks, build_model, initializer
 from references import DDPSync, FSDPSync
+from trainer.checkpoint import current
 from trainer.config import DTYPES, OURS, OUTER_SYNCS, Config
+from trainer.export import InitFrom
 from utils import UsageError
 from zero.broadcast import broadcast_state
 from zero.stage0 import DataParallel
@@ -60,11 +62,6 @@ class Parts:
     replica_size: int  # ... and how many ranks each replica has
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
     phases: utils.PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
-    checkpoint_folders: bool = False  # what checkpoint.save writes: DCP folders, or last.pt (checkpoint.restore says)
-    checkpoint_lock: int | None = None  # rank 0's lock on --checkpoint-dir for the run's life (checkpoint.lock)
-    checkpoint_writer: Any = None  # --async-checkpoint: zero.checkpoint.AsyncWriter (checkpoint.restore makes it)
-    checkpoint_stalls: list[float] = field(default_factory=list)  # seconds the loop spent in each checkpoint.save
-    checkpoint_final_wait: float = 0.0  # --async-checkpoint: seconds the run's end waited for its last save
     replicas: Any = None  # fault-tolerant replica groups (trainer/replica_groups.py), made once the run is restored
 
     @property
@@ -152,14 +149,11 @@ def init_from(config: Config, model: nn.Module) -> Any:
     the same answer before any rank reads a tensor; then every rank opens the file itself."""
     if config.init_from is None:
         return None
-    from trainer import checkpoint  # trainer.checkpoint imports this file
-    from trainer.export import InitFrom
-
     answer: list[Any] = [None]  # ("read" | "resume" | "error", what rank 0 says)
     start = None
     if dist.get_rank() == 0:
         try:
-            resumes = config.checkpoint_dir is not None and checkpoint.current(config.checkpoint_dir) is not None
+            resumes = config.checkpoint_dir is not None and current(config.checkpoint_dir) is not None
         except Exception:  # noqa: BLE001 - a torn folder, an unreadable one: restore says which in one line
             resumes = True
         try:

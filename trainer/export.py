@@ -63,6 +63,7 @@ import torch
 import torch.nn as nn
 
 from models import GPT_SIZES, LANGUAGE_MODELS
+from trainer.checkpoint import read_alone
 from utils import UsageError
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"  # the names transformers looks for in a model folder
@@ -143,8 +144,6 @@ def own_tensors(model: dict[str, torch.Tensor], tied: tuple[str, ...] = ()) -> d
 def export(checkpoint_dir: str, out: str, form: str = "auto") -> str:
     """DIR's current checkpoint to OUT (the module docstring); returns a line saying what was written."""
     from safetensors.torch import save_file
-
-    from trainer.checkpoint import read_alone  # trainer.checkpoint imports trainer.build, which imports this file
 
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out {out} exists and is not an empty folder")

@@ -34,7 +34,7 @@ import zero
 from data import TextData
 from diloco import data_parallel_bytes, encoded_bytes
 from trainer.build import Parts, dynamo_counts
-from trainer.checkpoint import Position, fingerprint, trajectory
+from trainer.checkpoint import Checkpointer, Position
 from trainer.config import WARMUP_STEPS
 from utils import UsageError
 
@@ -364,9 +364,10 @@ def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
     return figures
 
 
-def summarize(meter: Meter, position: Position, history: list[dict[str, Any]], final: dict[str, Any],
-              wall_start: float) -> dict[str, Any]:
-    """The metrics JSON: the final figures, step-time statistics (warm-up left out) and the configuration."""
+def summarize(meter: Meter, checkpointer: Checkpointer, position: Position, history: list[dict[str, Any]],
+              final: dict[str, Any], wall_start: float) -> dict[str, Any]:
+    """The metrics JSON: the final figures, step-time statistics (warm-up left out), the saves' stalls
+    (``checkpointer``'s) and the configuration."""
     parts, config = meter.parts, meter.parts.config
     busiest = busiest_rank_figures(meter, position)  # every rank's collectives, in one place
     times = meter.timer.times_ms
@@ -398,10 +399,10 @@ def summarize(meter: Meter, position: Position, history: list[dict[str, Any]], f
         "data_wait_ms_median": statistics.median(waits) if waits else None,
         # the loop's pause in each save (--async-checkpoint: the copy, and any wait for the save before it) and the
         # run's end's wait for its last one
-        "checkpoint_stalls_s": [round(t, 6) for t in parts.checkpoint_stalls],
-        "checkpoint_final_wait_s": round(parts.checkpoint_final_wait, 6),
+        "checkpoint_stalls_s": [round(t, 6) for t in checkpointer.stalls],
+        "checkpoint_final_wait_s": round(checkpointer.final_wait, 6),
         "epochs": history + ([final] if final.get("complete") is False else []),
-        "fingerprint": fingerprint(trajectory(parts)), "config": vars(config),
+        "fingerprint": checkpointer.fingerprint, "config": vars(config),
     }
 
 

@@ -1,0 +1,350 @@
+"""The run's checkpointer: ``Checkpointer`` saves and restores on every rank, over the run's parts as objects with
+state_dict() / load_state_dict() (torchtitan's CheckpointManager), and owns what lives as long as the run: the
+folder's lock, the format (``folders``: DCP folders or last.pt), the background writer (--async-checkpoint), the
+loop's stall in each save and the run's end's wait for its last.
+
+The model and the optimizer are written and read by the sync itself (every sync's ``save_checkpoint`` /
+``load_checkpoint``: gradsync.DataParallel), the run state beside them as last.pt's other keys or the folder's extra,
+so nothing here asks which sync runs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import utils
+import zero
+from trainer import faults
+from trainer.checkpoint import folders
+from trainer.checkpoint.folders import FILE, FOLDER, PARTIAL, Found
+from trainer.checkpoint.reading import read_state, usage_error
+from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, check_compatible, trajectory
+from trainer.config import Config
+from utils import UsageError
+
+MARKER_WAIT_S = 2.0  # how long a rank looks for rank 0's marker (a network file system may show it late)
+
+
+class NoState:
+    """A part the run does not have (no --scheduler): None in the checkpoint, nothing to load."""
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        pass
+
+
+class Checkpointer:
+    """Saves and restores the run: ``sync`` (the model, which it wraps, and ``optimizer``, which it writes and reads
+    in either format), ``states`` (the scheduler, the scaler: each saved under its name) and ``run`` (the position,
+    the finished epochs, the epoch's sums, the run's record and fingerprint: RunState). Every rank makes one and
+    calls it. ``phases``: the run's PhasePeaks (restore and save end theirs: utils.measured_phase)."""
+
+    def __init__(self, config: Config, sync: Any, optimizer: Any, states: dict[str, Any], run: RunState,
+                 comm_device: torch.device, phases: utils.PhasePeaks):
+        self.config, self.directory = config, config.checkpoint_dir
+        self.sync, self.optimizer, self.states, self.run = sync, optimizer, states, run
+        self.comm_device, self.phases = comm_device, phases
+        self.rank = run.rank  # this process's rank in the run (its world's: utils.DistContext)
+        self.saves_folders = False  # what save writes: DCP folders, or last.pt (restore decides)
+        self.lock: int | None = None  # rank 0's lock on the folder for the run's life (folders.lock)
+        self.writer: Any = None  # --async-checkpoint: zero.checkpoint.AsyncWriter (restore makes it)
+        self.stalls: list[float] = []  # seconds the loop spent in each save
+        self.final_wait = 0.0  # --async-checkpoint: seconds the run's end waited for its last save
+
+    @classmethod
+    def of(cls, parts: Any) -> Checkpointer:
+        """The checkpointer of the run ``parts`` (trainer.build.Parts) describes."""
+        record = trajectory(parts.config, parts.data, parts.schedule_steps)
+        run = RunState(parts.config, record, parts.ctx.world_size, parts.ctx.rank)
+        states = {"scheduler": parts.scheduler if parts.scheduler is not None else NoState(), "scaler": parts.scaler}
+        return cls(parts.config, parts.sync, parts.optimizer, states, run, parts.comm_device, parts.phases)
+
+    @property
+    def fingerprint(self) -> str:
+        """The run's fingerprint (run_state.fingerprint of its trajectory): what a checkpoint must carry to resume
+        it, and what replica groups share."""
+        return self.run.fingerprint
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs beside the model and the optimizer: last.pt's other keys, a folder's extra."""
+        return {**{name: part.state_dict() for name, part in self.states.items()}, **self.run.state_dict()}
+
+    # ------------------------------------------------------------------------------------------------------
+    # Restore
+    # ------------------------------------------------------------------------------------------------------
+    @utils.measured_phase("restore")
+    def restore(self) -> tuple[Position, list[dict[str, Any]], list[float]]:
+        """The position, the finished epochs and this rank's sums of the current epoch, from --checkpoint-dir's
+        current checkpoint if there is one (with --eval-only: its weights and totals alone); and which format this
+        run saves. Position and the epochs' list are the run state's own: the loop changes them in place, and a save
+        writes them as they are."""
+        config, run = self.config, self.run
+        if self.directory is None:
+            return run.position, run.history, list(NO_SUMS)
+        if not config.eval_only:  # a reader (--eval-only) needs no lock
+            self.take_lock()
+        self.saves_folders = self.writes_folders()
+        if config.async_checkpoint and not config.eval_only:
+            self.writer = zero.checkpoint.AsyncWriter()
+        loaded = self.load_on_rank0()
+        if loaded is None:
+            return run.position, run.history, list(NO_SUMS)
+        found, state = loaded
+        if not config.eval_only:
+            check_compatible(state, run.record, found.path, config, run.world_size)
+        self.load_model(found, state["optimizer_steps"])
+        run.load_totals(state)
+        if config.eval_only:
+            return run.position, run.history, list(NO_SUMS)
+        for name, part in self.states.items():
+            part.load_state_dict(state[name])
+        run.load_state_dict(state)
+        utils.print0(f"resuming from {found.path}: epoch {run.position.epoch + 1}, micro-batch "
+                     f"{run.position.micro_batch}, optimizer step {run.position.optimizer_steps}")
+        return run.position, run.history, run.my_sums()
+
+    def take_lock(self) -> None:
+        """Rank 0 locks the folder for the run's life (folders.lock); a second run on it, or a folder this run
+        cannot write in, refused in one line on every rank before anything is touched."""
+        message = [None]
+        if self.rank == 0:
+            self.lock, message[0] = folders.lock(self.directory)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(message, src=0)
+        if message[0] is not None:
+            raise UsageError(message[0])
+
+    def writes_folders(self) -> bool:
+        """Whether this run saves DCP folders (the package's docstring): a sync that holds shards, and every rank
+        sees the folder rank 0 sees (else last.pt, said once). Rank 0 first removes what a save cut short left
+        (DIR/step-N.partial), before any rank can write a folder of that name."""
+        if self.config.eval_only or not self.sync.holds_shards:
+            return False
+        if self.rank == 0:
+            folders.remove_leftovers(self.directory)
+        if self.seen_by_every_rank():
+            return True
+        utils.print0(f"note: not every rank sees --checkpoint-dir {self.directory} (no shared file system): rank "
+                     f"0 writes {FILE} there, the model and the optimizer gathered to it")
+        return False
+
+    def seen_by_every_rank(self) -> bool:
+        """Whether every rank sees the folder as rank 0 does (one machine, or a shared file system): rank 0 leaves a
+        marker of a name of its own there, the others look for it, and all agree (one broadcast, one all-reduce)."""
+        if dist.get_world_size() == 1:
+            return True
+        rank, message = dist.get_rank(), [None]
+        if rank == 0:
+            try:
+                message[0] = ("ok", folders.seen_marker(self.directory))
+            except OSError as exc:
+                message[0] = ("error", f"cannot write in --checkpoint-dir {self.directory}: {exc.strerror or exc}")
+        dist.broadcast_object_list(message, src=0)
+        status, text = message[0]
+        if status == "error":
+            raise UsageError(text)
+        marker = os.path.join(self.directory, text)
+        deadline = time.monotonic() + MARKER_WAIT_S
+        while rank != 0 and not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen = torch.tensor([int(os.path.exists(marker))], device=self.comm_device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+        if rank == 0:
+            os.remove(marker)
+        return bool(seen.item())
+
+    def load_on_rank0(self) -> tuple[Found, dict[str, Any]] | None:
+        """Rank 0 finds the current checkpoint, reads its run state (reading.read_state) and broadcasts both, so that
+        every rank checks the same thing, and other nodes need not see last.pt."""
+        message: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                found = folders.current(self.directory)
+                if found is not None and found.note:
+                    print(found.note, flush=True)
+                message[0] = ("ok", found, read_state(found)) if found else None
+            except UsageError as exc:
+                message[0] = ("error", str(exc))
+            except Exception as exc:  # noqa: BLE001 - said in one line on every rank, none left waiting for rank 0
+                message[0] = ("error", f"cannot read --checkpoint-dir {self.directory}: "
+                                       f"{zero.checkpoint.one_line(exc)}")
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is None:
+            return None
+        if message[0][0] == "error":
+            raise UsageError(message[0][1])
+        return message[0][1], message[0][2]
+
+    def load_model(self, found: Found, optimizer_steps: int) -> None:
+        """The sync reads its model and optimizer from ``found`` (the weights alone with --eval-only), either format
+        at any world size; a checkpoint it cannot read refused in one line. Under fp16 the scaler may have skipped
+        every step, and left some parameters without state (``stepped``)."""
+        eval_only = self.config.eval_only
+        stepped = optimizer_steps > 0 and self.config.amp != "fp16"
+        # imported here, not at the top: DCP (and DTensor under it) is 1.4 s of every launched process's start
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:
+            self.sync.load_checkpoint(found.path, None if eval_only else self.optimizer, stepped=stepped)
+        except (zero.checkpoint.CheckpointError, CheckpointException) as exc:
+            raise usage_error(exc, found.path) from None
+
+    # ------------------------------------------------------------------------------------------------------
+    # Save
+    # ------------------------------------------------------------------------------------------------------
+    @utils.measured_phase("checkpoint")
+    def save(self, sums: list[list[float]]) -> None:
+        """The run state as it stands (the position and the finished epochs restore returned, every rank's epoch
+        sums ``sums``) to --checkpoint-dir, in the format restore chose. Every rank calls it. With --async-checkpoint
+        it returns once this rank's state is staged (after the previous save is written and published: one save in
+        flight); the time the loop spends here is the save's stall, in the metrics' checkpoint_stalls_s."""
+        if self.directory is None:
+            return
+        start = time.perf_counter()
+        self.wait_for_saves()
+        self.run.sums = sums
+        state = self.state_dict()
+        if self.saves_folders:
+            self.save_folder(state)
+        else:
+            self.save_file(state)
+        self.stalls.append(time.perf_counter() - start)
+
+    def save_folder(self, state: dict[str, Any]) -> None:
+        """DIR/step-N: every rank writes its own shards into DIR/step-N.partial (the sync's save_checkpoint),
+        ``state`` as rank 0's extra; then rank 0 makes it current (folders.make_current)."""
+        directory, name = self.directory, f"{FOLDER}{state['optimizer_steps']}"
+        path = os.path.join(directory, name + PARTIAL)
+        self.write_then_publish(state, name,
+                                lambda writer: self.sync.save_checkpoint(path, self.optimizer, state, writer=writer),
+                                lambda: folders.make_current(directory, name, self.config.keep_checkpoints))
+
+    def save_file(self, state: dict[str, Any]) -> None:
+        """DIR/last.pt, written by rank 0: the model and the optimizer's state in the form every --zero and world
+        size loads (the sharded syncs gather them to rank 0, so every rank calls this), and ``state``; then what it
+        supersedes removed (folders.forget_folders)."""
+        path = os.path.join(self.directory, FILE)
+        self.write_then_publish(state, FILE,
+                                lambda writer: self.sync.save_checkpoint(path, self.optimizer, state, one_file=True,
+                                                                         writer=writer),
+                                lambda: folders.forget_folders(self.directory))
+
+    def write_then_publish(self, state: dict[str, Any], name: str, write: Callable[[Any], Any],
+                           publish: Callable[[], None]) -> None:
+        """A save of DIR/``name``: ``write(writer)`` (every rank), the fault point "save" (written, not yet current),
+        then rank 0's ``publish``. The disk's error on the way is refused on every rank (``settle``). With
+        --async-checkpoint all of it after the copy happens in the writer's thread (``in_background``)."""
+        if self.writer is not None:
+            self.in_background(state, write, publish)
+            return
+        problem = disk_error(lambda: write(None))
+        if problem is None:
+            faults.at("save", self.rank, state["optimizer_steps"], self.config.replica_group)
+        if problem is None and self.rank == 0:  # DCP's save returns once every rank's data and the .metadata are
+            problem = disk_error(publish)  # written
+        self.settle(name, problem)
+
+    def settle(self, name: str, problem: str | None) -> None:
+        """After a save of DIR/``name``, every rank: a disk's error that stopped it, on any rank, refused on every
+        rank in one line naming the checkpoint that stays current. Rank 0 first removes what the save left
+        (folders.failed_save_note), so the previous checkpoint, untouched, is still the one a resume reads."""
+        from zero.checkpoint import agree
+        if problem is not None and self.rank == 0:
+            problem += folders.failed_save_note(self.directory, name)
+        problem = agree(problem, None, split=True) if dist.get_world_size() > 1 else problem
+        if problem is not None:
+            raise UsageError(f"cannot save checkpoint {os.path.join(self.directory, name)}: {problem}")
+
+    # ------------------------------------------------------------------------------------------------------
+    # Saves in the background (--async-checkpoint)
+    # ------------------------------------------------------------------------------------------------------
+    def in_background(self, state: dict[str, Any], write: Callable[[Any], Any], publish: Callable[[], None]) -> None:
+        """``write(writer)`` copies this rank's state into the writer's staging buffers and hands the write to its
+        thread, which passes the fault point "write" first (trainer/faults.py); after the write, in the thread and
+        only if it succeeded, the fault point "save" (written, not yet current) and rank 0's ``publish``. A failure
+        stops the loop at the next step or save, in one line (``poll``, ``wait_for_saves``); the save's
+        DIR/step-N.partial is then left for the next start to remove."""
+        rank, step, group = self.rank, state["optimizer_steps"], self.config.replica_group
+        writer = self.writer
+        writer.before_write = lambda: faults.at("write", rank, step, group)
+        write(writer)
+
+        def published() -> None:
+            faults.at("save", rank, step, group)
+            if rank == 0:
+                publish()
+        writer.then(published)
+
+    def poll(self) -> None:
+        """--async-checkpoint, after every step: a background save that failed stops the run here, in one line (the
+        previous checkpoint is still current)."""
+        writer = self.writer
+        if writer is not None and writer.error() is not None:
+            try:
+                writer.wait()
+            except zero.checkpoint.CheckpointError as exc:
+                raise self.background_failure(exc) from None
+
+    def wait_for_saves(self) -> None:
+        """--async-checkpoint: the save in flight written and published on every rank before the next one (or the
+        run's end); a failure on any rank said on all in one line (one all_gather_object)."""
+        if self.writer is None:
+            return
+        problem = None
+        try:
+            self.writer.wait()
+        except zero.checkpoint.CheckpointError as exc:
+            problem = str(self.background_failure(exc))
+        if dist.get_world_size() > 1:
+            from zero.checkpoint import agree
+            problem = agree(problem, None)
+        if problem:
+            raise UsageError(problem)
+
+    def background_failure(self, exc: Exception) -> UsageError:
+        why = usage_error(exc, self.directory)  # zero.checkpoint's refusal without its prefix
+        return UsageError(f"the background save into --checkpoint-dir {self.directory} failed: {why} (the checkpoint "
+                          f"before it is still current)")
+
+    # ------------------------------------------------------------------------------------------------------
+    # The run's end
+    # ------------------------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """The run's end: its last save written (the wait counted in checkpoint_final_wait_s) and the writer
+        stopped."""
+        if self.writer is None:
+            return
+        start = time.perf_counter()
+        self.wait_for_saves()
+        self.writer.close()
+        self.writer = None
+        self.final_wait = time.perf_counter() - start
+
+    def close(self) -> None:
+        """Whatever ended the run: a writer still there (a run stopped by an error) left as it is (its folder stays
+        .partial, removed at the next start; the previous checkpoint is current), and the folder's lock released
+        (in-process callers may start another run on it)."""
+        if self.writer is not None:
+            self.writer.close(wait=False)
+            self.writer = None
+        folders.unlock(self.lock)
+        self.lock = None
+
+
+def disk_error(write: Callable[[], Any]) -> str | None:
+    """``write()``, and the disk's error it raised in words (a full disk, a quota, a read-only or unwritable
+    folder: zero/checkpoint/disk.py), or None; any other error raised as it is."""
+    from zero.checkpoint import disk_problem
+    try:
+        write()
+    except Exception as exc:
+        problem = disk_problem(exc)
+        if problem is None:
+            raise
+        return problem
+    return None
