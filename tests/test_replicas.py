@@ -348,19 +348,17 @@ def run_members(address, on_step, steps=8):
     ended, errors = {}, []
 
     def member(group):
-        state = {"w": torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)}
-        replica = replicas.Replica(address, group, 2, "same", lambda: {"w": state["w"].clone()},
-                                   lambda received: state.update(w=received["w"]), fault_timeout_s=60.0)
-        step = 0
+        state = {"w": torch.linspace(-1.0, 1.0, 5, dtype=torch.float64), "step": 0}  # the live state
+        replica = replicas.Replica(address, group, 2, "same", lambda: {"w": state["w"].clone(), "step": state["step"]},
+                                   state.update, fault_timeout_s=60.0)
         try:
-            while step < steps:
-                replica.join(step)
-                on_step(group, step, "joined")
-                grad = torch.sin(state["w"] * (group + 1) + step)
+            while state["step"] < steps:
+                replica.join(state["step"])  # a group behind receives the other's weights and step
+                on_step(group, state["step"], "joined")
+                grad = torch.sin(state["w"] * (group + 1) + state["step"])
                 if replica.commit(replica.average([grad])):
-                    state["w"] = state["w"] - 0.1 * grad
-                    step += 1
-                    on_step(group, step - 1, "committed")
+                    state["w"], state["step"] = state["w"] - 0.1 * grad, state["step"] + 1
+                    on_step(group, state["step"] - 1, "committed")
             ended[group] = (state["w"], [entry["step"] for entry in replica.log if "step" in entry])
         except BaseException as error:  # noqa: BLE001 - the test shows it
             errors.append(f"group {group}: {replicas.one_line(error)}")
