@@ -46,6 +46,10 @@ import sys
 import time
 from typing import Any, Iterator
 
+# replica groups: a lost coordinator is said in one line, not after a C++ stack per failed store call (c10d's
+# client logs each at warning level; the level is read once, as torch is imported)
+if "--coordinator" in sys.argv:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

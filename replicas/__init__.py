@@ -56,7 +56,11 @@ the closed peer), they vote abort, ask to join again, and the lighthouse forms t
 group once its heartbeat is STALE_S old: the survivors lose the step they were in and about STALE_S of waiting.
 A hung process (SIGSTOP) holds the average until its timeout (``fault_timeout_s``); woken (SIGCONT), it finds its
 quorum decided (abort, or commit if it had voted) and its next join behind, so it recovers. The coordinator gone,
-every store call fails: every process says so in one line (CoordinatorLost) and stops; checkpoints are as they were.
+every store call fails: each process tries its address again every RECONNECT_S for up to the fault timeout; a new
+coordinator there (an empty store), it takes the step in flight as not taken, keeps its state and asks the new
+lighthouse, which numbers its quorums past every id the requests name and gives the groups that did not apply the
+step the state of those that did ([Note: lineage]): one step lost at most, none applied twice, no process restarted.
+Not back in time: every process says so in one line (CoordinatorLost) and stops; checkpoints are as they were.
 
 The files, one concern each: protocol.py (the store's keys, the timings, the errors, the quorum as published),
 coordinator.py (the lighthouse and ``serve``), member.py (Replica: join, average, commit, finish; its heartbeat),
@@ -66,12 +70,12 @@ format) and commit_log.py (the log that replays the run).
 from replicas.commit_log import append_log, read_log, write_log
 from replicas.coordinator import FIRST_WAIT_S, LINEAGE_WAITS, Lighthouse, main, serve
 from replicas.member import Heartbeat, Joined, Recovery, Replica
-from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, STALE_S, CoordinatorLost, Quorum, ReplicaRefused,
-                               RunFinished, connect, one_line)
+from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STALE_S, CoordinatorLost, Quorum,
+                               ReplicaRefused, RunFinished, connect, one_line, reconnect)
 from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, StateTransport, TensorPlace, join_tensors,
                                messages_of, split_tensors)
 
-__all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "STALE_S",
+__all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "RECONNECT_S", "STALE_S",
            "CoordinatorLost", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum", "Received", "Recovery",
            "Replica", "ReplicaRefused", "RunFinished", "StateTransport", "TensorPlace", "append_log", "connect",
-           "join_tensors", "main", "messages_of", "one_line", "read_log", "serve", "split_tensors", "write_log"]
+           "join_tensors", "main", "messages_of", "one_line", "read_log", "reconnect", "serve", "split_tensors", "write_log"]

@@ -49,6 +49,9 @@ class Lighthouse:
         self.places: dict[int, int] = {}  # group -> its size P, from its requests
         self.tickets: dict[int, list[str]] = {}  # quorum -> the tickets it answered
         self.first_asked: float | None = None
+        self.seen = -1  # the last quorum id a request names (a coordinator restarted numbers its quorums past it)
+        self.last_members: tuple[int, list[int]] = (-1, [])  # the latest quorum a request was in, and its members
+        self.planned = 0  # R, from the requests
         self.decided_at: float | None = None
         self.said: str | None = None
 
@@ -84,6 +87,11 @@ class Lighthouse:
                 self._refuse(request, why)
                 continue
             self.places[group] = request["size"]
+            self.planned = max(self.planned, request["planned"])
+            self.seen = max(self.seen, *(request.get(key) for key in ("seen", "last_commit")
+                                         if request.get(key) is not None), -1)
+            if request.get("seen") is not None:
+                self.last_members = max(self.last_members, (request["seen"], request["with"]))
             self.asked[group] = Asked(request, time.monotonic())
             self.first_asked = self.first_asked or time.monotonic()
         return taken
@@ -107,7 +115,9 @@ class Lighthouse:
                                    "finished": why.startswith(FINISHED)}))
 
     def _watch_heartbeats(self) -> None:
-        keys = [f"{PREFIX}hb/{g}/{j}" for g, size in self.places.items() for j in range(size)]
+        size = max(self.places.values(), default=1)  # every planned group's: a restarted coordinator's first quorum
+        keys = [f"{PREFIX}hb/{g}/{j}" for g in set(range(self.planned)) | set(self.places)  # waits for those that
+                for j in range(self.places.get(g, size))]  # beat (_first_waits)
         present = [key for key in keys if self.store.check([key])]
         now = time.monotonic()
         for key, value in zip(present, self.store.multi_get(present) if present else []):
@@ -150,8 +160,7 @@ class Lighthouse:
         if not alive:
             return
         if self.quorum is None:
-            planned = max(asked.request["planned"] for asked in alive.values())
-            if len(alive) < planned and time.monotonic() - self.first_asked < FIRST_WAIT_S:
+            if self._first_waits(alive):
                 return
         else:
             late = time.monotonic() - self.decided_at > self.quorum["fault_timeout"]
@@ -178,6 +187,21 @@ class Lighthouse:
             return
         self._publish(members)
 
+    def _first_waits(self, alive: dict[int, Asked]) -> bool:
+        """Whether the first quorum waits for more groups: every planned one, up to FIRST_WAIT_S since the first
+        asked. A coordinator restarted after a loss (a request names a quorum it was in: groups that were training)
+        waits instead for the members of the latest quorum a request names, the lost coordinator's (one of them may
+        hold the last committed step: [Note: lineage]), until they ask, are gone (their heartbeat, back, silent past
+        STALE_S) or the fault timeout has passed; not for the other groups (gone, or restarting: not coming)."""
+        waited = time.monotonic() - self.first_asked
+        if self.last_members[0] < 0:
+            return len(alive) < self.planned and waited < FIRST_WAIT_S
+        now = time.monotonic()
+        coming = [g for g in self.last_members[1] if g not in alive and all(
+            now - self.beats.get(f"{PREFIX}hb/{g}/{j}", (None, now))[1] <= STALE_S
+            for j in range(self.places.get(g, 1)))]  # (not seen beating yet: still reconnecting)
+        return bool(coming) and waited < max(asked.request["fault_timeout"] for asked in alive.values())
+
     def _admissible(self, alive: dict[int, Asked]) -> list[int]:
         """The groups that may join: of the quorum's identity and size (the first quorum: the most common), the
         others refused in one line each."""
@@ -196,7 +220,7 @@ class Lighthouse:
 
     def _publish(self, members: list[int]) -> None:
         previous = self.quorum
-        n = 0 if previous is None else previous["id"] + 1
+        n = self.seen + 1 if previous is None else previous["id"] + 1  # (a lost coordinator's ids not reused)
         requests = {g: self.asked.pop(g).request for g in members}
         steps = {g: request["step"] for g, request in requests.items()}
         # whether it committed, as _decided read it (the frontier is its step then)

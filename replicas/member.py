@@ -4,7 +4,9 @@ the quorum's commit (the package docstring's steps 1-4).
 
 What it needs of the coordinator is the store at its address and the keys of protocol.py: it pushes join requests,
 waits for its ticket's answer and the quorum's decision, votes, and beats; it holds no connection to the lighthouse
-itself. What it needs of its peers: the quorum's process groups (made over the store, per quorum) for the average,
+itself. A coordinator lost and restarted on the same address (its store new and empty) is ridden through: every
+store call that fails waits for it, up to the fault timeout (``reconnect``), takes the step in flight as not taken
+and asks the new lighthouse again, state intact (the package docstring's "Faults"). What it needs of its peers: the quorum's process groups (made over the store, per quorum) for the average,
 and a StateTransport (transfer.py) for the live state."""
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 from collectives import Collectives
 from replicas.commit_log import adopt, append_log, last_commit, resume_log, write_log
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, Quorum, ReplicaRefused, RunFinished,
-                               connect, one_line)
+                               connect, one_line, reconnect)
 from replicas.transfer import PGTransport, StateTransport
 
 
@@ -48,12 +50,18 @@ class Joined:
     recovery: Recovery | None = None
 
 
+class Reconnected(Exception):  # not a RuntimeError: none of the handlers of a failed collective takes it
+    """The coordinator was lost and a new one answers at its address: the quorum in flight is not taken."""
+
+
 class Heartbeat:
     """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own, to
-    INCARNATION/COUNT (the lighthouse tells a restarted process from the one it replaced)."""
+    INCARNATION/COUNT (the lighthouse tells a restarted process from the one it replaced). The coordinator lost, it
+    beats to the next one at the address, if one comes within the fault timeout (else ``lost`` says why)."""
 
-    def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = ""):
+    def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = "", fault_timeout_s: float = 60.0):
         self.store, self.key, self.incarnation = connect(address, timeout_s), key, incarnation
+        self.address, self.fault_timeout_s = address, fault_timeout_s
         self.stop, self.lost = threading.Event(), None
         self.store.set(key, f"{incarnation}/0")
         self.thread = threading.Thread(target=self._beat, name="replica-heartbeat", daemon=True)
@@ -65,9 +73,11 @@ class Heartbeat:
             beats += 1
             try:
                 self.store.set(self.key, f"{self.incarnation}/{beats}")
-            except RuntimeError as error:  # the coordinator is gone: the main thread says so at its next call
-                self.lost = one_line(error)
-                return
+            except RuntimeError as error:  # the coordinator is gone: wait for the next one
+                self.store = reconnect(self.address, self.fault_timeout_s)
+                if self.store is None:  # not back in time: the main thread says so at its next call
+                    self.lost = one_line(error)
+                    return
 
     def close(self) -> None:
         self.stop.set()
@@ -102,8 +112,9 @@ class Replica:
         self.incarnation = incarnation[0]
         self.store = connect(coordinator, max(fault_timeout_s, CONNECT_S))
         self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S),
-                                   self.incarnation)
+                                   self.incarnation, fault_timeout_s)
         self.quorum: Quorum | None = None
+        self.stale = False  # the quorum is a lost coordinator's: not taken, and none of its keys is read again
         self.pg_id: int | None = None
         self.pg: Any = None
         self.comm: Collectives | None = None
@@ -118,16 +129,33 @@ class Replica:
         self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
         self.fault = fault or (lambda point: None)
 
-    # the store, with the coordinator's loss said in one line
+    # the store: the coordinator lost, waited for up to the fault timeout; not back, said in one line
     def _lost(self, why: str) -> CoordinatorLost:
-        return CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone ({why}); this "
-                               f"group stops, its checkpoints as they were")
+        return CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone ({why}) and not "
+                               f"back within the fault timeout ({self.timeout_s:g} s); this group stops, its "
+                               f"checkpoints as they were")
+
+    def _reconnect(self, error: BaseException) -> NoReturn:
+        """The store's client failed (its socket closed: the coordinator is gone). A new one at the address within
+        the fault timeout: this process's quorum is stale (the new store knows nothing of it: not taken), its process
+        groups dropped (their store is gone), and the caller learns it by Reconnected; else CoordinatorLost."""
+        began = time.monotonic()
+        store = reconnect(self.address, self.timeout_s)
+        if store is None:
+            raise self._lost(one_line(error)) from None
+        self.store, self.stale = store, True
+        self._drop_group()
+        if self.place == 0:
+            print(f"replicas: group {self.group}: the coordinator {self.address} was lost ({one_line(error)}) and "
+                  f"is back after {time.monotonic() - began:.1f} s: the step in flight is not taken, asking the new "
+                  f"one", file=sys.stderr, flush=True)
+        raise Reconnected
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
         except RuntimeError as error:  # torch.distributed's DistError and its kin
-            raise self._lost(one_line(error)) from None
+            self._reconnect(error)
 
     def _wait_for(self, key: str, gone: Callable[[], bool] | None = None) -> bytes | None:
         """The value of ``key`` once it is set (however long: below min_groups the lighthouse waits); None once
@@ -139,7 +167,7 @@ class Replica:
                 self.store.wait([key], timedelta(seconds=self.timeout_s))
             except RuntimeError as error:
                 if not (isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()):
-                    raise self._lost(one_line(error)) from None
+                    self._reconnect(error)
                 if gone is not None and gone():
                     return None
                 continue
@@ -148,7 +176,7 @@ class Replica:
             except RuntimeError as error:
                 if gone is not None and gone():  # deleted between the wait and the get: stopped there (SIGSTOP)
                     return None
-                raise self._lost(one_line(error)) from None
+                self._reconnect(error)
 
     def _decision(self, quorum_id: int) -> bytes:
         """decision/n once set, b"commit" or b"abort". A process stopped long enough finds quorum n forgotten (the
@@ -160,19 +188,34 @@ class Replica:
         return self._wait_for(f"{PREFIX}decision/{quorum_id}", gone=forgotten) or b"abort"
 
     # 1. join
-    # 1. join
     def join(self, step: int) -> Joined:
         """This step's quorum, and the live state this group received in joining it (loaded already) where it was
         behind. Every place calls it. A transfer whose other end dies aborts the quorum, and this process asks again
-        (the state it had is intact: a joiner loads only what it received whole)."""
+        (the state it had is intact: a joiner loads only what it received whole); so too once the coordinator is
+        lost and back (Reconnected), asking the new one."""
         while True:
-            quorum = self._ask(step)
             try:
-                if quorum.pg != self.pg_id:
-                    self._make_group(quorum)
-                return Joined(quorum, self._transfer(quorum))
-            except (RuntimeError, dist.DistError) as error:  # a member died before the group was made or the state
-                self._abort(quorum, f"joining quorum {quorum.id} failed ({one_line(error)})")  # arrived
+                quorum = self._ask(step)
+                self._same_step(quorum, step)
+                try:
+                    if quorum.pg != self.pg_id:
+                        self._make_group(quorum)
+                    return Joined(quorum, self._transfer(quorum))
+                except (RuntimeError, dist.DistError) as error:  # a member died before the group was made or the
+                    self._abort(quorum, f"joining quorum {quorum.id} failed ({one_line(error)})")  # state arrived
+            except Reconnected:
+                continue
+
+    def _same_step(self, quorum: Quorum, step: int) -> None:
+        """Every place of a group at its place 0's step (which it asked with). Not so only where the places read a
+        quorum's decision apart (place 0 read "commit" and another did not, the coordinator lost between): that
+        place cannot take the state it lacks from its peers, so the group stops (torchrun restarts it from its
+        checkpoints) rather than train on two states."""
+        if quorum.steps[self.group] != step:
+            print(f"replicas: group {self.group}: place {self.place} is at step {step} and place 0 at step "
+                  f"{quorum.steps[self.group]} (a decision read apart while the coordinator was lost): the group "
+                  f"stops, to start again from its checkpoints", file=sys.stderr, flush=True)
+            raise self._lost("its places read the last decision apart")
 
     def _abort(self, quorum: Quorum, why: str) -> None:
         """This quorum's step is not taken: decided so (if nobody decided first), said once per group, and the
@@ -196,7 +239,9 @@ class Replica:
             if self.place == 0:
                 request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit(self.log),
                            "identity": self.identity, "size": self.size, "planned": self.planned,
-                           "min_groups": self.min_groups, "fault_timeout": self.timeout_s}
+                           "min_groups": self.min_groups, "fault_timeout": self.timeout_s,
+                           "seen": self.quorum.id if self.quorum is not None else None,  # for a new lighthouse
+                           "with": self.quorum.members if self.quorum is not None else []}
                 self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
             answer = self._wait_for(f"{PREFIX}ticket/{ticket}", gone=lambda: self._forgotten(ticket))
             if answer is None and self.place == 0:
@@ -205,7 +250,7 @@ class Replica:
         if b"refused" in answer[:12]:
             refusal = json.loads(answer)
             raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])
-        self.quorum = Quorum.parse(answer)
+        self.quorum, self.stale = Quorum.parse(answer), False
         return self.quorum
 
     def _forgotten(self, ticket: str) -> bool:
@@ -263,15 +308,18 @@ class Replica:
             self.comm.close()
         self.comm, self.pg, self.pg_id, self.transport = None, None, None, None
 
-    # 2. recovery
     # 3. average
     def average(self, tensors: list[torch.Tensor], weight: float | None = None) -> bool:
         """Each tensor averaged over the quorum's groups, in place; False (and ``failure`` says why) where a peer
         died or timed out, or the quorum was already aborted (a transfer in it failed). ``weight`` (every member
         gives one, or none does): each group's tensors count by their group's weight, sum(w t) / sum(w) (a group
-        with nothing to bring: 0)."""
-        if self._call(self.store.check, [f"{PREFIX}decision/{self.quorum.id}"]):
-            self.failure = "the quorum was aborted before its average"
+        with nothing to bring: 0). The coordinator lost before it: False (its quorum is not taken)."""
+        try:
+            if self.stale or self._call(self.store.check, [f"{PREFIX}decision/{self.quorum.id}"]):
+                self.failure = "the quorum was aborted before its average"
+                return False
+        except Reconnected:
+            self.failure = "the coordinator was lost before the average"
             return False
         weights = [] if weight is None else [torch.tensor([weight], dtype=torch.float64)]
         if weights:
@@ -294,13 +342,20 @@ class Replica:
     def commit(self, ok: bool, samples_of: Callable[[int], Any] | None = None) -> bool:
         """Whether the quorum applies this step (the package docstring, step 4); every place calls it. ``samples_of``:
         what group g used in this step (its samples, which every group can name: the trainer's data order is a
-        function of the group and the step), written into the commit log beside the participants."""
+        function of the group and the step), written into the commit log beside the participants. The coordinator
+        lost before this process read the decision: not taken, whatever the others read ([Note: lineage] gives the
+        ones behind the state of the ones that applied it, in the new coordinator's first quorum)."""
         quorum, key = self.quorum, f"{PREFIX}decision/{self.quorum.id}"
-        if ok and self._call(self.store.add, f"{PREFIX}votes/{quorum.id}", 1) == quorum.voters:
-            self._call(self.store.compare_set, key, "", "commit")
-        elif not ok:
-            self._abort(quorum, f"its average failed ({self.failure})")
-        committed = self._decision(quorum.id) == b"commit"
+        try:
+            if self.stale:
+                raise Reconnected
+            if ok and self._call(self.store.add, f"{PREFIX}votes/{quorum.id}", 1) == quorum.voters:
+                self._call(self.store.compare_set, key, "", "commit")
+            elif not ok:
+                self._abort(quorum, f"its average failed ({self.failure})")
+            committed = self._decision(quorum.id) == b"commit"
+        except Reconnected:
+            committed = False
         if not committed:
             self._drop_group()  # a peer failed in it: the next quorum makes a new one
             return False
@@ -315,8 +370,13 @@ class Replica:
     def finish(self, step: int) -> None:
         """This group is done at ``step``: a group that comes back later, behind it, has no one to take the state
         from, and is told so in one line instead of training on alone."""
-        if self.place == 0:
-            self._call(self.store.compare_set, PREFIX + "finished", "", json.dumps({"step": step, "group": self.group}))
+        while self.place == 0:
+            try:
+                self._call(self.store.compare_set, PREFIX + "finished", "", json.dumps({"step": step,
+                                                                                         "group": self.group}))
+                return
+            except Reconnected:  # said to the new coordinator
+                continue
 
     def note(self, entry: dict[str, Any]) -> None:
         """Something else worth keeping beside the committed steps (a recovery's timings), in the commit log."""

@@ -9,6 +9,8 @@ INCARNATION/COUNT) and pg/N/J/... (the process groups of quorum N's place J)."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -18,6 +20,7 @@ PREFIX = "replicas/"  # every key of the protocol, under the store's root
 HEARTBEAT_S = 0.1  # how often every process says it is alive
 STALE_S = 1.0  # a heartbeat this old: the process is gone (killed or stopped), for forming the next quorum
 FINISHED = "the run finished"  # how a refusal of a group back after the end begins (RunFinished)
+RECONNECT_S = 0.2  # how often a member tries the coordinator's address again, once it is lost
 CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's process group (a loaded machine's processes)
 SERVE = "python -m replicas serve"  # the coordinator's command
 
@@ -44,6 +47,21 @@ def connect(address: str, timeout_s: float) -> TCPStore:
     except (RuntimeError, ValueError) as error:
         raise CoordinatorLost(f"coordinator {address} unreachable ({one_line(error)}): start it with `{SERVE} "
                               f"--port {port}`") from None
+
+
+def reconnect(address: str, timeout_s: float) -> TCPStore | None:
+    """A new client of the coordinator's store at HOST:PORT once one listens there again (a coordinator restarted
+    after a loss: its store is new and empty), tried every RECONNECT_S; None if none does within ``timeout_s``. A
+    plain socket tries first: the store's client would log each failed try at error level, a C++ stack's worth."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=RECONNECT_S).close()
+            return connect(address, max(deadline - time.monotonic(), RECONNECT_S))
+        except (OSError, CoordinatorLost):
+            time.sleep(RECONNECT_S)
+    return None
 
 
 def one_line(error: BaseException) -> str:

@@ -10,6 +10,8 @@ import signal
 import sys
 import time
 
+if "--coordinator" in sys.argv:  # as ddp_cifar100.py does, before torch is imported
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

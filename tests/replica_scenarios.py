@@ -12,7 +12,10 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it
   has, every step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
   step first however fast the machine steps and however slowly it restarts the others; then the run ends at speed.
-- coordinator: 2 groups, --max-restarts 0, and the coordinator killed: each group says so in one line and stops.
+- coordinator: 2 groups, --max-restarts 0, and the coordinator killed for good: each group waits the fault timeout
+  for it, then says so in one line and stops.
+- restart: 3 groups, the coordinator SIGKILLed while they are inside step 6 and a new one started on its port: the
+  groups keep their processes and state, lose at most that step, and run to the end.
 - diloco: 2 groups as DiLoCo's replicas (meeting every 3 steps), --min-replica-groups 2: group 1 SIGKILLed inside a
   window (steps 4 and 7), back from its checkpoint, recovering at the next meeting (6), then again (9), where group
   0 is SIGKILLed while sending it the state (both start again from their checkpoints, at one meeting).
@@ -32,7 +35,8 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 200, "diloco": 12}
+STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14}
+RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
 PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them before group 0 could finish alone
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
 
@@ -107,6 +111,25 @@ def coordinator(out: str, data: str) -> dict:
     return {**outcome, "events": events}
 
 
+def restart(out: str, data: str) -> dict:
+    run = ReplicaRun(out, 3, flags(data, STEPS["restart"], "--checkpoint-every", "4"),
+                     entry="tests/float64_trainer.py", min_groups=1, fault_timeout_s=RESTART_TIMEOUT_S, max_restarts=2)
+    events = {}
+
+    def act() -> None:
+        run.wait_for_step(0, 5, 120)  # group 0 has applied step 5: the groups are inside step 6 (or 7)
+        events["pids"] = {str(g): run.workers(g) for g in range(3)}
+        port = int(run.address.rpartition(":")[2])
+        run.kill_coordinator()
+        events["killed_at"] = time.time()
+        run.start_coordinator(port)  # on the same port, once it listens
+        events["restarted_at"] = time.time()
+        for group in range(3):
+            run.wait_for_step(group, 9, 120)  # every group past the restart, stepping
+        events["pids_after"] = {str(g): run.workers(g) for g in range(3)}
+    return {**finish(run, act, timeout_s=400), "events": events}
+
+
 def diloco(out: str, data: str) -> dict:
     env = {0: {"DDP_CIFAR100_FAULT": "0/0:9:send"}, 1: {"DDP_CIFAR100_FAULT": "1/0:4:forward,1/0:7:forward:1"}}
     run = ReplicaRun(out, 2, flags(data, STEPS["diloco"], "--checkpoint-every", "3", "--grad-sync", "diloco",
@@ -132,7 +155,7 @@ def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
             "metrics": {str(g): run.path(g, "metrics") for g in range(run.groups)}}
 
 
-SCENARIOS = {"kills": kills, "alone": alone, "diloco": diloco, "coordinator": coordinator}
+SCENARIOS = {"kills": kills, "alone": alone, "diloco": diloco, "coordinator": coordinator, "restart": restart}
 
 
 def main(out: str, names: list[str]) -> int:

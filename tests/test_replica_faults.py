@@ -12,7 +12,11 @@ a coordinator and a torchrun per group, the trainer in float64), each run compar
   by applying what it had in flight; every group ends with the same weights, which the replay reaches.
 - diloco: DiLoCo's replicas as groups: one killed inside a window recovers at the next meeting, bringing nothing to
   it; the one that sends it the state killed mid-transfer: both start again from their checkpoints; they end equal.
-- coordinator: the coordinator killed: each group says so in one line and stops, its checkpoint whole.
+- coordinator: the coordinator killed for good: each group waits the fault timeout for it, then says so in one line
+  (nothing else: no C++ stack) and stops, its checkpoint whole.
+- restart: the coordinator SIGKILLed while 3 groups are inside a step, and restarted on its port: no group restarts
+  (its processes are the same), every step is in the log once, the groups end with the same weights, bit for bit,
+  and the replay reaches them.
 
 Why 1e-10 for the replay, over hundreds of steps: the replay's sums associate otherwise than the groups' (a few units
 of 2^-53 relative per step), and SGD with momentum at lr 0.05 on the tiny GPT is a smooth map that carries such a
@@ -87,7 +91,7 @@ def test_every_step_is_taken_once_by_all_three_groups_through_six_kills(outcomes
     assert recovered == {0, 1}  # group 1 from group 0, group 0 from another (group 2 from its own checkpoint)
 
 
-@pytest.mark.parametrize("scenario", ["kills", "alone"])
+@pytest.mark.parametrize("scenario", ["kills", "alone", "restart"])
 def test_every_group_ends_with_the_same_weights_and_the_replay_reaches_them(local_group, outcomes, scenario):
     outcome = outcomes[scenario]
     weights = [final_weights(outcome, group) for group in range(3)]
@@ -142,9 +146,26 @@ def test_the_coordinator_lost_is_one_line_and_the_checkpoints_are_whole(outcomes
         assert lost["codes"][group] not in (0, None)
         lines = [line for line in lost["outputs"][group].splitlines() if line.startswith("ddp_cifar100.py: error:")]
         assert len(lines) == 1 and "coordinator" in lines[0], lost["outputs"][group][-2000:]
+        assert "Exception raised from" not in lost["outputs"][group], lost["outputs"][group][-2000:]  # no C++ stack
         path = os.path.join(lost["checkpoints"][group], "last.pt")
         opened = subprocess.run([sys.executable, "-c", "import sys, torch; state = torch.load(sys.argv[1], "
                                  "weights_only=True); print(sorted(state)[:3], state['optimizer_steps'])", path],
                                 capture_output=True, text=True, cwd=tempfile.gettempdir())
         assert opened.returncode == 0, opened.stderr  # with torch alone, outside the repository
     assert lost["ended_at"] - lost["events"]["killed_at"] < 60  # every group stopped, none waiting on
+
+
+def test_the_coordinator_killed_and_restarted_costs_the_groups_nothing(outcomes):
+    run = outcomes["restart"]
+    assert run["codes"] == {"0": 0, "1": 0, "2": 0}, "\n".join(run["outputs"].values())
+    assert run["restarts"] == {"0": 0, "1": 0, "2": 0}  # torchrun restarted none
+    assert run["events"]["pids"] == run["events"]["pids_after"]  # the same processes, before and after
+    killed_at = run["events"]["killed_at"]
+    for group in ("0", "1", "2"):
+        log = steps_of(run["logs"][group])
+        assert [entry["step"] for entry in log] == list(range(replica_scenarios.STEPS["restart"]))
+        assert "the coordinator" in run["outputs"][group] and "is back after" in run["outputs"][group]
+    times = [entry["time"] for entry in steps_of(run["logs"]["0"])]
+    stall = max(b - a for a, b in zip(times, times[1:]) if b > killed_at)
+    print(f"\nrestart: the groups' longest pause across the coordinator's restart: {stall:.1f} s "
+          f"(restarted {run['events']['restarted_at'] - killed_at:.1f} s after the kill)")

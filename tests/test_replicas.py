@@ -244,6 +244,7 @@ def stopped_member():
     member.heartbeat = type("Beating", (), {"lost": None})()
     member.place, member.size, member.incarnation, member.requests, member.log = 0, 1, "start", 0, []
     member.identity, member.planned, member.min_groups = "same", 2, 1
+    member.quorum, member.stale = None, False
     return store, replicas.Lighthouse(store), member
 
 
@@ -337,3 +338,68 @@ def test_a_ticket_answered_while_the_member_was_stopped_is_asked_again(between, 
     assert asked, "the member still waits for the answer its lighthouse forgot"
     assert member.requests == 2 and asked[0].id == 3 and asked[0].members == [1, 2]  # the next quorum's
     assert "forgotten while it was stopped: asking again" in capsys.readouterr().err  # said, in one line
+
+
+def run_members(address, on_step, steps=8):
+    """Groups 0 and 1 of one process each, as threads of this process: w (float64) stepped by the mean of both
+    groups' gradients, each a function of (w, group, step); ``on_step(group, step, where)`` called after the join
+    ("joined") and after a committed step ("committed"). Each group's weights and commit log at the end."""
+    import torch
+    ended, errors = {}, []
+
+    def member(group):
+        state = {"w": torch.linspace(-1.0, 1.0, 5, dtype=torch.float64), "step": 0}  # the live state
+        replica = replicas.Replica(address, group, 2, "same", lambda: {"w": state["w"].clone(), "step": state["step"]},
+                                   state.update, fault_timeout_s=60.0)
+        try:
+            while state["step"] < steps:
+                replica.join(state["step"])  # a group behind receives the other's weights and step
+                on_step(group, state["step"], "joined")
+                grad = torch.sin(state["w"] * (group + 1) + state["step"])
+                if replica.commit(replica.average([grad])):
+                    state["w"], state["step"] = state["w"] - 0.1 * grad, state["step"] + 1
+                    on_step(group, state["step"] - 1, "committed")
+            ended[group] = (state["w"], [entry["step"] for entry in replica.log if "step" in entry])
+        except BaseException as error:  # noqa: BLE001 - the test shows it
+            errors.append(f"group {group}: {replicas.one_line(error)}")
+        finally:
+            replica.close()
+    threads = [threading.Thread(target=member, args=(group,), daemon=True) for group in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(ended) == 2, errors or "a member still runs after 120 s"
+    w = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)  # the fault-free run: every step the mean of both
+    for step in range(steps):
+        w = w - 0.1 * ((torch.sin(w * 1 + step) + torch.sin(w * 2 + step)) / 2)
+    return ended, w
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("when", ["joined", "committed"])
+def test_the_coordinator_killed_and_restarted_mid_run_costs_the_members_nothing(tmp_path, when):
+    """The coordinator (``python -m replicas serve``) SIGKILLed at step 3 and a new one started on its port, the
+    members (Replica objects in threads) riding through: inside the step ("joined": group 0 has joined quorum 3,
+    nobody voted: the step is taken again), or once group 0 has applied step 3 ("committed": group 1 may or may not
+    have read the decision; if not, it receives group 0's state from the new coordinator's first quorum). Either way
+    both groups end at the fault-free run's weights, bit for bit, every step in their logs once."""
+    from benchmarks.replica_runs import ReplicaRun
+    run = ReplicaRun(str(tmp_path), 0, [])
+    run.start_coordinator()
+    port, restarted = run.address.rpartition(":")[2], threading.Event()
+
+    def on_step(group, step, where):
+        if (group, step, where) == (0, 3, when) and not restarted.is_set():  # once
+            run.kill_coordinator()
+            run.start_coordinator(int(port))
+            restarted.set()
+    try:
+        ended, reference = run_members(run.address, on_step)
+    finally:
+        run.close()
+    assert restarted.is_set() and run.address.endswith(f":{port}")
+    for group in (0, 1):
+        w, steps = ended[group]
+        assert steps == list(range(8)), steps
+        assert max_difference({"w": w}, {"w": reference}) == 0
