@@ -116,6 +116,7 @@ class Replica:
         # every committed step this run knows (a joiner receives the past); an earlier process's, up to ``step``
         self.log: list[dict[str, Any]] = resume_log(self.log_path, step) if self.log_path else []
         self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
+        self.durable = step  # the step this group's newest checkpoint holds (``saved``): this process started there
         self.fault = fault or (lambda point: None)
 
     # the store, with the coordinator's loss said in one line
@@ -160,7 +161,6 @@ class Replica:
         return self._wait_for(f"{PREFIX}decision/{quorum_id}", gone=forgotten) or b"abort"
 
     # 1. join
-    # 1. join
     def join(self, step: int) -> Joined:
         """This step's quorum, and the live state this group received in joining it (loaded already) where it was
         behind. Every place calls it. A transfer whose other end dies aborts the quorum, and this process asks again
@@ -195,6 +195,7 @@ class Replica:
             ticket = f"{self.group}/{self.incarnation}/{self.requests}"
             if self.place == 0:
                 request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit(self.log),
+                           "durable": self.durable,
                            "identity": self.identity, "size": self.size, "planned": self.planned,
                            "min_groups": self.min_groups, "fault_timeout": self.timeout_s}
                 self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
@@ -206,7 +207,16 @@ class Replica:
             refusal = json.loads(answer)
             raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])
         self.quorum = Quorum.parse(answer)
+        if self.quorum.back_from is not None and self.place == 0:
+            print(f"replicas: group {self.group}: the run goes back from step {self.quorum.back_from} to step "
+                  f"{self.quorum.step} (quorum {self.quorum.id}): no group that holds a later state is alive or came "
+                  f"back in time", file=sys.stderr, flush=True)
         return self.quorum
+
+    def saved(self, step: int) -> None:
+        """This group's newest checkpoint now holds ``step`` (its place 0 says so in its requests: what the group
+        brings back if it restarts, [Note: progress] in coordinator.py)."""
+        self.durable = step
 
     def _forgotten(self, ticket: str) -> bool:
         """Whether the lighthouse answered ``ticket`` and has since forgotten its quorum (deleted the answer with
