@@ -81,6 +81,7 @@ def train(config: Config) -> dict[str, Any]:
         position, history, saved_sums = checkpointer.restore()
         if config.coordinator:  # fault-tolerant replica groups: this group trains with the others through it
             parts.replicas = ReplicaGroups(parts, checkpointer.fingerprint, position.optimizer_steps)
+            checkpointer.when_published(parts.replicas.replica.saved)  # what a restart of this group brings back
         meter.start(position)
         epoch, final = None, None
         while not config.eval_only and position.epoch < config.epochs and not stop_requested(config, position):

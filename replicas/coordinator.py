@@ -45,6 +45,8 @@ class Lighthouse:
         self.holders: dict[str, str] = {}  # group -> incarnation: the processes that committed it (they hold that
         # state until they commit again)
         self.asked: dict[int, Asked] = {}  # group -> its request for the next quorum
+        self.checkpointed: dict[int, int] = {}  # group -> the step its newest checkpoint holds, from its requests
+        # ([Note: progress]): what it brings back if it restarts
         self.beats: dict[str, tuple[bytes, float]] = {}  # heartbeat key -> (value, when it last changed)
         self.places: dict[int, int] = {}  # group -> its size P, from its requests
         self.tickets: dict[int, list[str]] = {}  # quorum -> the tickets it answered
@@ -92,6 +94,8 @@ class Lighthouse:
                                          if request.get(key) is not None), -1)
             if request.get("seen") is not None:
                 self.last_members = max(self.last_members, (request["seen"], request["with"]))
+            if request.get("durable") is not None:
+                self.checkpointed[group] = request["durable"]
             self.asked[group] = Asked(request, time.monotonic())
             self.first_asked = self.first_asked or time.monotonic()
         return taken
@@ -162,24 +166,8 @@ class Lighthouse:
         if self.quorum is None:
             if self._first_waits(alive):
                 return
-        else:
-            late = time.monotonic() - self.decided_at > self.quorum["fault_timeout"]
-            waiting_for = [g for g in self.quorum["members"]
-                           if g not in alive and self._silent_for(g) <= STALE_S and not late]
-            if waiting_for:
-                return
-            away = [int(g) for g, incarnation in self.holders.items()
-                    if int(g) not in alive and self._may_hold(int(g), incarnation)]
-            if away and not any((a.request["step"], a.request.get("last_commit")) == self.frontier
-                                for a in alive.values()):
-                waited = time.monotonic() - self.decided_at
-                if waited <= LINEAGE_WAITS * self.quorum["fault_timeout"]:
-                    self._say(f"waiting for replica group(s) {away}: the only holders of the last committed step, "
-                              f"not gone ([Note: lineage])")
-                    return
-                self._say(f"replica group(s) {away} hold the last committed step (step {self.frontier[0]}) but have "
-                          f"not asked to join in {waited:.0f} s ({LINEAGE_WAITS} fault timeouts): the others go on "
-                          f"from their older state, which the holders will receive, losing their steps since it")
+        elif self._waiting_for_newer_state(alive):
+            return
         needed = max(asked.request["min_groups"] for asked in alive.values())
         members = sorted(self._admissible(alive))
         if len(members) < needed:
@@ -201,6 +189,37 @@ class Lighthouse:
             now - self.beats.get(f"{PREFIX}hb/{g}/{j}", (None, now))[1] <= STALE_S
             for j in range(self.places.get(g, 1)))]  # (not seen beating yet: still reconnecting)
         return bool(coming) and waited < max(asked.request["fault_timeout"] for asked in alive.values())
+
+    def _waiting_for_newer_state(self, alive: dict[int, Asked]) -> bool:
+        """Whether the next quorum waits for a group that is not among ``alive`` and may bring back a newer state
+        than every alive group holds: a member of the last quorum, silent for less than STALE_S and not yet late; a
+        holder of the last committed step that is not gone ([Note: lineage]); a group whose checkpoint holds a later
+        step than every alive group's, restarting or about to ([Note: progress]). The last two for at most
+        LINEAGE_WAITS fault timeouts since the last decision; then the others go on, which is said in one line."""
+        waited = time.monotonic() - self.decided_at
+        late = waited > self.quorum["fault_timeout"]
+        if not late and any(g not in alive and self._silent_for(g) <= STALE_S for g in self.quorum["members"]):
+            return True
+        states = {(a.request["step"], a.request.get("last_commit")) for a in alive.values()}
+        best = max(step for step, _ in states)
+        away = [int(g) for g, incarnation in self.holders.items()
+                if int(g) not in alive and self._may_hold(int(g), incarnation) and self.frontier not in states]
+        restarting = sorted(g for g, step in self.checkpointed.items() if g not in alive and step > best)
+        if not away and not restarting:
+            return False
+        if waited <= LINEAGE_WAITS * self.quorum["fault_timeout"]:
+            self._say(f"waiting for replica group(s) {away}: the only holders of the last committed step, not gone "
+                      f"([Note: lineage])" if away else
+                      f"waiting for replica group(s) {restarting}: their checkpoints hold step "
+                      f"{max(self.checkpointed[g] for g in restarting)}, past every state alive (step {best}) "
+                      f"([Note: progress])")
+            return True
+        self._say(f"replica group(s) {away or restarting} hold a later step than the groups alive (step {best}) but "
+                  f"have not asked to join in {waited:.0f} s ({LINEAGE_WAITS} fault timeouts): the others go on from "
+                  f"their older state, which those groups will receive, losing their steps since it")
+        for group in restarting:  # not waited for again until it says what its checkpoint holds
+            del self.checkpointed[group]
+        return False
 
     def _admissible(self, alive: dict[int, Asked]) -> list[int]:
         """The groups that may join: of the quorum's identity and size (the first quorum: the most common), the
@@ -238,7 +257,9 @@ class Lighthouse:
                   "pg": previous["pg"] if same_groups else n, "processes": processes,
                   "size": requests[members[0]]["size"],
                   "identity": requests[members[0]]["identity"],
-                  "fault_timeout": max(request["fault_timeout"] for request in requests.values())}
+                  "fault_timeout": max(request["fault_timeout"] for request in requests.values()),
+                  # the run goes back: the last committed step is past the quorum's state (every member says so)
+                  "back_from": self.frontier[0] if self.frontier is not None and self.frontier[0] > step else None}
         tickets = [request["ticket"] for request in requests.values()]
         keys = [f"{PREFIX}quorum/{n}", *(f"{PREFIX}ticket/{ticket}" for ticket in tickets)]
         self.store.multi_set(keys, [json.dumps(quorum)] * len(keys))
@@ -266,6 +287,17 @@ class Lighthouse:
     # process), are silent past the fault timeout (dead or hung), or LINEAGE_WAITS fault timeouts have passed since
     # the last decision: a holder whose heartbeat thread beats while its training is stuck must not stall the run
     # for good, and going on from the older state is then said in one line.
+
+    # [Note: progress] A group's live state is not all it can bring back: a group that died restarts from its
+    # checkpoint, which may hold a later step than every group alive (the only group that went on alone while the
+    # others were away, killed in turn). Went on from the older state, the run would throw those steps away when
+    # the group came back and received that state: 250 committed steps once, in a run of 2 groups whose survivor
+    # restarted 8 s after its kill with a fault timeout of 3 s. So every request says which step the group's newest
+    # checkpoint holds ("durable"), and the lighthouse does not form a quorum whose most advanced state is behind a
+    # step that an absent group's checkpoint holds: it waits for that group to ask (its state then wins, being the
+    # most advanced) as long as it waits for a holder of the frontier, LINEAGE_WAITS fault timeouts since the last
+    # decision. A group that does not come back by then is waited for no more (until it asks again), the others go
+    # on from their older state, and every member is told from which step to which the run goes back.
 
     def _forget(self, n: int) -> None:
         """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step); ``forgotten``

@@ -127,6 +127,7 @@ class Replica:
         # every committed step this run knows (a joiner receives the past); an earlier process's, up to ``step``
         self.log: list[dict[str, Any]] = resume_log(self.log_path, step) if self.log_path else []
         self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
+        self.durable = step  # the step this group's newest checkpoint holds (``saved``): this process started there
         self.fault = fault or (lambda point: None)
 
     # the store: the coordinator lost, waited for up to the fault timeout; not back, said in one line
@@ -238,6 +239,7 @@ class Replica:
             ticket = f"{self.group}/{self.incarnation}/{self.requests}"
             if self.place == 0:
                 request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit(self.log),
+                           "durable": self.durable,
                            "identity": self.identity, "size": self.size, "planned": self.planned,
                            "min_groups": self.min_groups, "fault_timeout": self.timeout_s,
                            "seen": self.quorum.id if self.quorum is not None else None,  # for a new lighthouse
@@ -251,7 +253,16 @@ class Replica:
             refusal = json.loads(answer)
             raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])
         self.quorum, self.stale = Quorum.parse(answer), False
+        if self.quorum.back_from is not None and self.place == 0:
+            print(f"replicas: group {self.group}: the run goes back from step {self.quorum.back_from} to step "
+                  f"{self.quorum.step} (quorum {self.quorum.id}): no group that holds a later state is alive or came "
+                  f"back in time", file=sys.stderr, flush=True)
         return self.quorum
+
+    def saved(self, step: int) -> None:
+        """This group's newest checkpoint now holds ``step`` (its place 0 says so in its requests: what the group
+        brings back if it restarts, [Note: progress] in coordinator.py)."""
+        self.durable = step
 
     def _forgotten(self, ticket: str) -> bool:
         """Whether the lighthouse answered ``ticket`` and has since forgotten its quorum (deleted the answer with

@@ -80,6 +80,7 @@ class Quorum:
     pg: int  # the quorum whose process group this one uses (a new one when a member is a new process, after an abort)
     size: int  # P, processes per group
     fault_timeout: float = 60.0
+    back_from: int | None = None  # the last committed step, where the quorum's state is behind it ([Note: progress])
     voters: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -89,4 +90,5 @@ class Quorum:
     def parse(cls, text: bytes) -> Quorum:
         raw = json.loads(text)
         return cls(raw["id"], raw["members"], {int(g): s for g, s in raw["steps"].items()}, raw["step"],
-                   {int(g): s for g, s in raw["sources"].items()}, raw["pg"], raw["size"], raw["fault_timeout"])
+                   {int(g): s for g, s in raw["sources"].items()}, raw["pg"], raw["size"], raw["fault_timeout"],
+                   raw.get("back_from"))

@@ -12,6 +12,8 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it
   has, every step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
   step first however fast the machine steps and however slowly it restarts the others; then the run ends at speed.
+- progress: 2 groups, --min-replica-groups 1: group 1 SIGKILLed, group 0 goes on alone, then SIGKILLed while it
+  sends group 1 the state: group 1 waits for group 0's restart from its checkpoint, whose step is past its own.
 - coordinator: 2 groups, --max-restarts 0, and the coordinator killed for good: each group waits the fault timeout
   for it, then says so in one line and stops.
 - restart: 3 groups, the coordinator SIGKILLed while they are inside step 6 and a new one started on its port: the
@@ -35,7 +37,7 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14}
+STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60}
 RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
 PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them before group 0 could finish alone
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
@@ -97,6 +99,24 @@ def alone(out: str, data: str) -> dict:
     return {**finish(run, act, timeout_s=400), "events": events}
 
 
+def progress(out: str, data: str) -> dict:
+    """Group 1 SIGKILLed after step 3 (its checkpoint at step 2); group 0 goes on alone, saving every 2 steps, and is
+    SIGKILLed while it sends the state to group 1, back: its checkpoint holds a later step than group 1's state, so
+    group 1 waits for group 0's restart instead of going on from step 2 alone ([Note: progress]). Paced (as alone)
+    until group 1 has received group 0's state, so that group 0 cannot finish alone before group 1 is back."""
+    gate = os.path.join(out, "events-over")
+    env = {0: {"DDP_CIFAR100_FAULT": "0/0:*:send"}, 1: {"DDP_CIFAR100_FAULT": "1/0:3:after"}}
+    run = ReplicaRun(out, 2, flags(data, STEPS["progress"], "--checkpoint-every", "2"),
+                     entry="tests/float64_trainer.py", env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"},
+                     group_env=env, min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+
+    def act() -> None:
+        run.wait_for(1, "recovery from group 0", lambda entries: any(
+            e.get("recovered", {}).get("group") == 1 and e["recovered"]["source"] == 0 for e in entries), 240)
+        open(gate, "w").close()  # the pace off: the run ends at speed
+    return finish(run, act, timeout_s=400)
+
+
 def coordinator(out: str, data: str) -> dict:
     run = ReplicaRun(out, 2, flags(data, 100000, "--checkpoint-every", "3"), entry="tests/float64_trainer.py",
                      min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=0)
@@ -155,7 +175,8 @@ def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
             "metrics": {str(g): run.path(g, "metrics") for g in range(run.groups)}}
 
 
-SCENARIOS = {"kills": kills, "alone": alone, "diloco": diloco, "coordinator": coordinator, "restart": restart}
+SCENARIOS = {"kills": kills, "alone": alone, "progress": progress, "diloco": diloco, "coordinator": coordinator,
+             "restart": restart}
 
 
 def main(out: str, names: list[str]) -> int:

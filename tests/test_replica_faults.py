@@ -12,6 +12,8 @@ a coordinator and a torchrun per group, the trainer in float64), each run compar
   by applying what it had in flight; every group ends with the same weights, which the replay reaches.
 - diloco: DiLoCo's replicas as groups: one killed inside a window recovers at the next meeting, bringing nothing to
   it; the one that sends it the state killed mid-transfer: both start again from their checkpoints; they end equal.
+- progress: the only group that went on alone killed while it sends the state to the other, back from its older
+  checkpoint: that group waits for the first's restart from its newer checkpoint, whose state then wins.
 - coordinator: the coordinator killed for good: each group waits the fault timeout for it, then says so in one line
   (nothing else: no C++ stack) and stops, its checkpoint whole.
 - restart: the coordinator SIGKILLed while 3 groups are inside a step, and restarted on its port: no group restarts
@@ -28,6 +30,7 @@ moves the weights at first order, by about lr x O(0.1) = 5e-3.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -91,10 +94,10 @@ def test_every_step_is_taken_once_by_all_three_groups_through_six_kills(outcomes
     assert recovered == {0, 1}  # group 1 from group 0, group 0 from another (group 2 from its own checkpoint)
 
 
-@pytest.mark.parametrize("scenario", ["kills", "alone", "restart"])
+@pytest.mark.parametrize("scenario", ["kills", "alone", "restart", "progress"])
 def test_every_group_ends_with_the_same_weights_and_the_replay_reaches_them(local_group, outcomes, scenario):
     outcome = outcomes[scenario]
-    weights = [final_weights(outcome, group) for group in range(3)]
+    weights = [final_weights(outcome, group) for group in range(len(outcome["codes"]))]
     for other in weights[1:]:
         assert max_difference(weights[0], other) == 0
     worst = max_difference(weights[0], replayed(local_group, outcome, 0, replica_scenarios.STEPS[scenario]))
@@ -129,6 +132,28 @@ def test_a_hung_group_is_left_out_and_rejoins_by_recovery(outcomes):
     rejoined = [note["recovered"] for note in alone["logs"]["2"] if "recovered" in note
                 and note["recovered"]["group"] == 2 and note["recovered"]["quorum"] > before]
     assert rejoined, f"group 2 did not rejoin by recovery after its hang (quorum {before}):\n{alone['outputs']['2']}"
+
+
+def test_no_group_goes_on_from_a_state_older_than_a_checkpoint_holds(outcomes):
+    """[Note: progress]: group 0, the only group that went on alone, is killed while it sends the state to group 1;
+    group 1, at its older checkpoint's step, waits for group 0's restart instead of training alone, and then
+    receives the state group 0's checkpoint holds: no step committed before that checkpoint is thrown away."""
+    run = outcomes["progress"]
+    assert run["codes"] == {"0": 0, "1": 0}, "\n".join(f"group {g}: {c}\n{run['outputs'][g]}" for g, c in
+                                                       run["codes"].items() if c != 0)
+    assert run["restarts"] == {"0": 1, "1": 1}
+    log = steps_of(run["logs"]["0"])
+    assert [entry["step"] for entry in log] == list(range(replica_scenarios.STEPS["progress"]))  # every step once
+    assert not any(entry["participants"] == [1] for entry in log)  # group 1 never trained alone
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in run["outputs"]["0"].splitlines()
+               if line.startswith("resuming from ")]
+    assert len(resumed) == 1 and resumed[0] > 3, run["outputs"]["0"][-2000:]  # group 0's restart, past step 3
+    notes = [note["recovered"] for note in run["logs"]["1"] if "recovered" in note]
+    assert [(note["group"], note["source"], note["step"]) for note in notes][-1] == (1, 0, resumed[0])
+    # what no process can bring back: group 0's steps since its last checkpoint (every 2 steps), said on each group
+    for group in ("0", "1"):
+        back = re.findall(r"the run goes back from step (\d+) to step (\d+)", run["outputs"][group])
+        assert back and all(int(to) == resumed[0] and int(frm) - int(to) <= 2 for frm, to in back), back
 
 
 def test_diloco_replica_groups_recover_at_a_meeting_and_end_equal(outcomes):

@@ -160,34 +160,30 @@ def test_diloco_replica_groups_are_one_diloco_run(diloco_groups):
     assert max_difference(groups[0][0]["state"], groups[1][0]["state"]) == 0  # the run ends on a meeting
 
 
-def push_request(store, ticket, group, step, last_commit, fault_timeout=0.0):
+def push_request(store, ticket, group, step, last_commit, fault_timeout=0.0, durable=None):
     """A request to join as a group's place 0 makes it (Replica._ask), of 1 process of 2 planned; with a fault
-    timeout of 0, every absent member of the last quorum is late at once."""
+    timeout of 0, every absent member of the last quorum is late at once. ``durable``: the step the group's newest
+    checkpoint holds."""
     store.queue_push(replicas.PREFIX + "events", json.dumps({
-        "ticket": ticket, "group": group, "step": step, "last_commit": last_commit, "identity": "same", "size": 1,
-        "planned": 2, "min_groups": 1, "fault_timeout": fault_timeout}))
+        "ticket": ticket, "group": group, "step": step, "last_commit": last_commit, "durable": durable,
+        "identity": "same", "size": 1, "planned": 2, "min_groups": 1, "fault_timeout": fault_timeout}))
 
 
-@pytest.mark.parametrize("holder", ["stopped", "restarted", "beating", "starved", "stuck"])
-def test_a_group_at_the_step_by_another_branch_receives_the_state(holder, capsys):
-    """[Note: lineage], replayed on the lighthouse alone (what a loaded machine did once in the alone scenario):
-    quorum 1 is group 1 alone (group 2 had not asked within the fault timeout) and commits step 1; group 1 is then
-    late to ask again. Stopped (its heartbeat silent past the fault timeout), it is left out: quorum 2 is group 2
-    alone, which takes step 1 again from the state before it; both are then at step 2 by different steps 1, and the
-    next quorum must give group 2's state (the last committed) to group 1, not take both as they are. So too if
-    another process of group 1 beats (restarted: not the one that holds the step). Beating, or silent for less than
-    the fault timeout (starved of CPU on a loaded machine), it is waited for: group 2 alone would take the run back a
-    step (every step since its state, in general); the next quorum is both, group 2 receiving group 1's state.
-    Beating but stuck past LINEAGE_WAITS fault timeouts, it is waited for no more, and the lighthouse says so."""
-    fault_timeout = 3.0
+FAULT_TIMEOUT_S = 3.0  # the lighthouse replays' fault timeout
+
+
+def lighthouse_replay(fault_timeout):
+    """A lighthouse over a store of its own, driven by hand: ``ask(group, step, last_commit, durable)`` queues a
+    request (a group of 1 process, its incarnation "start"), ``formed(decision, silent, restarted, decided_ago)``
+    runs one formation and decides the quorum it formed (None: it formed none)."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     lighthouse = replicas.Lighthouse(store)
     asked = []
 
-    def ask(group, step, last_commit):
+    def ask(group, step, last_commit, durable=None):
         ticket = f"{group}/start/{len(asked)}"
         asked.append(ticket)
-        push_request(store, ticket, group, step, last_commit, fault_timeout)
+        push_request(store, ticket, group, step, last_commit, fault_timeout, durable)
 
     def formed(decision, silent=None, restarted=(), decided_ago=fault_timeout + 1):
         """The next quorum once the last was decided decided_ago seconds ago (by default: its absent members late),
@@ -210,6 +206,22 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state(holder, capsys
         store.set(f"{replicas.PREFIX}decision/{quorum['id']}", decision)
         return quorum
 
+    return ask, formed
+
+
+@pytest.mark.parametrize("holder", ["stopped", "restarted", "beating", "starved", "stuck"])
+def test_a_group_at_the_step_by_another_branch_receives_the_state(holder, capsys):
+    """[Note: lineage], replayed on the lighthouse alone (what a loaded machine did once in the alone scenario):
+    quorum 1 is group 1 alone (group 2 had not asked within the fault timeout) and commits step 1; group 1 is then
+    late to ask again. Stopped (its heartbeat silent past the fault timeout), it is left out: quorum 2 is group 2
+    alone, which takes step 1 again from the state before it; both are then at step 2 by different steps 1, and the
+    next quorum must give group 2's state (the last committed) to group 1, not take both as they are. So too if
+    another process of group 1 beats (restarted: not the one that holds the step). Beating, or silent for less than
+    the fault timeout (starved of CPU on a loaded machine), it is waited for: group 2 alone would take the run back a
+    step (every step since its state, in general); the next quorum is both, group 2 receiving group 1's state.
+    Beating but stuck past LINEAGE_WAITS fault timeouts, it is waited for no more, and the lighthouse says so."""
+    fault_timeout = FAULT_TIMEOUT_S
+    ask, formed = lighthouse_replay(fault_timeout)
     ask(1, 0, None), ask(2, 0, None)
     assert formed("commit")["sources"] == {}  # quorum 0: both at step 0
     ask(1, 1, 0)
@@ -235,6 +247,37 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state(holder, capsys
     assert third["sources"] == {"1": 2}  # the last committed branch is group 2's: group 1 receives it
 
 
+@pytest.mark.parametrize("restarted", ["back", "gone"])
+def test_no_quorum_goes_on_from_a_state_older_than_a_checkpoint_can_bring_back(restarted, capsys):
+    """[Note: progress], replayed on the lighthouse alone: group 2 is away, group 1 goes on alone to step 3 and
+    checkpoints step 2, then dies; group 2 comes back at step 0. It is not given a quorum of its own while group 1,
+    whose checkpoint holds step 2, may still restart: back, group 1's state wins (2 of its 3 steps kept, the run
+    said to go back from 3 to 2 on every member); gone past LINEAGE_WAITS fault timeouts, group 2 goes on alone from
+    step 0, said in one line by the lighthouse and on every member."""
+    ask, formed = lighthouse_replay(FAULT_TIMEOUT_S)
+    dead = {"silent": {1: FAULT_TIMEOUT_S + replicas.STALE_S}}
+    ask(1, 0, None, 0), ask(2, 0, None, 0)
+    assert formed("commit")["members"] == [1, 2]  # quorum 0
+    ask(1, 1, 0, 0)
+    first = formed("commit", silent={2: FAULT_TIMEOUT_S + replicas.STALE_S})  # group 2 away
+    ask(1, 2, first["id"], 0)
+    second = formed("commit")
+    assert (first["members"], first["step"], second["members"], second["step"]) == ([1], 1, [1], 2)
+    ask(1, 3, second["id"], 2)  # group 1 at step 3, its checkpoint at step 2: it dies in the next quorum
+    assert formed("abort")["step"] == 3
+    ask(2, 0, None, 0)  # group 2 back from its checkpoint at step 0
+    assert formed("commit", **dead) is None
+    assert "waiting for replica group(s) [1]: their checkpoints hold step 2" in capsys.readouterr().out
+    if restarted == "back":
+        ask(1, 2, first["id"], 2)  # its log cut back to its checkpoint's steps 0 and 1
+        quorum = formed("commit", restarted=[1])
+        assert (quorum["members"], quorum["step"], quorum["sources"], quorum["back_from"]) == ([1, 2], 2, {"2": 1}, 3)
+        return
+    quorum = formed("commit", **dead, decided_ago=replicas.LINEAGE_WAITS * FAULT_TIMEOUT_S + 1)
+    assert (quorum["members"], quorum["step"], quorum["back_from"]) == ([2], 0, 3)
+    assert "have not asked to join in" in capsys.readouterr().out
+
+
 def stopped_member():
     """A store, its lighthouse, and member 2 as _decision and _ask read it (place 0 of a group of 1, waiting 0.2 s
     at a time), without its processes."""
@@ -243,7 +286,7 @@ def stopped_member():
     member.store, member.timeout_s, member.group, member.address = store, 0.2, 2, "the test's store"
     member.heartbeat = type("Beating", (), {"lost": None})()
     member.place, member.size, member.incarnation, member.requests, member.log = 0, 1, "start", 0, []
-    member.identity, member.planned, member.min_groups = "same", 2, 1
+    member.identity, member.planned, member.min_groups, member.durable = "same", 2, 1, 0
     member.quorum, member.stale = None, False
     return store, replicas.Lighthouse(store), member
 

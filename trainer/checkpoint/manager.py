@@ -56,6 +56,7 @@ class Checkpointer:
         self.writer: Any = None  # --async-checkpoint: zero.checkpoint.AsyncWriter (restore makes it)
         self.stalls: list[float] = []  # seconds the loop spent in each save
         self.final_wait = 0.0  # --async-checkpoint: seconds the run's end waited for its last save
+        self.subscribers: list[Callable[[int], None]] = []  # when_published's: told each checkpoint's step once current
 
     @classmethod
     def of(cls, parts: Any) -> Checkpointer:
@@ -74,6 +75,11 @@ class Checkpointer:
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs beside the model and the optimizer: last.pt's other keys, a folder's extra."""
         return {**{name: part.state_dict() for name, part in self.states.items()}, **self.run.state_dict()}
+
+    def when_published(self, subscriber: Callable[[int], None]) -> None:
+        """``subscriber(step)`` once each checkpoint saved from now on is current (on every rank; with
+        --async-checkpoint, in the writer's thread): replica groups say which step a restart brings back."""
+        self.subscribers.append(subscriber)
 
     # ------------------------------------------------------------------------------------------------------
     # Restore
@@ -248,6 +254,8 @@ class Checkpointer:
         if problem is None and self.rank == 0:  # DCP's save returns once every rank's data and the .metadata are
             problem = disk_error(publish)  # written
         self.settle(name, problem)
+        for subscriber in self.subscribers:
+            subscriber(state["optimizer_steps"])
 
     def settle(self, name: str, problem: str | None) -> None:
         """After a save of DIR/``name``, every rank: a disk's error that stopped it, on any rank, refused on every
@@ -278,6 +286,8 @@ class Checkpointer:
             faults.at("save", rank, step, group)
             if rank == 0:
                 publish()
+            for subscriber in self.subscribers:
+                subscriber(step)
         writer.then(published)
 
     def poll(self) -> None:
