@@ -2,8 +2,9 @@
 one-process references at float64's precision: ``torchrun ... tests/float64_trainer.py FLAGS``; SIGUSR1 prints every
 thread's stack (ReplicaRun.close, for a run past its deadline). With FLOAT64_TRAINER_PACE="SECONDS:FILE", each
 optimizer step ends with SECONDS of sleep while FILE does not exist: a scenario whose events take a while on a slow
-machine keeps the run from ending before they are over, and opens the gate (writes FILE) when they are. Not a test
-file."""
+machine keeps the run from ending before they are over, and opens the gate (writes FILE) when they are. With
+FLOAT64_TRAINER_RESTART_DELAY=SECONDS, a process torchrun restarted waits SECONDS before it starts: a restart slower
+than the fault timeout (a machine that takes long to come back). Not a test file."""
 import faulthandler
 import os
 import signal
@@ -34,6 +35,8 @@ def paced(at, seconds: float, gate: str):
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a run that does not end shows where it waits
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        time.sleep(float(os.environ.get("FLOAT64_TRAINER_RESTART_DELAY", "0")))
     if os.environ.get(PACE):
         seconds, gate = os.environ[PACE].split(":", 1)
         faults.at = paced(faults.at, float(seconds), gate)  # the trainer calls faults.at by its module

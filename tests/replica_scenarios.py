@@ -39,6 +39,7 @@ WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", 
 FAULT_TIMEOUT_S = 3.0
 STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60}
 RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
+RESTART_DELAY_S = FAULT_TIMEOUT_S + 3  # progress: group 0's restart slower than the fault timeout (gone, as a holder)
 PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them before group 0 could finish alone
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
 
@@ -105,7 +106,8 @@ def progress(out: str, data: str) -> dict:
     group 1 waits for group 0's restart instead of going on from step 2 alone ([Note: progress]). Paced (as alone)
     until group 1 has received group 0's state, so that group 0 cannot finish alone before group 1 is back."""
     gate = os.path.join(out, "events-over")
-    env = {0: {"DDP_CIFAR100_FAULT": "0/0:*:send"}, 1: {"DDP_CIFAR100_FAULT": "1/0:3:after"}}
+    env = {0: {"DDP_CIFAR100_FAULT": "0/0:*:send", "FLOAT64_TRAINER_RESTART_DELAY": str(RESTART_DELAY_S)},
+           1: {"DDP_CIFAR100_FAULT": "1/0:3:after"}}
     run = ReplicaRun(out, 2, flags(data, STEPS["progress"], "--checkpoint-every", "2"),
                      entry="tests/float64_trainer.py", env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"},
                      group_env=env, min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
@@ -114,7 +116,9 @@ def progress(out: str, data: str) -> dict:
         run.wait_for(1, "recovery from group 0", lambda entries: any(
             e.get("recovered", {}).get("group") == 1 and e["recovered"]["source"] == 0 for e in entries), 240)
         open(gate, "w").close()  # the pace off: the run ends at speed
-    return finish(run, act, timeout_s=400)
+    outcome = finish(run, act, timeout_s=400)
+    with open(os.path.join(out, "coordinator.log")) as f:
+        return {**outcome, "coordinator": f.read()[-4000:]}
 
 
 def coordinator(out: str, data: str) -> dict:
