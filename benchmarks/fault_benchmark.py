@@ -332,7 +332,8 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
     lighthouse.start()
     with tempfile.TemporaryDirectory(prefix="transfer-") as tmp:
         workers = [subprocess.Popen([sys.executable, "-m", "benchmarks.fault_benchmark", "transfer-worker", str(g),
-                                     f"127.0.0.1:{store.port}", tmp], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                     f"127.0.0.1:{store.port}", tmp, args.transport], cwd=ROOT,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
                    for g in (0, 1)]
         for worker in workers:
             worker.wait(timeout=args.timeout)
@@ -340,10 +341,52 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
         found = read_json(os.path.join(tmp, "joiner.json"))
     if found is None:
         raise SystemExit(f"{PROG}: the transfer run failed (exit codes {[w.returncode for w in workers]})")
-    return found
+    fresh = sorted(tcp_stream(found["bytes"], fresh=True) for _ in range(3))
+    wire = sorted(tcp_stream(found["bytes"], fresh=False) for _ in range(3))
+    return {**found, "transport": args.transport, "tcp_stream_s": fresh[1], "tcp_stream_runs_s": fresh,
+            "tcp_stream_gb_per_s": found["bytes"] / fresh[1] / 1e9, "ratio_to_tcp_stream": found["seconds"] / fresh[1],
+            "tcp_wire_s": wire[1], "tcp_wire_runs_s": wire, "tcp_wire_gb_per_s": found["bytes"] / wire[1] / 1e9,
+            "ratio_to_tcp_wire": found["seconds"] / wire[1]}
 
 
-def transfer_worker(group: int, address: str, workdir: str) -> None:
+def tcp_stream(nbytes: int, fresh: bool) -> float:
+    """The transfer's yardstick, in the same run: seconds a plain TCP stream over loopback takes to move ``nbytes``
+    from one process to another (the sender's sendall of one written buffer, the receiver's recv_into one buffer),
+    from the accepted connection to the last byte. ``fresh``: into a tensor allocated in the timed part, as the
+    transfer's receiver does (its pages faulted in as the bytes land: about 0.3 s a GB on the 2-core VM); else
+    into one written before (the wire alone)."""
+    import multiprocessing
+    import socket
+
+    import torch
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = multiprocessing.get_context("fork").Process(target=send_bytes, args=(server.getsockname()[1], nbytes))
+        buffer = None if fresh else torch.ones(nbytes, dtype=torch.uint8)
+        sender.start()
+        conn, _ = server.accept()
+        with conn:
+            started = time.perf_counter()
+            view, got = memoryview((torch.empty(nbytes, dtype=torch.uint8) if fresh else buffer).numpy()), 0
+            while got < nbytes:
+                n = conn.recv_into(view[got:], nbytes - got)
+                if n == 0:
+                    raise SystemExit(f"{PROG}: the TCP stream's sender closed with {nbytes - got} bytes to come")
+                got += n
+            seconds = time.perf_counter() - started
+        sender.join(60)
+    return seconds
+
+
+def send_bytes(port: int, nbytes: int) -> None:
+    import socket
+
+    import numpy as np
+    data = np.ones(nbytes, dtype=np.uint8)  # written: its pages are real, as a state's are (numpy: a forked child
+    with socket.create_connection(("127.0.0.1", port)) as conn:  # of a process whose OpenMP ran hangs in torch's)
+        conn.sendall(memoryview(data))
+
+
+def transfer_worker(group: int, address: str, workdir: str, transport: str) -> None:
     import torch
 
     import replicas
@@ -361,7 +404,8 @@ def transfer_worker(group: int, address: str, workdir: str) -> None:
         optimizer.load_state_dict(state["optimizer"])
         step[0] = state["step"]
     replica = replicas.Replica(address, group, 2, "gpt2", lambda: {"model": model.state_dict(), "optimizer":
-                               optimizer.state_dict(), "step": step[0]}, load, min_groups=2, fault_timeout_s=120)
+                               optimizer.state_dict(), "step": step[0]}, load, min_groups=2, fault_timeout_s=120,
+                               transport={"socket": replicas.SocketTransport, "pg": replicas.PGTransport}[transport])
     received = replica.join(step[0]).recovery  # group 0's: the state it received (group 1's: None)
     replica.commit(True)
     if group == 0:
@@ -429,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         torchft_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
         return 0
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "transfer-worker":
-        transfer_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        transfer_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
         return 0
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=300, help="how long the kills go on")
@@ -446,15 +490,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-only", action="store_true",
                         help="measure only the state transfer of GPT-2 small's shape with AdamW (1.03 GB), and merge "
                              "it into --out")
+    parser.add_argument("--transport", choices=("socket", "pg"), default="socket",
+                        help="--transfer-only's: replicas.SocketTransport (the members' own) or PGTransport (gloo)")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(ROOT, "results", f"faults-{utils.machine_tag()}.json")
     if args.transfer_only:
         moved = transfer(args)
         print(f"state transfer: {moved['bytes'] / 1e9:.2f} GB in {moved['seconds']:.2f} s ({moved['gb_per_s']:.2f} "
-              f"GB/s), loaded in {moved['load_s']:.2f} s more; the joiner's peak RSS {moved['peak_rss_mb']:.0f} MB")
+              f"GB/s, {args.transport}), loaded in {moved['load_s']:.2f} s more; the joiner's peak RSS "
+              f"{moved['peak_rss_mb']:.0f} MB\nplain TCP stream over loopback, the same bytes (medians of 3): into "
+              f"fresh memory as the transfer's {moved['tcp_stream_s']:.2f} s "
+              f"({moved['tcp_stream_gb_per_s']:.2f} GB/s), "
+              f"the transfer {moved['ratio_to_tcp_stream']:.2f}x it; into memory written before (the wire alone) "
+              f"{moved['tcp_wire_s']:.2f} s ({moved['tcp_wire_gb_per_s']:.2f} GB/s), the transfer "
+              f"{moved['ratio_to_tcp_wire']:.2f}x it")
         payload = read_json(out) or {"machine": utils.machine_info()}
-        utils.write_json(out, {**payload, "transfer": {**moved, "command": "python3 -m benchmarks.fault_benchmark "
-                                                                          "--transfer-only"}})
+        command = f"python3 -m benchmarks.fault_benchmark --transfer-only --transport {args.transport}"
+        utils.write_json(out, {**payload, "transfer": {**moved, "command": command}})
         print(f"wrote {out}")
         return 0
     ways = [w for w in args.ways.split(",") if w]

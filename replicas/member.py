@@ -28,7 +28,7 @@ from collectives import Collectives
 from replicas.commit_log import adopt, append_log, last_commit, resume_log, write_log
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, Quorum, ReplicaRefused, RunFinished,
                                connect, one_line, reconnect)
-from replicas.transfer import PGTransport, StateTransport
+from replicas.transfer import SocketTransport, StateTransport
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,14 @@ class Replica:
     group's earlier processes keeps only the steps those weights have taken (the later ones are taken again).
     ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed) and inside a state
     transfer ("send": half the tensors sent), where a test kills the process. ``transport(pg, fault)``: the live
-    state's StateTransport for a quorum's process group (transfer.py; PGTransport: over that group)."""
+    state's StateTransport for a quorum's process group (transfer.py; SocketTransport: a TCP connection of its own,
+    its address sent over that group; PGTransport: over that group)."""
 
     def __init__(self, coordinator: str, group: int, planned: int, identity: str,
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,
                  fault_timeout_s: float = 60.0, collectives: str = "torch", group_pg: Any = None,
                  commit_log: str | None = None, fault: Callable[[str], None] | None = None, step: int = 0,
-                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = PGTransport):
+                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = SocketTransport):
         self.address, self.group, self.planned, self.identity = coordinator, group, planned, identity
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives

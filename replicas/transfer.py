@@ -13,9 +13,13 @@ the skeleton goes pickled, then the tensors in messages of about MESSAGE_BYTES (
 alike from the skeleton), and the receiver puts them back in place (join_tensors)."""
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import pickle
+import socket
+import struct
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -86,6 +90,122 @@ class PGTransport:
                 tensors[i] = part.view(shapes[i][0])  # a view of the message: nothing copied here
         state, seconds = join_tensors(skeleton, tensors), time.perf_counter() - started
         return Received(state, int(sum(t.numel() * t.element_size() for t in tensors)), seconds)
+
+
+class SocketTransport:
+    """StateTransport over a plain TCP connection between the two places, at the wire's speed: the joiner listens on
+    a port the OS hands out and sends ``host:port`` over the quorum's process group (so a quorum's transfer needs no
+    key of its own), the source connects and streams a pickled skeleton, then the tensors' bytes straight from their
+    storage, message by message (messages_of), each followed by its CRC32: no torch.cat on the sender (a
+    non-contiguous or GPU tensor alone is copied), and the receiver reads into one flat tensor per message that it
+    splits into views. A message whose checksum differs is refused (RuntimeError: the member aborts the quorum and
+    asks again); the checksums run in a thread beside the socket (zlib.crc32 lets the GIL go), so that they cost
+    nothing while the next message moves. Every socket call waits at most the process group's timeout (the quorum's
+    fault timeout): a peer killed or hung mid-transfer is a RuntimeError, never a joiner waiting for ever.
+    ``host``: the name or address the source reaches this place by (the host's name, as gloo's default device).
+    ``fault("send")``: called with half the messages sent, where a test kills the process."""
+
+    ADDRESS_BYTES = 320  # a padded ``host:port`` (a host name is at most 253 characters)
+
+    def __init__(self, pg: Any, fault: Callable[[str], None] | None = None, host: str | None = None):
+        self.pg, self.fault = pg, fault or (lambda point: None)
+        self.host = host or socket.gethostname()
+        self.timeout_s = pg.options._timeout.total_seconds()  # the member's set_timeout: the quorum's fault timeout
+
+    def send(self, state: Any, joiner: int) -> None:
+        skeleton, tensors = split_tensors(state)
+        address = torch.zeros(self.ADDRESS_BYTES, dtype=torch.uint8)
+        self.pg.recv([address], joiner, 0).wait()
+        host, port = bytes(address.numpy()).rstrip(b"\0").decode().rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=self.timeout_s) as conn, \
+                    concurrent.futures.ThreadPoolExecutor(1) as checksums:
+                header = pickle.dumps(skeleton)
+                conn.sendall(struct.pack("!QI", len(header), zlib.crc32(header)) + header)
+                messages = messages_of(skeleton["tensors"])
+                for n, message in enumerate(messages):
+                    if n == len(messages) // 2:
+                        self.fault("send")
+                    views = [byte_view(tensors[i]) for i in message]
+                    crc = checksums.submit(crc32, views)  # beside the socket: both let the GIL go
+                    for view in views:
+                        conn.sendall(view)
+                    conn.sendall(struct.pack("!I", crc.result()))
+                if not messages:
+                    self.fault("send")
+        except OSError as e:
+            raise RuntimeError(f"the live state's transfer to rank {joiner} at {host}:{port} failed: {e!r}") from e
+
+    def receive(self, source: int) -> Received:
+        started = time.perf_counter()
+        dual = socket.has_dualstack_ipv6()
+        with socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                  dualstack_ipv6=dual) as server:
+            server.settimeout(self.timeout_s)
+            address = f"{self.host}:{server.getsockname()[1]}".encode()
+            self.pg.send([torch.frombuffer(bytearray(address.ljust(self.ADDRESS_BYTES, b"\0")), dtype=torch.uint8)],
+                         source, 0).wait()
+            try:
+                conn, _ = server.accept()
+                with conn, concurrent.futures.ThreadPoolExecutor(1) as checksums:
+                    conn.settimeout(self.timeout_s)
+                    skeleton, tensors = read_stream(conn, checksums)
+            except OSError as e:
+                raise RuntimeError(f"the live state's transfer from rank {source} failed: {e!r}") from e
+        state, seconds = join_tensors(skeleton, tensors), time.perf_counter() - started
+        return Received(state, int(sum(t.numel() * t.element_size() for t in tensors)), seconds)
+
+
+def read_stream(conn: socket.socket, checksums: concurrent.futures.Executor) -> tuple[dict[str, Any], list]:
+    """What SocketTransport.send streams: the skeleton and its tensors, each message checked against its CRC32
+    (in ``checksums``' thread while the next message arrives); RuntimeError on a checksum that differs."""
+    length, expected = struct.unpack("!QI", read_exactly(conn, 12))
+    header = read_exactly(conn, length)
+    if zlib.crc32(header) != expected:
+        raise RuntimeError("the live state's skeleton arrived corrupted (its CRC32 differs): refused")
+    skeleton = pickle.loads(header)
+    shapes = skeleton["tensors"]
+    tensors: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+    checks = []
+    for n, message in enumerate(messages_of(shapes)):
+        sizes = [math.prod(shapes[i][0]) for i in message]
+        flat = torch.empty(sum(sizes), dtype=shapes[message[0]][1])
+        view = byte_view(flat)
+        read_exactly(conn, len(view), into=view)
+        expected = struct.unpack("!I", read_exactly(conn, 4))[0]
+        checks.append((n, expected, checksums.submit(crc32, [view])))
+        for i, part in zip(message, flat.split(sizes)):
+            tensors[i] = part.view(shapes[i][0])  # a view of the message: nothing copied here
+    for n, expected, crc in checks:
+        if crc.result() != expected:
+            raise RuntimeError(f"the live state's message {n} arrived corrupted (its CRC32 differs): refused")
+    return skeleton, tensors
+
+
+def read_exactly(conn: socket.socket, count: int, into: memoryview | None = None) -> bytes | None:
+    """``count`` bytes from ``conn`` (into ``into`` where given, without a copy); ConnectionError where the peer
+    closes before."""
+    buffer = memoryview(bytearray(count)) if into is None else into
+    got = 0
+    while got < count:
+        n = conn.recv_into(buffer[got:], count - got)
+        if n == 0:
+            raise ConnectionError(f"the peer closed the connection with {count - got} of {count} bytes to come")
+        got += n
+    return bytes(buffer) if into is None else None
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes, without a copy where it is contiguous and on the CPU (any dtype: bf16 and bool too)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def crc32(views: list[memoryview]) -> int:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc
 
 
 def messages_of(tensors: list[tuple[tuple[int, ...], torch.dtype]]) -> list[list[int]]:
