@@ -505,3 +505,38 @@ def test_last_pt_is_mapped_by_every_rank_that_sees_it_and_sent_where_one_does_no
         assert result["same"] and result["extra"] == {"step": 1}
         assert result["sent"] == (0 if shared else 1)  # (the save's own broadcast of its verdict is not counted)
         assert not result["still_mapped"]
+
+
+def non_finite_in_group(rank, world_size, legs):
+    """main_in_group with DDP_CIFAR100_FAULT set to each leg's fault, in turn: {name: result}."""
+    out = {}
+    for name, fault, argv in legs:
+        os.environ["DDP_CIFAR100_FAULT"] = fault
+        try:
+            out[name] = main_in_group(rank, world_size, argv)
+        finally:
+            del os.environ["DDP_CIFAR100_FAULT"]
+    return out
+
+
+def test_a_non_finite_loss_stops_every_rank_in_one_line_and_nothing_non_finite_is_saved(local_group, corpus,
+                                                                                       tmp_path):
+    """Rank 1's loss made NaN in the 4th step (the fault point "nan"), a save due after it (--checkpoint-every 2):
+    both ranks stop at that step, rank 0 says it in one line naming the step and the rank, and the checkpoint of step
+    2 is still current and finite, in last.pt (--zero 0, --clip-grad-norm: the global norm is NaN too) and in a
+    folder (--zero 1). On main the run trained on at a NaN loss and saved step 4."""
+    legs = [("file", ["--clip-grad-norm", "1"]), ("folder", ["--zero", "1"])]
+    results = local_group(2).run(non_finite_in_group, [
+        (name, "1:3:nan", argv_of(corpus, 4, *flags, "--max-steps", "6", "--checkpoint-every", "2",
+                                   "--checkpoint-dir", str(tmp_path / name))) for name, flags in legs])
+    import torch
+    from trainer import checkpoint
+    for name, _ in legs:
+        assert [rank[name]["code"] for rank in results] == [2, 2], results[0][name]["stderr"][-2000:]
+        lines = results[0][name]["stderr"].strip().splitlines()
+        assert len(lines) == 1 and "non-finite loss at optimizer step 4 on rank 1" in lines[0], lines
+        assert "the checkpoint of step 2 is still current" in lines[0]
+        assert results[1][name]["stderr"] == ""
+        found, state = checkpoint.read_alone(str(tmp_path / name))
+        assert state["optimizer_steps"] == 2, found
+        assert all(torch.isfinite(value).all() for value in state["model"].values())

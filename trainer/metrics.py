@@ -36,6 +36,7 @@ from diloco import data_parallel_bytes, encoded_bytes
 from trainer.build import Parts, dynamo_counts
 from trainer.checkpoint import Checkpointer, Position
 from trainer.config import WARMUP_STEPS
+from trainer.finite import FiniteCheck
 from utils import UsageError
 
 EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc5", "samples_per_s", "lr")
@@ -129,10 +130,12 @@ class Meter:
     eval_seconds: float = 0.0  # ... and the seconds --eval-every's evaluations have taken since
     train_time: float = 0.0  # seconds in epochs' steps
     samples_trained: int = 0  # every rank's samples in them
+    finite: FiniteCheck = None  # type: ignore[assignment]  # every step's loss and norm checked (trainer/finite.py)
 
     def __post_init__(self) -> None:
         parts = self.parts
         self.timer = utils.IntervalTimer(parts.device)
+        self.finite = FiniteCheck(parts.ctx.world_size, parts.ctx.rank, parts.comm_device, parts.config.amp == "fp16")
         if parts.ctx.rank == 0 and parts.config.log_dir:
             from torch.utils.tensorboard import SummaryWriter  # slow to import; only when asked for
             self.writer = SummaryWriter(parts.config.log_dir)
@@ -240,6 +243,7 @@ class Meter:
             self.profiler = None
 
     def close(self) -> None:
+        self.finite.settle()  # the last step's check (a run that ends without a save)
         self.stop_profiler()
         if self.writer is not None:
             self.writer.close()

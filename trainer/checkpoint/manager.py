@@ -57,6 +57,7 @@ class Checkpointer:
         self.stalls: list[float] = []  # seconds the loop spent in each save
         self.final_wait = 0.0  # --async-checkpoint: seconds the run's end waited for its last save
         self.subscribers: list[Callable[[int], None]] = []  # when_published's: told each checkpoint's step once current
+        self.checks: list[Callable[[], None]] = []  # before_saving's: each may refuse the save (raise)
 
     @classmethod
     def of(cls, parts: Any) -> Checkpointer:
@@ -80,6 +81,11 @@ class Checkpointer:
         """``subscriber(step)`` once each checkpoint saved from now on is current (on every rank; with
         --async-checkpoint, in the writer's thread): replica groups say which step a restart brings back."""
         self.subscribers.append(subscriber)
+
+    def before_saving(self, check: Callable[[], None]) -> None:
+        """``check()`` on every rank before each save, which it stops by raising (trainer/finite.py: nothing
+        non-finite is saved)."""
+        self.checks.append(check)
 
     # ------------------------------------------------------------------------------------------------------
     # Restore
@@ -211,6 +217,8 @@ class Checkpointer:
         flight); the time the loop spends here is the save's stall, in the metrics' checkpoint_stalls_s."""
         if self.directory is None:
             return
+        for check in self.checks:
+            check()
         start = time.perf_counter()
         self.wait_for_saves()
         self.run.sums = sums
