@@ -62,8 +62,8 @@ pick nondeterministic algorithms unless asked: --deterministic (build.make_deter
 """
 from trainer.checkpoint.folders import Found, current, make_current
 from trainer.checkpoint.manager import Checkpointer
-from trainer.checkpoint.reading import read_alone, read_state
+from trainer.checkpoint.reading import non_finite, read_alone, read_state
 from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, fingerprint, trajectory
 
 __all__ = ["Checkpointer", "Found", "NO_SUMS", "Position", "RunState", "current", "fingerprint", "make_current",
-           "read_alone", "read_state", "trajectory"]
+           "non_finite", "read_alone", "read_state", "trajectory"]

@@ -21,7 +21,7 @@ import zero
 from trainer import faults
 from trainer.checkpoint import folders
 from trainer.checkpoint.folders import FILE, FOLDER, PARTIAL, Found
-from trainer.checkpoint.reading import read_state, usage_error
+from trainer.checkpoint.reading import non_finite, read_state, usage_error
 from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, check_compatible, trajectory
 from trainer.config import Config
 from utils import UsageError
@@ -205,6 +205,21 @@ class Checkpointer:
             self.sync.load_checkpoint(found.path, None if eval_only else self.optimizer, stepped=stepped)
         except (zero.checkpoint.CheckpointError, CheckpointException) as exc:
             raise usage_error(exc, found.path) from None
+        # a non-finite weight (one a run saved before trainer/finite.py stopped such runs) refused, on every rank:
+        # the model's tensors this rank holds (--zero 3's gathered ones are freed: skipped), and the optimizer's
+        # parameters (--zero 1-3: this rank's shards)
+        module = self.sync.module
+        held = [(name.removeprefix("module."), tensor) for name, tensor in
+                [*module.named_parameters(), *module.named_buffers()] if holds_data(tensor)]
+        shards = [(f"(a shard of rank {self.rank}'s parameters, group {i})", p)
+                  for i, group in enumerate(getattr(self.optimizer, "param_groups", [])) for p in group["params"]
+                  if holds_data(p)]
+        problem = non_finite([*held, *shards])
+        if dist.get_world_size() > 1:
+            from zero.checkpoint import agree
+            problem = agree(problem, None, split=True)
+        if problem is not None:
+            raise UsageError(f"checkpoint {found.path}: {problem}")
 
     # ------------------------------------------------------------------------------------------------------
     # Save
@@ -352,6 +367,12 @@ class Checkpointer:
             self.writer = None
         folders.unlock(self.lock)
         self.lock = None
+
+
+def holds_data(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's storage holds its elements (--zero 3 frees a gathered unit's: resized to nothing)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.device.type != "meta" and local.untyped_storage().nbytes() >= local.numel() * local.element_size()
 
 
 def disk_error(write: Callable[[], Any]) -> str | None:

@@ -7,7 +7,7 @@ checks none); a checkpoint that is torn, incomplete, corrupt or not this script'
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -38,6 +38,21 @@ def read_checkpoint(path: str, whole: bool = True) -> dict[str, Any]:
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
         raise UsageError(f"cannot read checkpoint {path}: not a checkpoint of this script; delete it to start afresh")
     return state
+
+
+def non_finite(tensors: Iterable[tuple[str, Any]]) -> str | None:
+    """The first of (name, tensor) with a NaN or an infinity, in words ("tensor NAME holds N non-finite values
+    (nan)"); None where every one is finite. A DTensor is checked in its local shard."""
+    for name, tensor in tensors:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            continue
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            bad = tensor[~finite]
+            kind = "nan" if bool(bad.isnan().any()) else "inf"
+            return f"tensor {name} holds {int(bad.numel())} non-finite values ({kind})"
+    return None
 
 
 def read_state(found: Found) -> dict[str, Any]:
@@ -73,13 +88,21 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
         if found is None:
             return None
         if not found.folder:
-            return found, read_checkpoint(found.path)
+            return found, finite_model(found, read_checkpoint(found.path))
         try:
             state = read_state(found)
             state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
-            return found, state
+            return found, finite_model(found, state)
         except (UsageError, zero.checkpoint.CheckpointError, OSError) as exc:
             error = exc if isinstance(exc, UsageError) else usage_error(exc, found.path)
             if os.path.isdir(found.path):  # not superseded: the folder itself is at fault
                 raise error from None
     raise error from None  # superseded on every attempt
+
+
+def finite_model(found: Found, state: dict[str, Any]) -> dict[str, Any]:
+    """``state``, once every tensor of its model is finite (non_finite); else refused in one line naming one."""
+    bad = non_finite(state["model"].items())
+    if bad is not None:
+        raise UsageError(f"checkpoint {found.path}: {bad}")
+    return state
