@@ -540,3 +540,47 @@ def test_a_non_finite_loss_stops_every_rank_in_one_line_and_nothing_non_finite_i
         found, state = checkpoint.read_alone(str(tmp_path / name))
         assert state["optimizer_steps"] == 2, found
         assert all(torch.isfinite(value).all() for value in state["model"].values())
+
+
+def readers_in_group(rank, world_size, directory, argv, stop):
+    """Readers of ``directory`` in turn until the file ``stop`` appears: --eval-only (the Checkpointer's restore)
+    and read_alone (--generate's and the export's reader); each failure's last lines, and how many reads were
+    whole."""
+    from trainer import checkpoint
+    failures, reads = [], 0
+    while not os.path.exists(stop):
+        if not os.path.exists(os.path.join(directory, "latest")) and not os.path.exists(
+                os.path.join(directory, "last.pt")):
+            continue  # the run's first save not yet made
+        result = main_in_group(rank, world_size, argv)
+        if result["code"] != 0:
+            failures.append(("eval-only", result["stderr"][-600:]))
+        try:
+            checkpoint.read_alone(directory)
+        except Exception as exc:  # noqa: BLE001 - what the test reports
+            failures.append(("read_alone", f"{type(exc).__name__}: {exc}"))
+        reads += 1
+    return {"failures": failures, "reads": reads}
+
+
+@pytest.mark.parametrize("flags", [["--zero", "3"], ["--zero", "3", "--async-checkpoint"], [],
+                                   ["--async-checkpoint"]], ids=["folders", "folders async", "last.pt",
+                                                                 "last.pt async"])
+def test_readers_beside_a_saving_run_read_a_whole_checkpoint_every_time(flags, local_group, corpus, tmp_path):
+    """A run on 2 processes saving every other step (--checkpoint-every 2, as the issue's), and meanwhile
+    --eval-only and read_alone in another process, again and again: every read is whole, the current checkpoint or the one that superseded it.
+    On main --eval-only failed against a folder ("step-N: no such folder", a data file not found, DCP's "metadata is
+    None")."""
+    directory, stop = str(tmp_path / "run"), str(tmp_path / "stop")
+    argv = argv_of(corpus, 4, *flags, "--epochs", "20", "--max-steps", "24", "--checkpoint-every", "2",
+                   "--checkpoint-dir", directory)
+    eval_argv = [a for a in argv if a != "--async-checkpoint"] + ["--eval-only"]
+    writer = local_group(2).submit(main_in_group, argv)
+    readers = local_group(1).submit(readers_in_group, directory, eval_argv, stop)
+    try:
+        written = writer()
+    finally:
+        open(stop, "w").close()
+        read = readers()[0]
+    assert [rank["code"] for rank in written] == [0, 0], written[0]["stderr"][-2000:]
+    assert read["failures"] == [] and read["reads"] >= 1, read

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import utils
 from utils import UsageError
@@ -112,6 +112,36 @@ def current_folder(directory: str) -> Found | None:
         raise UsageError(f"--checkpoint-dir {directory} holds step folders ({listed}) but none is whole and "
                          f"{LATEST} names none; move them away to start afresh")
     return None
+
+
+def identity(path: str) -> tuple[int, int, int] | None:
+    """What ``path`` names now (device, inode, modification time), or None where nothing: a reader compares it before
+    and after its read, and a checkpoint superseded meanwhile (a folder renamed .removing, last.pt replaced) differs."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_mtime_ns
+
+
+@contextlib.contextmanager
+def opened(found: Found | None, before: tuple[int, int, int] | None) -> Iterator[str | None]:
+    """A path to read ``found`` by: a folder's own; last.pt's open file (/proc/self/fd/N, where there is one), so a
+    save that replaces it meanwhile changes nothing of what is read, or None where the name no longer names the file
+    ``before`` identified (replaced since: read the newer one)."""
+    if found is None or found.folder or not os.path.isdir("/proc/self/fd"):
+        yield found.path if found is not None else None
+        return
+    try:
+        descriptor = os.open(found.path, os.O_RDONLY)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        stat = os.fstat(descriptor)
+        yield f"/proc/self/fd/{descriptor}" if (stat.st_dev, stat.st_ino, stat.st_mtime_ns) == before else None
+    finally:
+        os.close(descriptor)
 
 
 def finished_steps(directory: str) -> list[int]:

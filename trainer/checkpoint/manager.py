@@ -21,12 +21,16 @@ import zero
 from trainer import faults
 from trainer.checkpoint import folders
 from trainer.checkpoint.folders import FILE, FOLDER, PARTIAL, Found
-from trainer.checkpoint.reading import non_finite, read_state, usage_error
+from trainer.checkpoint.reading import READ_ATTEMPTS, non_finite, read_state, usage_error
 from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, check_compatible, trajectory
 from trainer.config import Config
 from utils import UsageError
 
 MARKER_WAIT_S = 2.0  # how long a rank looks for rank 0's marker (a network file system may show it late)
+
+
+class Superseded(UsageError):
+    """Rank 0's read of the run state failed as the checkpoint it read was superseded (read_whole reads again)."""
 
 
 class NoState:
@@ -104,13 +108,13 @@ class Checkpointer:
         self.saves_folders = self.writes_folders()
         if config.async_checkpoint and not config.eval_only:
             self.writer = zero.checkpoint.AsyncWriter()
-        loaded = self.load_on_rank0()
+        loaded = self.read_whole() if config.eval_only else self.load_on_rank0()
         if loaded is None:
             return run.position, run.history, list(NO_SUMS)
-        found, state = loaded
+        found, state = loaded[:2]
         if not config.eval_only:
             check_compatible(state, run.record, found.path, config, run.world_size)
-        self.load_model(found, state["optimizer_steps"])
+            self.load_model(found, state["optimizer_steps"])
         run.load_totals(state)
         if config.eval_only:
             return run.position, run.history, list(NO_SUMS)
@@ -171,27 +175,66 @@ class Checkpointer:
             os.remove(marker)
         return bool(seen.item())
 
-    def load_on_rank0(self) -> tuple[Found, dict[str, Any]] | None:
+    def read_whole(self) -> tuple[Found, dict[str, Any], Any] | None:
+        """--eval-only, a reader beside a run that may be saving into the folder: the current checkpoint read whole
+        (its run state and the sync's weights), or, where the run supersedes it while it is read (a folder renamed
+        .removing and deleted, last.pt replaced), the newer one, read again from the start (READ_ATTEMPTS times at
+        most). Whole: the path names the same file or folder (folders.identity) after every rank's read as before
+        rank 0's first, and no rank failed; every rank agrees (one all_gather_object per attempt)."""
+        for _ in range(READ_ATTEMPTS):
+            problem, loaded, same = None, None, True
+            try:
+                loaded = self.load_on_rank0()
+                if loaded is not None:
+                    with folders.opened(loaded[0], loaded[2]) as path:  # last.pt: the very file rank 0 read
+                        same = path is not None
+                        if same:
+                            self.load_model(Found(path, loaded[0].folder), loaded[1]["optimizer_steps"])
+            except Superseded:
+                continue  # every rank alike (rank 0's verdict, broadcast)
+            except Exception as exc:  # noqa: BLE001 - said below, once every rank knows whether to read again
+                problem = str(exc) if isinstance(exc, UsageError) else zero.checkpoint.one_line(exc)
+            same = same and (loaded is None or folders.identity(loaded[0].path) == loaded[2] or not loaded[0].folder)
+            verdicts: list[Any] = [(problem, same)]
+            if dist.get_world_size() > 1:
+                verdicts = [None] * dist.get_world_size()
+                dist.all_gather_object(verdicts, (problem, same))
+            if all(same for _, same in verdicts):
+                first = next((problem for problem, _ in verdicts if problem), None)
+                if first is not None:
+                    raise UsageError(first)
+                return loaded
+        raise UsageError(f"cannot read --checkpoint-dir {self.directory}: a run superseded its checkpoint while it "
+                         f"was read, {READ_ATTEMPTS} times")
+
+    def load_on_rank0(self) -> tuple[Found, dict[str, Any], Any] | None:
         """Rank 0 finds the current checkpoint, reads its run state (reading.read_state) and broadcasts both, so that
-        every rank checks the same thing, and other nodes need not see last.pt."""
+        every rank checks the same thing, and other nodes need not see last.pt; and what the path named as it began
+        to read (folders.identity: read_whole's check)."""
         message: list[Any] = [None]
         if dist.get_rank() == 0:
+            found, before = None, None
             try:
                 found = folders.current(self.directory)
                 if found is not None and found.note:
                     print(found.note, flush=True)
-                message[0] = ("ok", found, read_state(found)) if found else None
-            except UsageError as exc:
-                message[0] = ("error", str(exc))
+                before = folders.identity(found.path) if found else None
+                with folders.opened(found, before) as path:  # last.pt: the file, not its name (read_whole)
+                    message[0] = ("ok", found, before, read_state(Found(path, found.folder))) if found else None
             except Exception as exc:  # noqa: BLE001 - said in one line on every rank, none left waiting for rank 0
-                message[0] = ("error", f"cannot read --checkpoint-dir {self.directory}: "
-                                       f"{zero.checkpoint.one_line(exc)}")
+                text = str(exc) if isinstance(exc, UsageError) else (f"cannot read --checkpoint-dir {self.directory}: "
+                                                                      f"{zero.checkpoint.one_line(exc)}")
+                gone = found is not None and (before is None or folders.identity(found.path) != before)
+                message[0] = ("superseded" if gone else "error", text)  # gone: read_whole reads the newer one
         dist.broadcast_object_list(message, src=0)
         if message[0] is None:
             return None
+        if message[0][0] == "superseded":
+            raise Superseded(message[0][1])
         if message[0][0] == "error":
             raise UsageError(message[0][1])
-        return message[0][1], message[0][2]
+        _, found, identity, state = message[0]
+        return found, state, identity
 
     def load_model(self, found: Found, optimizer_steps: int) -> None:
         """The sync reads its model and optimizer from ``found`` (the weights alone with --eval-only), either format

@@ -18,7 +18,7 @@ from utils import UsageError
 RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "micro_batches_total", "fingerprint",
              "config", "history", "epoch_sums")  # what a resume reads beside the model and the optimizer
 REQUIRED = ("model", "optimizer", *RUN_STATE)  # last.pt's keys a resume needs
-READ_ATTEMPTS = 5  # a reader's tries at a folder a live run keeps superseding (read_alone)
+READ_ATTEMPTS = 20  # a reader's tries at a checkpoint a live run keeps superseding (read_alone, --eval-only)
 
 
 def read_checkpoint(path: str, whole: bool = True) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
             state = read_state(found)
             state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
             return found, finite_model(found, state)
-        except (UsageError, zero.checkpoint.CheckpointError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - DCP's own (an AssertionError on a .metadata gone) too
             error = exc if isinstance(exc, UsageError) else usage_error(exc, found.path)
             if os.path.isdir(found.path):  # not superseded: the folder itself is at fault
                 raise error from None
