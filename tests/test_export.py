@@ -81,6 +81,24 @@ def gpt2():
         os.environ["HF_HUB_OFFLINE"] = saved
 
 
+def docs_snippet(out):
+    """What docs/language-models.md's snippet that reproduces --generate with transformers alone prints, run on the
+    export ``out`` (its folder, prompt and length made the test's)."""
+    import contextlib
+    import io
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "language-models.md"), encoding="utf-8").read()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "bos_token_id" in block)
+    code = "\n".join(line.removeprefix("  ") for line in code.splitlines())
+    code = code.replace('"exports/gpt"', repr(str(out))).replace('"def "', repr(PROMPT.decode()))
+    code = code.replace("max_new_tokens=400", f"max_new_tokens={SAMPLED}")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/language-models.md", "exec"), {})
+    return printed.getvalue()
+
+
 def our_gpt(directory):
     state = read_alone(str(directory))[1]
     model = GPT(vocab_size=256, **state["config"]["gpt"]).eval()
@@ -106,9 +124,11 @@ def test_a_gpt_goes_out_as_a_transformers_gpt2_that_computes_ours(name, runs, ex
     assert trainer.main(["--checkpoint-dir", str(directory), "--generate", str(SAMPLED), "--top-k", "1",
                          "--prompt", PROMPT.decode()]) == 0
     sampled = capsysbinary.readouterr().out
-    start = torch.tensor([list(b"\0" + PROMPT)])  # --generate starts from a file's start, the 0 byte
+    assert theirs.config.bos_token_id == 0  # --generate starts every prompt after the 0 byte: the export says so
+    start = torch.tensor([[theirs.config.bos_token_id, *PROMPT]])
     greedy = theirs.generate(start, attention_mask=torch.ones_like(start), do_sample=False, max_new_tokens=SAMPLED)
     assert bytes(greedy[0, 1:].tolist()) + b"\n" == sampled
+    assert docs_snippet(exported[name]) == sampled.decode(errors="replace")  # docs/language-models.md's, as it is
     print(f"\n{name}: GPT-2's logits against ours, max |difference| {worst:.1e} (largest logit "
           f"{logits.abs().max().item():.1f}); greedy bytes {sampled[:-1]!r}")
 

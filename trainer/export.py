@@ -34,8 +34,9 @@ Our GPT (models.GPT) is GPT-2's architecture (nanoGPT's writing of it) up to nam
                                                                                    ties it (tie_word_embeddings)
     every Linear's bias; none on the head    the same
     no dropout                               resid_, embd_, attn_pdrop 0           GPT-2's default: 0.1
-    a text file's bytes end with a 0 byte    bos_token_id 0, eos_token_id none     --generate starts from a 0 byte
-                                                                                   and never stops early
+    a text file's bytes end with a 0 byte    bos_token_id 0, eos_token_id none     --generate's ids are [0] +
+                                                                                   the prompt's bytes (the 0 byte
+                                                                                   first); it never stops early
 
 (*) Conv1D holds its weight as (in, out) and computes x @ w; nn.Linear holds (out, in) and computes x @ w.T.
 Anything else in the checkpoint (a part GPT-2 lacks), a head that is not the token embedding, or tensors of another
@@ -67,6 +68,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from data import BOUNDARY
 from models import GPT_SIZES, LANGUAGE_MODELS
 from trainer.checkpoint import non_finite, read_alone
 import utils
@@ -138,7 +140,7 @@ def gpt2_config(model: dict[str, torch.Tensor], shape: dict[str, int]) -> dict[s
     return {"architectures": ["GPT2LMHeadModel"], **GPT2_FIXED, "vocab_size": vocab, "n_positions": context,
             "n_embd": width, "n_layer": layers, "n_head": shape["heads"], "n_inner": 4 * width,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
-            "bos_token_id": 0, "eos_token_id": None, "use_cache": True,
+            "bos_token_id": BOUNDARY, "eos_token_id": None, "use_cache": True,  # --generate's first id
             "dtype": str(model["token_embedding.weight"].dtype).removeprefix("torch.")}
 
 
