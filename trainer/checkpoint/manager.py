@@ -146,8 +146,10 @@ class Checkpointer:
             folders.remove_leftovers(self.directory)
         if self.seen_by_every_rank():
             return True
+        ignored = (f"; --keep-checkpoints {self.config.keep_checkpoints} does not apply (one file)"
+                   if self.config.keep_checkpoints > 1 else "")
         utils.print0(f"note: not every rank sees --checkpoint-dir {self.directory} (no shared file system): rank "
-                     f"0 writes {FILE} there, the model and the optimizer gathered to it")
+                     f"0 writes {FILE} there, the model and the optimizer gathered to it{ignored}")
         return False
 
     def seen_by_every_rank(self) -> bool:
