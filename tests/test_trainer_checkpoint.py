@@ -304,6 +304,7 @@ def test_a_reader_alone_refuses_flipped_bytes_in_one_line(runs, name):
         checkpoint.read_alone(str(directory))
     text, file = str(refusal.value), "last.pt" if name.endswith("last.pt") else "__1_0.distcp"
     assert f"file {file} does not match its checksum (corrupt" in text and "\n" not in text, text
+    assert "delete it" not in text  # a reader says what is wrong and leaves the checkpoint alone
     if name == "corrupt":
         assert checkpoint.read_state(checkpoint.current(str(directory)))["optimizer_steps"] == 2
 
@@ -584,3 +585,30 @@ def test_readers_beside_a_saving_run_read_a_whole_checkpoint_every_time(flags, l
         read = readers()[0]
     assert [rank["code"] for rank in written] == [0, 0], written[0]["stderr"][-2000:]
     assert read["failures"] == [] and read["reads"] >= 1, read
+
+
+KILLED_WRITING = """
+import os, signal, sys
+import utils
+with utils.atomic_write(sys.argv[1], "wb") as f:
+    f.write(b"half of a checkpoint")
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_what_a_killed_write_of_last_pt_leaves_is_removed_at_the_next_start_and_nothing_else(tmp_path):
+    """A process SIGKILLed while utils.atomic_write wrote DIR/last.pt (and DIR/latest) leaves its temporary file; the
+    next run's lock on the folder removes those, and only those (on main: tmpXXXX.tmp, never removed)."""
+    from trainer.checkpoint import folders
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("last.pt", "latest"):
+        subprocess.run([sys.executable, "-c", KILLED_WRITING, str(tmp_path / name)], cwd=root, check=False)
+    left = sorted(os.listdir(tmp_path))
+    assert len(left) == 2 and all(name.endswith(".tmp") for name in left), left
+    for name in ("tmpabc123.tmp", ".last.pt.tmp", "notes.tmp", ".last.pt.backup"):  # not the trainer's
+        (tmp_path / name).write_text("mine")
+    descriptor, problem = folders.lock(str(tmp_path))
+    folders.unlock(descriptor)
+    assert problem is None
+    assert sorted(os.listdir(tmp_path)) == [".last.pt.backup", ".last.pt.tmp", "notes.tmp", "tmpabc123.tmp"]

@@ -194,7 +194,9 @@ def export(checkpoint_dir: str, out: str, form: str = "auto") -> str:
         with open(os.path.join(partial, CONFIG), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
-        os.chmod(partial, 0o755)
+        for name in (WEIGHTS, CONFIG):  # as any file the user writes (safetensors makes its file private)
+            os.chmod(os.path.join(partial, name), utils.umasked(0o666))
+        os.chmod(partial, utils.umasked(0o777))  # (mkdtemp's is private too)
         os.replace(partial, out)  # onto an empty folder too (rename(2))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

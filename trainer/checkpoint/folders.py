@@ -45,7 +45,8 @@ def lock(directory: str) -> tuple[int | None, str | None]:
     """An exclusive lock on ``directory`` (made if missing) for the run's life: (its descriptor, None), or (None, why
     not in one line). flock on the folder itself: nothing is written for it, and the kernel drops it when the process
     dies, so a killed run leaves nothing stuck. A second run on the folder is refused before it touches anything (it
-    would remove the first's save under way as a leftover); so is a folder this process cannot write in."""
+    would remove the first's save under way as a leftover); so is a folder this process cannot write in. Once held,
+    the temporary files a killed run's last.pt or latest left (utils.atomic_write's names, only those) are removed."""
     try:
         os.makedirs(directory, exist_ok=True)
         descriptor = os.open(directory, os.O_RDONLY)
@@ -57,6 +58,9 @@ def lock(directory: str) -> tuple[int | None, str | None]:
         os.close(descriptor)
         return None, (f"another run is using --checkpoint-dir {directory} (it holds the folder's lock): wait for it "
                       f"to end, or use another folder")
+    for name in utils.leftover_temporaries(directory, (FILE, LATEST)):  # a run killed while it wrote last.pt
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(directory, name))
     return descriptor, unwritable(directory)
 
 

@@ -18,6 +18,7 @@ from utils import UsageError
 RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "micro_batches_total", "fingerprint",
              "config", "history", "epoch_sums")  # what a resume reads beside the model and the optimizer
 REQUIRED = ("model", "optimizer", *RUN_STATE)  # last.pt's keys a resume needs
+AFRESH = "; delete it to start afresh"  # a resume's advice; a reader (read_alone: --generate, the export) gives none
 READ_ATTEMPTS = 20  # a reader's tries at a checkpoint a live run keeps superseding (read_alone, --eval-only)
 
 
@@ -28,15 +29,14 @@ def read_checkpoint(path: str, whole: bool = True) -> dict[str, Any]:
     from zero.checkpoint import file_problem
     problem = file_problem(path, pickle_only=not whole)
     if problem:
-        raise UsageError(f"cannot read checkpoint {path}: {problem}; delete it to start afresh")
+        raise UsageError(f"cannot read checkpoint {path}: {problem}{AFRESH}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise UsageError(f"cannot read checkpoint {path}: corrupt or not written by torch.save "
-                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}); "
-                         f"delete it to start afresh") from None
+                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}){AFRESH}") from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
-        raise UsageError(f"cannot read checkpoint {path}: not a checkpoint of this script; delete it to start afresh")
+        raise UsageError(f"cannot read checkpoint {path}: not a checkpoint of this script{AFRESH}")
     return state
 
 
@@ -67,7 +67,7 @@ def read_state(found: Found) -> dict[str, Any]:
         raise usage_error(exc, found.path) from None
     if not isinstance(state, dict) or any(key not in state for key in (*RUN_STATE, "world_size")):
         raise UsageError(f"cannot read checkpoint {found.path}: a torch.distributed.checkpoint folder, but not one "
-                         f"of this script (no run state in its extra); delete it to start afresh")
+                         f"of this script (no run state in its extra){AFRESH}")
     return state
 
 
@@ -83,6 +83,14 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
     dict, or a folder's run state and "model"), for --generate and for tools; None where there is none. A run may
     be saving into ``directory`` meanwhile: a folder removed while it is read (superseded by a newer one) is read
     again from the newer (last.pt is replaced atomically, and a mapped file outlives its name)."""
+    try:
+        return read_whole_alone(directory)
+    except UsageError as exc:  # what is wrong, and the checkpoint left alone: a reader's is no resume
+        raise UsageError(str(exc).replace(AFRESH, "")) from None
+
+
+def read_whole_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
+    """read_alone's reading, READ_ATTEMPTS times at most."""
     for _ in range(READ_ATTEMPTS):
         found = current(directory)
         if found is None:
