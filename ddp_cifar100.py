@@ -79,6 +79,7 @@ def train(config: Config) -> dict[str, Any]:
     checkpointer = Checkpointer.of(parts)  # saves and restores the sync, the scheduler, the scaler, the run state
     checkpointer.before_saving(meter.finite.settle)  # nothing non-finite saved: the last step's check read first
     checkpointer.when_published(meter.finite.saved)  # ... and its stop names the checkpoint that stays current
+    meter.finite.watch(checkpointer.failed, checkpointer.wait_for_saves)  # a failed background save: every rank stops
     try:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpointer.restore()
@@ -99,7 +100,6 @@ def train(config: Config) -> dict[str, Any]:
             if not optimizer_step(parts, meter, position, epoch):
                 epoch.rewind(parts, position)
                 continue
-            checkpointer.poll()  # --async-checkpoint: a background save that failed stops the run here
             # a checkpoint inside the epoch when due (the epoch's end is checkpointed after its validation): the
             # position and the history restore returned, every rank's sums of the epoch
             due = config.checkpoint_every and position.optimizer_steps % config.checkpoint_every == 0

@@ -612,3 +612,36 @@ def test_what_a_killed_write_of_last_pt_leaves_is_removed_at_the_next_start_and_
     folders.unlock(descriptor)
     assert problem is None
     assert sorted(os.listdir(tmp_path)) == [".last.pt.backup", ".last.pt.tmp", "notes.tmp", "tmpabc123.tmp"]
+
+
+def background_writes_fail_in_group(rank, world_size, argv):
+    """main_in_group with every rank's background writes failing from step 3 on (the disk full as the writer
+    starts: trainer.faults.at patched in this worker), rank 1's a second and a half later than rank 0's."""
+    import time
+    from trainer import faults
+    at = faults.at
+
+    def disk_full_from_step_3(point, rank_, step, group=None):
+        if point == "write" and step >= 3:
+            time.sleep(1.5 * rank_)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        at(point, rank_, step, group)
+    faults.at = disk_full_from_step_3
+    try:
+        return main_in_group(rank, world_size, argv)
+    finally:
+        faults.at = at
+
+
+def test_a_background_save_that_fails_on_the_ranks_at_different_times_is_one_line(local_group, corpus, tmp_path):
+    """--async-checkpoint, the writes failing on rank 0 first and on rank 1 1.5 s later: every rank stops at the same
+    step (the failure joins the loop's per-step all-reduce: trainer/finite.py's watch), rank 0 says it in one line and
+    rank 1 says nothing (on main rank 0 left at its next step and rank 1 went on into a collective with it, to print
+    a line of its own: "rank 1: distributed failure")."""
+    argv = argv_of(corpus, 4, "--zero", "3", "--epochs", "5", "--max-steps", "12", "--checkpoint-every", "1",
+                   "--async-checkpoint", "--timeout", "15", "--checkpoint-dir", str(tmp_path / "run"))
+    ranks = local_group(2).run(background_writes_fail_in_group, argv)
+    assert [rank["code"] for rank in ranks] == [2, 2], [rank["stderr"][-600:] for rank in ranks]
+    lines = ranks[0]["stderr"].strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "still current" in lines[0], lines
+    assert ranks[1]["stderr"] == ""

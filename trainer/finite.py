@@ -12,14 +12,14 @@ the next step tries again. More than MAX_SKIPS skips in a row stop the run: from
 40 halvings bring the scale below 2^-24, fp16's smallest subnormal, where no gradient is left that fp16 could
 carry; a loss that still overflows is non-finite of itself, not for the scale.
 
-Its cost: one all-reduce of 3 numbers per step (a world of 1: none), launched without waiting, and read one step
+Its cost: one all-reduce of 4 numbers per step (the fourth: a background save that failed, ``watch``) (a world of 1: none), launched without waiting, and read one step
 later (a CUDA event on a pinned copy: the host never waits for the step under way), or before a save, which reads
 the step it saves (``settle``). No host-device sync of its own per step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,8 @@ class NonFiniteError(UsageError):
 @dataclass
 class Pending:
     step: int  # the optimizer step checked (counted from 1)
-    flags: torch.Tensor  # [W - rank of the lowest rank with a non-finite loss, or 0; norm non-finite; skipped]
+    flags: torch.Tensor  # [W - rank of the lowest rank with a non-finite loss, or 0; norm non-finite; skipped;
+    # a background save failed (``watch``)]
     work: Any = None  # the all-reduce in flight (gloo)
     event: Any = None  # CUDA: recorded after the pinned copy
 
@@ -49,6 +50,14 @@ class FiniteCheck:
         self.pending: Pending | None = None
         self.skips = 0  # fp16: GradScaler's skips in a row
         self.saved_step: int | None = None  # the step of the checkpoint current now (when_published's)
+        self.failed: Callable[[], bool] = lambda: False  # watch's: this rank's background save failed ...
+        self.stop: Callable[[], None] = lambda: None  # ... and what every rank then calls (it raises)
+
+    def watch(self, failed: Callable[[], bool], stop: Callable[[], None]) -> None:
+        """``failed()`` joins each step's all-reduce; where it was True on any rank, every rank calls ``stop()`` at
+        the same step (--async-checkpoint: a background save that failed on one rank stops every rank in one line,
+        where one rank alone would leave and its peers fail in the next collective, each with a line of its own)."""
+        self.failed, self.stop = failed, stop
 
     def saved(self, step: int) -> None:
         self.saved_step = step
@@ -63,7 +72,8 @@ class FiniteCheck:
         if self.fp16:  # GradScaler's verdict on this step (private: torch names no public one)
             found = scaler._found_inf_per_device(optimizer).values()
             skipped = (sum(value.to(loss.device) for value in found) > 0).float() if found else zero
-        flags = torch.stack([bad_loss, bad_norm, skipped]).to(self.comm_device)
+        failed = zero + float(self.failed())
+        flags = torch.stack([bad_loss, bad_norm, skipped, failed]).to(self.comm_device)
         pending = Pending(step, flags)
         if self.world_size > 1:
             pending.work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
@@ -71,7 +81,7 @@ class FiniteCheck:
             if pending.work is not None:
                 pending.work.wait()
                 pending.work = None
-            pending.flags = torch.empty(3, pin_memory=True)
+            pending.flags = torch.empty(len(flags), pin_memory=True)
             pending.flags.copy_(flags, non_blocking=True)
             pending.event = torch.cuda.Event()
             pending.event.record()
@@ -90,7 +100,9 @@ class FiniteCheck:
             pending.work.wait()
         if pending.event is not None:
             pending.event.synchronize()
-        code, bad_norm, skipped = pending.flags.tolist()
+        code, bad_norm, skipped, failed = pending.flags.tolist()
+        if failed:
+            self.stop()
         what = None
         if code:
             what = f"non-finite loss at optimizer step {pending.step} on rank {self.world_size - int(code)}"

@@ -343,7 +343,8 @@ class Checkpointer:
         """``write(writer)`` copies this rank's state into the writer's staging buffers and hands the write to its
         thread, which passes the fault point "write" first (trainer/faults.py); after the write, in the thread and
         only if it succeeded, the fault point "save" (written, not yet current) and rank 0's ``publish``. A failure
-        stops the loop at the next step or save, in one line (``poll``, ``wait_for_saves``); the save's
+        stops every rank at the same step soon after, or at the next save, in one line (``failed``,
+        ``wait_for_saves``); the save's
         DIR/step-N.partial is then left for the next start to remove."""
         rank, step, group = self.rank, state["optimizer_steps"], self.config.replica_group
         writer = self.writer
@@ -358,19 +359,16 @@ class Checkpointer:
                 subscriber(step)
         writer.then(published)
 
-    def poll(self) -> None:
-        """--async-checkpoint, after every step: a background save that failed stops the run here, in one line (the
-        previous checkpoint is still current)."""
-        writer = self.writer
-        if writer is not None and writer.error() is not None:
-            try:
-                writer.wait()
-            except zero.checkpoint.CheckpointError as exc:
-                raise self.background_failure(exc) from None
+    def failed(self) -> bool:
+        """--async-checkpoint: whether this rank's background save failed. The loop's per-step all-reduce
+        (trainer/finite.py's ``watch``) tells every rank, which then all call ``wait_for_saves``: one line, from rank 0,
+        the previous checkpoint still current."""
+        return self.writer is not None and self.writer.error() is not None
 
     def wait_for_saves(self) -> None:
         """--async-checkpoint: the save in flight written and published on every rank before the next one (or the
-        run's end); a failure on any rank said on all in one line (one all_gather_object)."""
+        run's end, or a failure one rank saw: ``failed``); a failure on any rank said on all in one line (one
+        all_gather_object)."""
         if self.writer is None:
             return
         problem = None
