@@ -11,7 +11,7 @@ class Scaler:
         self.found = 0.0
 
     def _found_inf_per_device(self, optimizer):
-        return {torch.device("cpu"): torch.tensor(self.found)}
+        return {torch.device("cpu"): torch.tensor([self.found])}  # shape (1,), as GradScaler's
 
 
 def test_fp16_skips_are_normal_until_more_than_max_skips_in_a_row():

@@ -67,11 +67,12 @@ class FiniteCheck:
         ``norm`` (--clip-grad-norm, else None); launches this step's check, reads the previous step's."""
         zero = torch.zeros((), dtype=torch.float32, device=loss.device)
         bad_loss = (~torch.isfinite(loss)).float() * (self.world_size - self.rank)
-        bad_norm = (~torch.isfinite(norm)).float().to(loss.device) if norm is not None else zero
+        norm = norm.to_local() if hasattr(norm, "to_local") else norm  # FSDP2's DTensor: no collective here
+        bad_norm = (~torch.isfinite(norm)).float().to(loss.device).reshape(()) if norm is not None else zero
         skipped = zero
         if self.fp16:  # GradScaler's verdict on this step (private: torch names no public one)
             found = scaler._found_inf_per_device(optimizer).values()
-            skipped = (sum(value.to(loss.device) for value in found) > 0).float() if found else zero
+            skipped = (sum(value.to(loss.device).sum() for value in found) > 0).float() if found else zero
         failed = zero + float(self.failed())
         flags = torch.stack([bad_loss, bad_norm, skipped, failed]).to(self.comm_device)
         pending = Pending(step, flags)
