@@ -571,11 +571,16 @@ class TextSet:
         return windows[:, :-1], windows[:, 1:]
 
 
+BOUNDARY = 0  # the byte that ends every document of the text set, so the one a document starts after: a GPT's
+# begin-of-sequence (--generate starts every prompt after it; the export's bos_token_id)
+
+
 def text_stream(contents: list[bytes]) -> torch.Tensor:
-    """The files' bytes as one uint8 tensor, each file followed by a 0 byte (the end of a document)."""
+    """The files' bytes as one uint8 tensor, each file followed by a 0 byte (BOUNDARY: the end of a document)."""
     if not contents:
         return torch.zeros(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(b"\0".join(contents) + b"\0"), dtype=torch.uint8)
+    end = bytes([BOUNDARY])
+    return torch.frombuffer(bytearray(end.join(contents) + end), dtype=torch.uint8)
 
 
 class TextData(Splits):

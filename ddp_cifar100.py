@@ -11,6 +11,7 @@ This file is the loop; each part of the trainer lives in a room of its own under
                            the run state, the trajectory's fingerprint and its compatibility
     trainer/evaluation.py  the scattered shard, evaluate, validate (exact at any world size)
     trainer/metrics.py     epoch sums, recent steps, the bar, TensorBoard, the profiler, the metrics JSON
+    trainer/finite.py      a non-finite loss or gradient norm stops the run (fp16's skipped steps do not)
     trainer/generation.py  --generate: bytes sampled from a checkpoint's GPT
     trainer/export.py      python -m trainer.export: a checkpoint out as transformers' GPT-2 or safetensors;
                            --init-from reads them back
@@ -76,6 +77,9 @@ def train(config: Config) -> dict[str, Any]:
     parts = build(config)  # process group, data, model, sync, optimizer, schedule, scaler
     meter = Meter(parts)  # step times, --log-every's window, TensorBoard
     checkpointer = Checkpointer.of(parts)  # saves and restores the sync, the scheduler, the scaler, the run state
+    checkpointer.before_saving(meter.finite.settle)  # nothing non-finite saved: the last step's check read first
+    checkpointer.when_published(meter.finite.saved)  # ... and its stop names the checkpoint that stays current
+    meter.finite.watch(checkpointer.failed, checkpointer.wait_for_saves)  # a failed background save: every rank stops
     try:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpointer.restore()
@@ -96,7 +100,6 @@ def train(config: Config) -> dict[str, Any]:
             if not optimizer_step(parts, meter, position, epoch):
                 epoch.rewind(parts, position)
                 continue
-            checkpointer.poll()  # --async-checkpoint: a background save that failed stops the run here
             # a checkpoint inside the epoch when due (the epoch's end is checkpointed after its validation): the
             # position and the history restore returned, every rank's sums of the epoch
             due = config.checkpoint_every and position.optimizer_steps % config.checkpoint_every == 0
@@ -216,6 +219,8 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
                 logits = sync.module(inputs)  # the model, or DDP around it
                 faults.at("forward", parts.ctx.rank, position.optimizer_steps, config.replica_group)
                 per_sample = per_sample_loss(logits.float() if parts.amp_dtype else logits, labels)
+                if faults.named("nan", parts.ctx.rank, position.optimizer_steps, config.replica_group):
+                    per_sample = per_sample * float("nan")  # fault injection: a non-finite loss (trainer/finite.py)
             with utils.profiled("backward"):
                 scaler.scale(per_sample.sum() / window_samples).backward()
                 faults.at("backward", parts.ctx.rank, position.optimizer_steps, config.replica_group)
@@ -235,6 +240,9 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
         meter.measure_state()
         scaler.step(optimizer)  # --zero 1-3: this rank's shards, then the model made whole again
         faults.at("optimizer", parts.ctx.rank, position.optimizer_steps, config.replica_group)
+        # a non-finite loss or norm stops the run (read a step later, or before a save: trainer/finite.py)
+        meter.finite.step(position.optimizer_steps + 1, window_sums.loss,
+                          meter.grad_norms[-1] if config.clip_grad_norm else None, scaler, optimizer)
         scaler.update()
         if parts.scheduler is not None:
             parts.scheduler.step()

@@ -81,6 +81,24 @@ def gpt2():
         os.environ["HF_HUB_OFFLINE"] = saved
 
 
+def docs_snippet(out):
+    """What docs/language-models.md's snippet that reproduces --generate with transformers alone prints, run on the
+    export ``out`` (its folder, prompt and length made the test's)."""
+    import contextlib
+    import io
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "language-models.md"), encoding="utf-8").read()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "bos_token_id" in block)
+    code = "\n".join(line.removeprefix("  ") for line in code.splitlines())
+    code = code.replace('"exports/gpt"', repr(str(out))).replace('"def "', repr(PROMPT.decode()))
+    code = code.replace("max_new_tokens=400", f"max_new_tokens={SAMPLED}")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/language-models.md", "exec"), {})
+    return printed.getvalue()
+
+
 def our_gpt(directory):
     state = read_alone(str(directory))[1]
     model = GPT(vocab_size=256, **state["config"]["gpt"]).eval()
@@ -106,9 +124,11 @@ def test_a_gpt_goes_out_as_a_transformers_gpt2_that_computes_ours(name, runs, ex
     assert trainer.main(["--checkpoint-dir", str(directory), "--generate", str(SAMPLED), "--top-k", "1",
                          "--prompt", PROMPT.decode()]) == 0
     sampled = capsysbinary.readouterr().out
-    start = torch.tensor([list(b"\0" + PROMPT)])  # --generate starts from a file's start, the 0 byte
+    assert theirs.config.bos_token_id == 0  # --generate starts every prompt after the 0 byte: the export says so
+    start = torch.tensor([[theirs.config.bos_token_id, *PROMPT]])
     greedy = theirs.generate(start, attention_mask=torch.ones_like(start), do_sample=False, max_new_tokens=SAMPLED)
     assert bytes(greedy[0, 1:].tolist()) + b"\n" == sampled
+    assert docs_snippet(exported[name]) == sampled.decode(errors="replace")  # docs/language-models.md's, as it is
     print(f"\n{name}: GPT-2's logits against ours, max |difference| {worst:.1e} (largest logit "
           f"{logits.abs().max().item():.1f}); greedy bytes {sampled[:-1]!r}")
 
@@ -122,6 +142,10 @@ def test_an_image_model_goes_out_as_safetensors_under_its_own_names(runs, export
     assert all(torch.equal(tensors[k], state["model"][k]) for k in tensors)  # BatchNorm's statistics included
     config = json.loads((exported["net"] / "config.json").read_text())
     assert config["model"] == "net"
+    import utils
+    for path, mode in ((exported["net"], 0o777), (exported["net"] / "model.safetensors", 0o666),
+                       (exported["net"] / "config.json", 0o666)):  # as any file the user writes (on main: 0600)
+        assert os.stat(path).st_mode & 0o777 == utils.umasked(mode), path
     build_model("net", 0.5, "local", config["num_classes"]).load_state_dict(tensors)  # strict: every name, every shape
 
 
@@ -208,3 +232,52 @@ def test_a_checkpoint_in_the_directory_wins_over_init_from(local_group, runs, ex
     resumed = local_group(2).run(first_step, argv)[0]
     assert f"note: --init-from {exported['file']} not read" in resumed["stdout"]
     assert max_difference(resumed["state"], dict(read_alone(str(directory))[1]["model"])) == 0
+
+
+def flip_an_exponent(file, key):
+    """The high byte of tensor ``key``'s first float32 inverted in a safetensors file (its header left as is)."""
+    raw = bytearray(file.read_bytes())
+    size = int.from_bytes(raw[:8], "little")
+    start = 8 + size + json.loads(raw[8:8 + size])[key]["data_offsets"][0]
+    raw[start + 3] ^= 0x7F
+    file.write_bytes(bytes(raw))
+
+
+def test_exports_carry_checksums_and_init_from_refuses_a_flipped_or_non_finite_tensor(local_group, runs, exported,
+                                                                                       tmp_path):
+    """One exponent byte flipped in the net's export (on main: a weight of -2.4e37, read in silence, and the run
+    trained on at a NaN loss) is refused by its CRC32, in one line naming the tensor; a file of another tool's (no
+    checksums) is read with a one-line note, and a NaN in it refused in one line naming the tensor; a checkpoint
+    that holds a NaN weight is refused by --eval-only, --generate's reader and the export alike."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(exported["net"] / "model.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+    assert all(f"crc32.{key}" in metadata for key in load_file(exported["net"] / "model.safetensors"))
+    key = "conv1.weight"
+    shutil.copytree(exported["net"], tmp_path / "flipped")
+    flip_an_exponent(tmp_path / "flipped" / "model.safetensors", key)
+    tensors = load_file(exported["net"] / "model.safetensors")
+    tensors[key][0, 0, 0, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "other.safetensors"))  # another tool's: no checksums
+    argv = without_checkpoint_dir(runs["net"][1]) + ["--max-steps", "1"]
+    ranks = {name: local_group(2).run(main_in_group, argv + ["--init-from", str(source)])
+             for name, source in (("flipped", tmp_path / "flipped"), ("other", tmp_path / "other.safetensors"))}
+    for name, phrase in (("flipped", f"tensor {key} does not match its checksum"),
+                         ("other", f"tensor {key} holds 1 non-finite values (nan)")):
+        assert [r["code"] for r in ranks[name]] == [2, 2], ranks[name][0]["stderr"]
+        assert ranks[name][0]["stderr"].count("\n") == 1 and phrase in ranks[name][0]["stderr"], ranks[name][0]
+    assert ranks["other"][0]["stdout"].count("carries no checksums") == 1
+    # a checkpoint with a NaN weight (written as a run before the non-finite check could have)
+    directory = tmp_path / "nan-checkpoint"
+    shutil.copytree(runs["file"][0], directory)
+    state = torch.load(directory / "last.pt", weights_only=True)
+    state["model"]["final_norm.weight"][0] = float("nan")
+    torch.save(state, directory / "last.pt")
+    with pytest.raises(export.UsageError, match="tensor final_norm.weight holds 1 non-finite values"):
+        read_alone(str(directory))
+    evaluated = local_group(2).run(main_in_group, runs["file"][1][:-2] + ["--checkpoint-dir", str(directory),
+                                                                          "--eval-only"])
+    assert [r["code"] for r in evaluated] == [2, 2], evaluated[0]
+    assert "tensor final_norm.weight holds 1 non-finite values" in evaluated[0]["stderr"]

@@ -107,6 +107,18 @@ def test_two_groups_of_two_are_one_run_of_four(two_groups):
     assert max_difference(zero, one) == 0  # every group applies the same average
 
 
+def test_the_bytes_sent_across_the_groups_count(two_groups):
+    """sent_bytes_per_step, with replica groups: the group's own gradient sync (2 processes: half the gradient each
+    way, an ideal ring's 2 (2-1)/2) plus the average across the 2 groups (the same again); on main the second was
+    left out (and a group of 1 process said 0)."""
+    ranks = two_groups["groups"][0]
+    gradient = sum(t.numel() * t.element_size() for name, t in ranks[0]["state"].items()
+                   if name != "head.weight")  # (tied: the token embedding's, one gradient)
+    for rank in ranks:
+        figures = rank["metrics"]
+        assert figures["sent_bytes_per_step"] == pytest.approx(2 * gradient, rel=0.01), figures["sent_bytes_per_step"]
+
+
 def test_the_commit_log_names_every_step_its_groups_and_their_samples(two_groups):
     for group in (0, 1):
         log = replicas.read_log(two_groups["logs"] / f"log{group}")

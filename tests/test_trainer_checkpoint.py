@@ -304,6 +304,7 @@ def test_a_reader_alone_refuses_flipped_bytes_in_one_line(runs, name):
         checkpoint.read_alone(str(directory))
     text, file = str(refusal.value), "last.pt" if name.endswith("last.pt") else "__1_0.distcp"
     assert f"file {file} does not match its checksum (corrupt" in text and "\n" not in text, text
+    assert "delete it" not in text  # a reader says what is wrong and leaves the checkpoint alone
     if name == "corrupt":
         assert checkpoint.read_state(checkpoint.current(str(directory)))["optimizer_steps"] == 2
 
@@ -505,3 +506,142 @@ def test_last_pt_is_mapped_by_every_rank_that_sees_it_and_sent_where_one_does_no
         assert result["same"] and result["extra"] == {"step": 1}
         assert result["sent"] == (0 if shared else 1)  # (the save's own broadcast of its verdict is not counted)
         assert not result["still_mapped"]
+
+
+def non_finite_in_group(rank, world_size, legs):
+    """main_in_group with DDP_CIFAR100_FAULT set to each leg's fault, in turn: {name: result}."""
+    out = {}
+    for name, fault, argv in legs:
+        os.environ["DDP_CIFAR100_FAULT"] = fault
+        try:
+            out[name] = main_in_group(rank, world_size, argv)
+        finally:
+            del os.environ["DDP_CIFAR100_FAULT"]
+    return out
+
+
+def test_a_non_finite_loss_stops_every_rank_in_one_line_and_nothing_non_finite_is_saved(local_group, corpus,
+                                                                                       tmp_path):
+    """Rank 1's loss made NaN in the 4th step (the fault point "nan"), a save due after it (--checkpoint-every 2):
+    both ranks stop at that step, rank 0 says it in one line naming the step and the rank, and the checkpoint of step
+    2 is still current and finite, in last.pt (--zero 0, --clip-grad-norm: the global norm is NaN too) and in a
+    folder (--zero 1). On main the run trained on at a NaN loss and saved step 4."""
+    legs = [("file", ["--clip-grad-norm", "1"]), ("folder", ["--zero", "1"])]
+    results = local_group(2).run(non_finite_in_group, [
+        (name, "1:3:nan", argv_of(corpus, 4, *flags, "--max-steps", "6", "--checkpoint-every", "2",
+                                   "--checkpoint-dir", str(tmp_path / name))) for name, flags in legs])
+    import torch
+    from trainer import checkpoint
+    for name, _ in legs:
+        assert [rank[name]["code"] for rank in results] == [2, 2], results[0][name]["stderr"][-2000:]
+        lines = results[0][name]["stderr"].strip().splitlines()
+        assert len(lines) == 1 and "non-finite loss at optimizer step 4 on rank 1" in lines[0], lines
+        assert "the checkpoint of step 2 is still current" in lines[0]
+        assert results[1][name]["stderr"] == ""
+        found, state = checkpoint.read_alone(str(tmp_path / name))
+        assert state["optimizer_steps"] == 2, found
+        assert all(torch.isfinite(value).all() for value in state["model"].values())
+
+
+def readers_in_group(rank, world_size, directory, argv, stop):
+    """Readers of ``directory`` in turn until the file ``stop`` appears: --eval-only (the Checkpointer's restore)
+    and read_alone (--generate's and the export's reader); each failure's last lines, and how many reads were
+    whole."""
+    from trainer import checkpoint
+    failures, reads = [], 0
+    while not os.path.exists(stop):
+        if not os.path.exists(os.path.join(directory, "latest")) and not os.path.exists(
+                os.path.join(directory, "last.pt")):
+            continue  # the run's first save not yet made
+        result = main_in_group(rank, world_size, argv)
+        if result["code"] != 0:
+            failures.append(("eval-only", result["stderr"][-600:]))
+        try:
+            checkpoint.read_alone(directory)
+        except Exception as exc:  # noqa: BLE001 - what the test reports
+            failures.append(("read_alone", f"{type(exc).__name__}: {exc}"))
+        reads += 1
+    return {"failures": failures, "reads": reads}
+
+
+@pytest.mark.parametrize("flags", [["--zero", "3"], ["--zero", "3", "--async-checkpoint"], [],
+                                   ["--async-checkpoint"]], ids=["folders", "folders async", "last.pt",
+                                                                 "last.pt async"])
+def test_readers_beside_a_saving_run_read_a_whole_checkpoint_every_time(flags, local_group, corpus, tmp_path):
+    """A run on 2 processes saving every other step (--checkpoint-every 2, as the issue's), and meanwhile
+    --eval-only and read_alone in another process, again and again: every read is whole, the current checkpoint or the one that superseded it.
+    On main --eval-only failed against a folder ("step-N: no such folder", a data file not found, DCP's "metadata is
+    None")."""
+    directory, stop = str(tmp_path / "run"), str(tmp_path / "stop")
+    argv = argv_of(corpus, 4, *flags, "--epochs", "20", "--max-steps", "24", "--checkpoint-every", "2",
+                   "--checkpoint-dir", directory)
+    eval_argv = [a for a in argv if a != "--async-checkpoint"] + ["--eval-only"]
+    writer = local_group(2).submit(main_in_group, argv)
+    readers = local_group(1).submit(readers_in_group, directory, eval_argv, stop)
+    try:
+        written = writer()
+    finally:
+        open(stop, "w").close()
+        read = readers()[0]
+    assert [rank["code"] for rank in written] == [0, 0], written[0]["stderr"][-2000:]
+    assert read["failures"] == [] and read["reads"] >= 1, read
+
+
+KILLED_WRITING = """
+import os, signal, sys
+import utils
+with utils.atomic_write(sys.argv[1], "wb") as f:
+    f.write(b"half of a checkpoint")
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_what_a_killed_write_of_last_pt_leaves_is_removed_at_the_next_start_and_nothing_else(tmp_path):
+    """A process SIGKILLed while utils.atomic_write wrote DIR/last.pt (and DIR/latest) leaves its temporary file; the
+    next run's lock on the folder removes those, and only those (on main: tmpXXXX.tmp, never removed)."""
+    from trainer.checkpoint import folders
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("last.pt", "latest"):
+        subprocess.run([sys.executable, "-c", KILLED_WRITING, str(tmp_path / name)], cwd=root, check=False)
+    left = sorted(os.listdir(tmp_path))
+    assert len(left) == 2 and all(name.endswith(".tmp") for name in left), left
+    for name in ("tmpabc123.tmp", ".last.pt.tmp", "notes.tmp", ".last.pt.backup"):  # not the trainer's
+        (tmp_path / name).write_text("mine")
+    descriptor, problem = folders.lock(str(tmp_path))
+    folders.unlock(descriptor)
+    assert problem is None
+    assert sorted(os.listdir(tmp_path)) == [".last.pt.backup", ".last.pt.tmp", "notes.tmp", "tmpabc123.tmp"]
+
+
+def background_writes_fail_in_group(rank, world_size, argv):
+    """main_in_group with every rank's background writes failing from step 3 on (the disk full as the writer
+    starts: trainer.faults.at patched in this worker), rank 1's a second and a half later than rank 0's."""
+    import time
+    from trainer import faults
+    at = faults.at
+
+    def disk_full_from_step_3(point, rank_, step, group=None):
+        if point == "write" and step >= 3:
+            time.sleep(1.5 * rank_)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        at(point, rank_, step, group)
+    faults.at = disk_full_from_step_3
+    try:
+        return main_in_group(rank, world_size, argv)
+    finally:
+        faults.at = at
+
+
+def test_a_background_save_that_fails_on_the_ranks_at_different_times_is_one_line(local_group, corpus, tmp_path):
+    """--async-checkpoint, the writes failing on rank 0 first and on rank 1 1.5 s later: every rank stops at the same
+    step (the failure joins the loop's per-step all-reduce: trainer/finite.py's watch), rank 0 says it in one line and
+    rank 1 says nothing (on main rank 0 left at its next step and rank 1 went on into a collective with it, to print
+    a line of its own: "rank 1: distributed failure")."""
+    argv = argv_of(corpus, 4, "--zero", "3", "--epochs", "5", "--max-steps", "12", "--checkpoint-every", "1",
+                   "--async-checkpoint", "--timeout", "15", "--checkpoint-dir", str(tmp_path / "run"))
+    ranks = local_group(2).run(background_writes_fail_in_group, argv)
+    assert [rank["code"] for rank in ranks] == [2, 2], [rank["stderr"][-600:] for rank in ranks]
+    lines = ranks[0]["stderr"].strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "still current" in lines[0], lines
+    assert ranks[1]["stderr"] == ""

@@ -211,6 +211,9 @@ ERRORS = [
     (["--timeout", "0"], "--timeout must be positive, got 0.0"),
     (["--log-every", "0"], "--log-every must be positive, got 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be positive, got 0"),
+    (["--keep-checkpoints", "2"], "--keep-checkpoints 2 is for the syncs that write folders DIR/step-N (--grad-sync "
+                                  "custom --zero 1-3, fsdp); --grad-sync custom --zero 0 writes one DIR/last.pt, "
+                                  "replaced at every save"),  # (was silently ignored)
     (["--async-checkpoint"], "--async-checkpoint saves into --checkpoint-dir: give one"),
     (["--eval-batch-size", "0"], "--eval-batch-size must be positive, got 0"),
     (["--max-steps", "-1"], "--max-steps must not be negative, got -1"),

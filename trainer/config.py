@@ -529,6 +529,10 @@ def check_syncs(given: argparse.Namespace) -> None:
         raise UsageError(f"--compile with --grad-sync ddp takes --bucket-mb 1 or more, not {given.bucket_mb:g}: "
                          f"torch's DDPOptimizer splits the compiled graph at DDP's buckets and requires the first "
                          f"(1 MB) to be no larger than the others")
+    if given.keep_checkpoints > 1 and not sharded:  # (a sharded run on nodes that share no folder: said at start)
+        raise UsageError(f"--keep-checkpoints {given.keep_checkpoints} is for the syncs that write folders "
+                         f"DIR/step-N (--grad-sync custom --zero 1-3, fsdp); --grad-sync {sync} --zero {stage} writes "
+                         f"one DIR/last.pt, replaced at every save")
     if given.zero3_accumulate is not None and (stage != 3 or sync != "custom"):
         raise UsageError(f"--zero3-accumulate is for --grad-sync custom --zero 3, not --grad-sync {sync} "
                          f"--zero {stage}")

@@ -34,14 +34,19 @@ Our GPT (models.GPT) is GPT-2's architecture (nanoGPT's writing of it) up to nam
                                                                                    ties it (tie_word_embeddings)
     every Linear's bias; none on the head    the same
     no dropout                               resid_, embd_, attn_pdrop 0           GPT-2's default: 0.1
-    a text file's bytes end with a 0 byte    bos_token_id 0, eos_token_id none     --generate starts from a 0 byte
-                                                                                   and never stops early
+    a text file's bytes end with a 0 byte    bos_token_id 0, eos_token_id none     --generate's ids are [0] +
+                                                                                   the prompt's bytes (the 0 byte
+                                                                                   first); it never stops early
 
 (*) Conv1D holds its weight as (in, out) and computes x @ w; nn.Linear holds (out, in) and computes x @ w.T.
 Anything else in the checkpoint (a part GPT-2 lacks), a head that is not the token embedding, or tensors of another
 shape than the run's recorded configuration are refused in one line naming it. Bad input (no checkpoint in DIR, OUT
 not empty, an image model asked as transformers) is one line and exit status 2, as ddp_cifar100.py says a
 UsageError.
+
+Checksums: model.safetensors' header metadata carries each tensor's CRC32 ("crc32.NAME": eight hex digits, of the
+tensor's bytes as stored), which --init-from checks before a tensor is used; a file without them (another tool's) is
+read with a one-line note. A non-finite value in any tensor, exported or read, is refused in one line naming it.
 
 --init-from PATH (``InitFrom``): a run starts from such a file or folder, weights only; the names above read
 backwards (a GPT-2 file's Conv1D weights transposed back). Every rank reads the file itself (mmap'd, one tensor at a
@@ -57,16 +62,20 @@ import re
 import shutil
 import sys
 import tempfile
+import zlib
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
+from data import BOUNDARY
 from models import GPT_SIZES, LANGUAGE_MODELS
-from trainer.checkpoint import read_alone
+from trainer.checkpoint import non_finite, read_alone
+import utils
 from utils import UsageError
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"  # the names transformers looks for in a model folder
+CRC = "crc32."  # model.safetensors' metadata: "crc32.NAME" -> the CRC32 of tensor NAME's bytes, 8 hex digits
 # ours -> GPT-2's, each (pattern, replacement, transposed): the table of the module docstring
 GPT2_NAMES = [
     (r"token_embedding\.weight", "transformer.wte.weight", False),
@@ -131,8 +140,13 @@ def gpt2_config(model: dict[str, torch.Tensor], shape: dict[str, int]) -> dict[s
     return {"architectures": ["GPT2LMHeadModel"], **GPT2_FIXED, "vocab_size": vocab, "n_positions": context,
             "n_embd": width, "n_layer": layers, "n_head": shape["heads"], "n_inner": 4 * width,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
-            "bos_token_id": 0, "eos_token_id": None, "use_cache": True,
+            "bos_token_id": BOUNDARY, "eos_token_id": None, "use_cache": True,  # --generate's first id
             "dtype": str(model["token_embedding.weight"].dtype).removeprefix("torch.")}
+
+
+def crc32(tensor: torch.Tensor) -> str:
+    """The CRC32 of a tensor's bytes as safetensors stores them (contiguous, little-endian), 8 hex digits."""
+    return f"{zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()):08x}"
 
 
 def own_tensors(model: dict[str, torch.Tensor], tied: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -167,6 +181,10 @@ def export(checkpoint_dir: str, out: str, form: str = "auto") -> str:
         config = {"model": name, "num_classes": (record.get("sizes") or [0, 0, 100])[2],
                   "image_size": record.get("image_size"), "norm": record.get("norm"),
                   **({"gpt": record.get("gpt")} if gpt else {}), "optimizer_steps": state["optimizer_steps"]}
+    bad = non_finite(tensors.items())
+    if bad is not None:
+        raise UsageError(f"{path}: {bad}; not exported")
+    metadata.update({CRC + key: crc32(tensor) for key, tensor in tensors.items()})
     # written whole in a folder beside OUT, then renamed to it: no reader sees half an export
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
@@ -176,7 +194,9 @@ def export(checkpoint_dir: str, out: str, form: str = "auto") -> str:
         with open(os.path.join(partial, CONFIG), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
-        os.chmod(partial, 0o755)
+        for name in (WEIGHTS, CONFIG):  # as any file the user writes (safetensors makes its file private)
+            os.chmod(os.path.join(partial, name), utils.umasked(0o666))
+        os.chmod(partial, utils.umasked(0o777))  # (mkdtemp's is private too)
         os.replace(partial, out)  # onto an empty folder too (rename(2))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -233,10 +253,22 @@ class InitFrom:
         if extra:
             raise UsageError(f"--init-from {file} does not fit --model {model_name}: the model has no {extra[0]}")
         self.path = file
+        self.sums = {key[len(CRC):]: value for key, value in (self.file.metadata() or {}).items()
+                     if key.startswith(CRC)}  # trainer.export's checksums (the module docstring)
+        if not self.sums:
+            utils.print0(f"note: --init-from {file} carries no checksums (not written by python -m trainer.export): "
+                         f"its tensors are read unchecked")
 
     def tensor(self, name: str) -> torch.Tensor:
+        """The file's tensor for our ``name``, its CRC32 (where the file has them) and its values checked first."""
         key, transposed = self.source[name]
         tensor = self.file.get_tensor(key)
+        if self.sums and self.sums.get(key) != crc32(tensor):
+            raise UsageError(f"--init-from {self.path}: tensor {key} does not match its checksum (corrupt: "
+                             f"crc32 {crc32(tensor)}, the header says {self.sums.get(key)})")
+        bad = non_finite([(key, tensor)])
+        if bad is not None:
+            raise UsageError(f"--init-from {self.path}: {bad}")
         return tensor.t() if transposed else tensor
 
     @torch.no_grad()

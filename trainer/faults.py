@@ -11,6 +11,7 @@ backward, inside the all-reduce across replica groups (its messages launched, no
 step (the update applied, the step not yet counted), while this rank sends its live state to a replica group that
 joins (half the tensors sent), in --async-checkpoint's writer thread as it starts writing a save (the loop gone on),
 while it saves a checkpoint (its files written, the save not yet made current), or after the step (the default).
+One point kills nothing: "nan" makes this rank's loss non-finite in that step's forward (trainer/finite.py's stop).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import signal
 from dataclasses import dataclass
 
 ENV = "DDP_CIFAR100_FAULT"
-POINTS = ("forward", "backward", "allreduce", "optimizer", "send", "write", "save", "after")
+POINTS = ("forward", "backward", "allreduce", "optimizer", "send", "write", "save", "after", "nan")
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,15 @@ def parse(text: str) -> list[Fault]:
 
 def at(point: str, rank: int, step: int, group: int | None = None) -> None:
     """SIGKILL this process if DDP_CIFAR100_FAULT names this point of this step for it (module docstring)."""
+    if named(point, rank, step, group):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def named(point: str, rank: int, step: int, group: int | None = None) -> bool:
+    """Whether DDP_CIFAR100_FAULT names this point of this step for this process, in this attempt."""
     text = os.environ.get(ENV)
     if not text:
-        return
+        return False
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    for fault in parse(text):
-        if (fault.point, fault.rank, fault.attempt) == (point, rank, attempt) and fault.step in (None, step) \
-                and fault.group in (None, group):
-            os.kill(os.getpid(), signal.SIGKILL)
+    return any((fault.point, fault.rank, fault.attempt) == (point, rank, attempt) and fault.step in (None, step)
+               and fault.group in (None, group) for fault in parse(text))

@@ -1,5 +1,10 @@
 """A sample from a trained GPT: --generate N continues --prompt by N bytes with the GPT of --checkpoint-dir's
-checkpoint, last.pt or a sharded run's folder (no process group: rank 0 samples alone)."""
+checkpoint, last.pt or a sharded run's folder (no process group: rank 0 samples alone).
+
+The ids the GPT sees are the 0 byte (data.BOUNDARY: the text set ends every document with it, so a document starts
+after it), then the prompt's bytes: ``[0] + list(prompt.encode())``. The export says the same as GPT-2's
+``bos_token_id`` 0, so transformers' greedy continuation of ``[bos_token_id, *prompt.encode()]`` is ``--generate N
+--top-k 1``'s (docs/language-models.md shows it; tests/test_export.py runs it)."""
 from __future__ import annotations
 
 import math
@@ -8,6 +13,7 @@ import sys
 import torch
 from tqdm import tqdm
 
+from data import BOUNDARY
 from models import GPT, LANGUAGE_MODELS
 from trainer.checkpoint import read_alone
 from trainer.config import Config
@@ -33,7 +39,7 @@ def generate(config: Config) -> bytes:
         raise UsageError(f"--generate: {path} does not hold the GPT its configuration names: "
                          f"{str(exc).splitlines()[1].strip()}") from None
     prompt = config.prompt.encode()
-    tokens = torch.tensor([list(b"\0" + prompt)], dtype=torch.int64)
+    tokens = torch.tensor([[BOUNDARY, *prompt]], dtype=torch.int64)  # the module docstring's ids
     generator = torch.Generator().manual_seed(config.seed)
     for _ in tqdm(range(config.generate), desc="sampling", unit="B", disable=not sys.stderr.isatty(), leave=False):
         logits = model(tokens[:, -model.context:])[0, -1] / config.temperature

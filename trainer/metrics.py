@@ -36,6 +36,7 @@ from diloco import data_parallel_bytes, encoded_bytes
 from trainer.build import Parts, dynamo_counts
 from trainer.checkpoint import Checkpointer, Position
 from trainer.config import WARMUP_STEPS
+from trainer.finite import FiniteCheck
 from utils import UsageError
 
 EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc5", "samples_per_s", "lr")
@@ -129,10 +130,12 @@ class Meter:
     eval_seconds: float = 0.0  # ... and the seconds --eval-every's evaluations have taken since
     train_time: float = 0.0  # seconds in epochs' steps
     samples_trained: int = 0  # every rank's samples in them
+    finite: FiniteCheck = None  # type: ignore[assignment]  # every step's loss and norm checked (trainer/finite.py)
 
     def __post_init__(self) -> None:
         parts = self.parts
         self.timer = utils.IntervalTimer(parts.device)
+        self.finite = FiniteCheck(parts.ctx.world_size, parts.ctx.rank, parts.comm_device, parts.config.amp == "fp16")
         if parts.ctx.rank == 0 and parts.config.log_dir:
             from torch.utils.tensorboard import SummaryWriter  # slow to import; only when asked for
             self.writer = SummaryWriter(parts.config.log_dir)
@@ -240,6 +243,7 @@ class Meter:
             self.profiler = None
 
     def close(self) -> None:
+        self.finite.settle()  # the last step's check (a run that ends without a save)
         self.stop_profiler()
         if self.writer is not None:
             self.writer.close()
@@ -322,14 +326,15 @@ def start_profiler(parts: Parts, position: Position) -> Any:
 # The metrics JSON
 # ----------------------------------------------------------------------------------------------------------
 def bytes_sent(meter: Meter, position: Position) -> int:
-    """What this rank has sent in this run: its gradient sync's count (DDP, FSDP2: an ideal ring's figure) and
-    its outer all-reduces that have landed."""
+    """What this rank has sent in this run: its gradient sync's count (DDP, FSDP2: an ideal ring's figure), with
+    replica groups the averages across them (an ideal ring's figure), and its outer all-reduces that have landed."""
     parts = meter.parts
     sent = parts.sync.sent_bytes()
     if sent is None:
         steps = position.optimizer_steps - meter.first_step
         sent = steps * data_parallel_bytes(trainable_parameters(parts), parts.ctx.world_size)
-    return sent + (parts.outer.sent_bytes() if parts.outer is not None else 0)
+    across = parts.replicas.sent_bytes if parts.replicas is not None else 0  # replica groups' averages
+    return sent + across + (parts.outer.sent_bytes() if parts.outer is not None else 0)
 
 
 def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
@@ -349,6 +354,8 @@ def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
     state = meter.state_bytes or {"params": 0, "grads": 0, "optimizer": 0}
     figures["state_bytes"] = {key: int(busiest(value)) for key, value in state.items()}
     sync_sent, steps = parts.sync.sent_bytes(), position.optimizer_steps - meter.first_step
+    if sync_sent is not None and parts.replicas is not None:  # replica groups: the averages across them too
+        sync_sent += parts.replicas.sent_bytes
     figures["sent_bytes_per_step"] = None if sync_sent is None or not steps else busiest(sync_sent) / steps
     if hasattr(parts.sync, "sent_bytes_by_group"):  # zero's stages 1-3 (every rank's sync has it, or none's)
         by_group = parts.sync.sent_bytes_by_group()

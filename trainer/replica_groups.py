@@ -138,10 +138,19 @@ class ReplicaGroups:
         if parts.outer is not None:
             parts.outer.load_state_dict(state["outer"])
 
+    sent_bytes = 0  # what this rank has sent across the groups: an ideal ring's 2 (G-1)/G of each average (metrics)
+
     def average(self) -> bool:
         """The sync's gradient buckets (averaged in the group) averaged across the quorum's groups (diloco: an inner
-        step's are the group's own)."""
-        return self.parts.outer is not None or self.replica.average(self.parts.sync.held_gradient_buffers())
+        step's are the group's own); ``sent_bytes`` counts them."""
+        if self.parts.outer is not None:
+            return True
+        buffers = self.parts.sync.held_gradient_buffers()
+        averaged = self.replica.average(buffers)
+        if averaged:
+            groups = len(self.replica.quorum.members)
+            self.sent_bytes += 2 * (groups - 1) * sum(b.numel() * b.element_size() for b in buffers) // groups
+        return averaged
 
     def commit(self, ok: bool, position: Any, window: range) -> bool:
         """Whether the quorum applies this step; the commit log names what each participant used (diloco: an inner

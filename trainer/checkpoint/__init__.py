@@ -3,7 +3,7 @@
     checkpointer = Checkpointer.of(parts)            # the sync (model, optimizer), scheduler, scaler, run state
     position, history, sums = checkpointer.restore()  # from --checkpoint-dir's current checkpoint, if there is one
     checkpointer.save(every_ranks_sums)               # at epoch ends, every --checkpoint-every steps, at --max-steps
-    checkpointer.poll()                               # --async-checkpoint: a background save that failed stops here
+    checkpointer.failed()                             # --async-checkpoint: whether this rank's background save failed
     checkpointer.finish(); checkpointer.close()       # the last save written; the writer and the folder's lock let go
 
     manager.py    Checkpointer: the folder's lock, the format, the background writer, the stall timings, and every
@@ -62,8 +62,8 @@ pick nondeterministic algorithms unless asked: --deterministic (build.make_deter
 """
 from trainer.checkpoint.folders import Found, current, make_current
 from trainer.checkpoint.manager import Checkpointer
-from trainer.checkpoint.reading import read_alone, read_state
+from trainer.checkpoint.reading import non_finite, read_alone, read_state
 from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, fingerprint, trajectory
 
 __all__ = ["Checkpointer", "Found", "NO_SUMS", "Position", "RunState", "current", "fingerprint", "make_current",
-           "read_alone", "read_state", "trajectory"]
+           "non_finite", "read_alone", "read_state", "trajectory"]

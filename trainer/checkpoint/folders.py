@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import utils
 from utils import UsageError
@@ -45,7 +45,8 @@ def lock(directory: str) -> tuple[int | None, str | None]:
     """An exclusive lock on ``directory`` (made if missing) for the run's life: (its descriptor, None), or (None, why
     not in one line). flock on the folder itself: nothing is written for it, and the kernel drops it when the process
     dies, so a killed run leaves nothing stuck. A second run on the folder is refused before it touches anything (it
-    would remove the first's save under way as a leftover); so is a folder this process cannot write in."""
+    would remove the first's save under way as a leftover); so is a folder this process cannot write in. Once held,
+    the temporary files a killed run's last.pt or latest left (utils.atomic_write's names, only those) are removed."""
     try:
         os.makedirs(directory, exist_ok=True)
         descriptor = os.open(directory, os.O_RDONLY)
@@ -57,6 +58,9 @@ def lock(directory: str) -> tuple[int | None, str | None]:
         os.close(descriptor)
         return None, (f"another run is using --checkpoint-dir {directory} (it holds the folder's lock): wait for it "
                       f"to end, or use another folder")
+    for name in utils.leftover_temporaries(directory, (FILE, LATEST)):  # a run killed while it wrote last.pt
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(directory, name))
     return descriptor, unwritable(directory)
 
 
@@ -112,6 +116,36 @@ def current_folder(directory: str) -> Found | None:
         raise UsageError(f"--checkpoint-dir {directory} holds step folders ({listed}) but none is whole and "
                          f"{LATEST} names none; move them away to start afresh")
     return None
+
+
+def identity(path: str) -> tuple[int, int, int] | None:
+    """What ``path`` names now (device, inode, modification time), or None where nothing: a reader compares it before
+    and after its read, and a checkpoint superseded meanwhile (a folder renamed .removing, last.pt replaced) differs."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_mtime_ns
+
+
+@contextlib.contextmanager
+def opened(found: Found | None, before: tuple[int, int, int] | None) -> Iterator[str | None]:
+    """A path to read ``found`` by: a folder's own; last.pt's open file (/proc/self/fd/N, where there is one), so a
+    save that replaces it meanwhile changes nothing of what is read, or None where the name no longer names the file
+    ``before`` identified (replaced since: read the newer one)."""
+    if found is None or found.folder or not os.path.isdir("/proc/self/fd"):
+        yield found.path if found is not None else None
+        return
+    try:
+        descriptor = os.open(found.path, os.O_RDONLY)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        stat = os.fstat(descriptor)
+        yield f"/proc/self/fd/{descriptor}" if (stat.st_dev, stat.st_ino, stat.st_mtime_ns) == before else None
+    finally:
+        os.close(descriptor)
 
 
 def finished_steps(directory: str) -> list[int]:

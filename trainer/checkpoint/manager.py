@@ -21,12 +21,16 @@ import zero
 from trainer import faults
 from trainer.checkpoint import folders
 from trainer.checkpoint.folders import FILE, FOLDER, PARTIAL, Found
-from trainer.checkpoint.reading import read_state, usage_error
+from trainer.checkpoint.reading import READ_ATTEMPTS, non_finite, read_state, usage_error
 from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, check_compatible, trajectory
 from trainer.config import Config
 from utils import UsageError
 
 MARKER_WAIT_S = 2.0  # how long a rank looks for rank 0's marker (a network file system may show it late)
+
+
+class Superseded(UsageError):
+    """Rank 0's read of the run state failed as the checkpoint it read was superseded (read_whole reads again)."""
 
 
 class NoState:
@@ -57,6 +61,7 @@ class Checkpointer:
         self.stalls: list[float] = []  # seconds the loop spent in each save
         self.final_wait = 0.0  # --async-checkpoint: seconds the run's end waited for its last save
         self.subscribers: list[Callable[[int], None]] = []  # when_published's: told each checkpoint's step once current
+        self.checks: list[Callable[[], None]] = []  # before_saving's: each may refuse the save (raise)
 
     @classmethod
     def of(cls, parts: Any) -> Checkpointer:
@@ -81,6 +86,11 @@ class Checkpointer:
         --async-checkpoint, in the writer's thread): replica groups say which step a restart brings back."""
         self.subscribers.append(subscriber)
 
+    def before_saving(self, check: Callable[[], None]) -> None:
+        """``check()`` on every rank before each save, which it stops by raising (trainer/finite.py: nothing
+        non-finite is saved)."""
+        self.checks.append(check)
+
     # ------------------------------------------------------------------------------------------------------
     # Restore
     # ------------------------------------------------------------------------------------------------------
@@ -98,13 +108,13 @@ class Checkpointer:
         self.saves_folders = self.writes_folders()
         if config.async_checkpoint and not config.eval_only:
             self.writer = zero.checkpoint.AsyncWriter()
-        loaded = self.load_on_rank0()
+        loaded = self.read_whole() if config.eval_only else self.load_on_rank0()
         if loaded is None:
             return run.position, run.history, list(NO_SUMS)
-        found, state = loaded
+        found, state = loaded[:2]
         if not config.eval_only:
             check_compatible(state, run.record, found.path, config, run.world_size)
-        self.load_model(found, state["optimizer_steps"])
+            self.load_model(found, state["optimizer_steps"])
         run.load_totals(state)
         if config.eval_only:
             return run.position, run.history, list(NO_SUMS)
@@ -136,8 +146,10 @@ class Checkpointer:
             folders.remove_leftovers(self.directory)
         if self.seen_by_every_rank():
             return True
+        ignored = (f"; --keep-checkpoints {self.config.keep_checkpoints} does not apply (one file)"
+                   if self.config.keep_checkpoints > 1 else "")
         utils.print0(f"note: not every rank sees --checkpoint-dir {self.directory} (no shared file system): rank "
-                     f"0 writes {FILE} there, the model and the optimizer gathered to it")
+                     f"0 writes {FILE} there, the model and the optimizer gathered to it{ignored}")
         return False
 
     def seen_by_every_rank(self) -> bool:
@@ -165,27 +177,66 @@ class Checkpointer:
             os.remove(marker)
         return bool(seen.item())
 
-    def load_on_rank0(self) -> tuple[Found, dict[str, Any]] | None:
+    def read_whole(self) -> tuple[Found, dict[str, Any], Any] | None:
+        """--eval-only, a reader beside a run that may be saving into the folder: the current checkpoint read whole
+        (its run state and the sync's weights), or, where the run supersedes it while it is read (a folder renamed
+        .removing and deleted, last.pt replaced), the newer one, read again from the start (READ_ATTEMPTS times at
+        most). Whole: the path names the same file or folder (folders.identity) after every rank's read as before
+        rank 0's first, and no rank failed; every rank agrees (one all_gather_object per attempt)."""
+        for _ in range(READ_ATTEMPTS):
+            problem, loaded, same = None, None, True
+            try:
+                loaded = self.load_on_rank0()
+                if loaded is not None:
+                    with folders.opened(loaded[0], loaded[2]) as path:  # last.pt: the very file rank 0 read
+                        same = path is not None
+                        if same:
+                            self.load_model(Found(path, loaded[0].folder), loaded[1]["optimizer_steps"])
+            except Superseded:
+                continue  # every rank alike (rank 0's verdict, broadcast)
+            except Exception as exc:  # noqa: BLE001 - said below, once every rank knows whether to read again
+                problem = str(exc) if isinstance(exc, UsageError) else zero.checkpoint.one_line(exc)
+            same = same and (loaded is None or folders.identity(loaded[0].path) == loaded[2] or not loaded[0].folder)
+            verdicts: list[Any] = [(problem, same)]
+            if dist.get_world_size() > 1:
+                verdicts = [None] * dist.get_world_size()
+                dist.all_gather_object(verdicts, (problem, same))
+            if all(same for _, same in verdicts):
+                first = next((problem for problem, _ in verdicts if problem), None)
+                if first is not None:
+                    raise UsageError(first)
+                return loaded
+        raise UsageError(f"cannot read --checkpoint-dir {self.directory}: a run superseded its checkpoint while it "
+                         f"was read, {READ_ATTEMPTS} times")
+
+    def load_on_rank0(self) -> tuple[Found, dict[str, Any], Any] | None:
         """Rank 0 finds the current checkpoint, reads its run state (reading.read_state) and broadcasts both, so that
-        every rank checks the same thing, and other nodes need not see last.pt."""
+        every rank checks the same thing, and other nodes need not see last.pt; and what the path named as it began
+        to read (folders.identity: read_whole's check)."""
         message: list[Any] = [None]
         if dist.get_rank() == 0:
+            found, before = None, None
             try:
                 found = folders.current(self.directory)
                 if found is not None and found.note:
                     print(found.note, flush=True)
-                message[0] = ("ok", found, read_state(found)) if found else None
-            except UsageError as exc:
-                message[0] = ("error", str(exc))
+                before = folders.identity(found.path) if found else None
+                with folders.opened(found, before) as path:  # last.pt: the file, not its name (read_whole)
+                    message[0] = ("ok", found, before, read_state(Found(path, found.folder))) if found else None
             except Exception as exc:  # noqa: BLE001 - said in one line on every rank, none left waiting for rank 0
-                message[0] = ("error", f"cannot read --checkpoint-dir {self.directory}: "
-                                       f"{zero.checkpoint.one_line(exc)}")
+                text = str(exc) if isinstance(exc, UsageError) else (f"cannot read --checkpoint-dir {self.directory}: "
+                                                                      f"{zero.checkpoint.one_line(exc)}")
+                gone = found is not None and (before is None or folders.identity(found.path) != before)
+                message[0] = ("superseded" if gone else "error", text)  # gone: read_whole reads the newer one
         dist.broadcast_object_list(message, src=0)
         if message[0] is None:
             return None
+        if message[0][0] == "superseded":
+            raise Superseded(message[0][1])
         if message[0][0] == "error":
             raise UsageError(message[0][1])
-        return message[0][1], message[0][2]
+        _, found, identity, state = message[0]
+        return found, state, identity
 
     def load_model(self, found: Found, optimizer_steps: int) -> None:
         """The sync reads its model and optimizer from ``found`` (the weights alone with --eval-only), either format
@@ -199,6 +250,21 @@ class Checkpointer:
             self.sync.load_checkpoint(found.path, None if eval_only else self.optimizer, stepped=stepped)
         except (zero.checkpoint.CheckpointError, CheckpointException) as exc:
             raise usage_error(exc, found.path) from None
+        # a non-finite weight (one a run saved before trainer/finite.py stopped such runs) refused, on every rank:
+        # the model's tensors this rank holds (--zero 3's gathered ones are freed: skipped), and the optimizer's
+        # parameters (--zero 1-3: this rank's shards)
+        module = self.sync.module
+        held = [(name.removeprefix("module."), tensor) for name, tensor in
+                [*module.named_parameters(), *module.named_buffers()] if holds_data(tensor)]
+        shards = [(f"(a shard of rank {self.rank}'s parameters, group {i})", p)
+                  for i, group in enumerate(getattr(self.optimizer, "param_groups", [])) for p in group["params"]
+                  if holds_data(p)]
+        problem = non_finite([*held, *shards])
+        if dist.get_world_size() > 1:
+            from zero.checkpoint import agree
+            problem = agree(problem, None, split=True)
+        if problem is not None:
+            raise UsageError(f"checkpoint {found.path}: {problem}")
 
     # ------------------------------------------------------------------------------------------------------
     # Save
@@ -211,6 +277,8 @@ class Checkpointer:
         flight); the time the loop spends here is the save's stall, in the metrics' checkpoint_stalls_s."""
         if self.directory is None:
             return
+        for check in self.checks:
+            check()
         start = time.perf_counter()
         self.wait_for_saves()
         self.run.sums = sums
@@ -275,7 +343,8 @@ class Checkpointer:
         """``write(writer)`` copies this rank's state into the writer's staging buffers and hands the write to its
         thread, which passes the fault point "write" first (trainer/faults.py); after the write, in the thread and
         only if it succeeded, the fault point "save" (written, not yet current) and rank 0's ``publish``. A failure
-        stops the loop at the next step or save, in one line (``poll``, ``wait_for_saves``); the save's
+        stops every rank at the same step soon after, or at the next save, in one line (``failed``,
+        ``wait_for_saves``); the save's
         DIR/step-N.partial is then left for the next start to remove."""
         rank, step, group = self.rank, state["optimizer_steps"], self.config.replica_group
         writer = self.writer
@@ -290,19 +359,16 @@ class Checkpointer:
                 subscriber(step)
         writer.then(published)
 
-    def poll(self) -> None:
-        """--async-checkpoint, after every step: a background save that failed stops the run here, in one line (the
-        previous checkpoint is still current)."""
-        writer = self.writer
-        if writer is not None and writer.error() is not None:
-            try:
-                writer.wait()
-            except zero.checkpoint.CheckpointError as exc:
-                raise self.background_failure(exc) from None
+    def failed(self) -> bool:
+        """--async-checkpoint: whether this rank's background save failed. The loop's per-step all-reduce
+        (trainer/finite.py's ``watch``) tells every rank, which then all call ``wait_for_saves``: one line, from rank 0,
+        the previous checkpoint still current."""
+        return self.writer is not None and self.writer.error() is not None
 
     def wait_for_saves(self) -> None:
         """--async-checkpoint: the save in flight written and published on every rank before the next one (or the
-        run's end); a failure on any rank said on all in one line (one all_gather_object)."""
+        run's end, or a failure one rank saw: ``failed``); a failure on any rank said on all in one line (one
+        all_gather_object)."""
         if self.writer is None:
             return
         problem = None
@@ -344,6 +410,12 @@ class Checkpointer:
             self.writer = None
         folders.unlock(self.lock)
         self.lock = None
+
+
+def holds_data(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's storage holds its elements (--zero 3 frees a gathered unit's: resized to nothing)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.device.type != "meta" and local.untyped_storage().nbytes() >= local.numel() * local.element_size()
 
 
 def disk_error(write: Callable[[], Any]) -> str | None:

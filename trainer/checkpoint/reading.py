@@ -7,7 +7,7 @@ checks none); a checkpoint that is torn, incomplete, corrupt or not this script'
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -18,7 +18,8 @@ from utils import UsageError
 RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "micro_batches_total", "fingerprint",
              "config", "history", "epoch_sums")  # what a resume reads beside the model and the optimizer
 REQUIRED = ("model", "optimizer", *RUN_STATE)  # last.pt's keys a resume needs
-READ_ATTEMPTS = 5  # a reader's tries at a folder a live run keeps superseding (read_alone)
+AFRESH = "; delete it to start afresh"  # a resume's advice; a reader (read_alone: --generate, the export) gives none
+READ_ATTEMPTS = 20  # a reader's tries at a checkpoint a live run keeps superseding (read_alone, --eval-only)
 
 
 def read_checkpoint(path: str, whole: bool = True) -> dict[str, Any]:
@@ -28,16 +29,30 @@ def read_checkpoint(path: str, whole: bool = True) -> dict[str, Any]:
     from zero.checkpoint import file_problem
     problem = file_problem(path, pickle_only=not whole)
     if problem:
-        raise UsageError(f"cannot read checkpoint {path}: {problem}; delete it to start afresh")
+        raise UsageError(f"cannot read checkpoint {path}: {problem}{AFRESH}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise UsageError(f"cannot read checkpoint {path}: corrupt or not written by torch.save "
-                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}); "
-                         f"delete it to start afresh") from None
+                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}){AFRESH}") from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
-        raise UsageError(f"cannot read checkpoint {path}: not a checkpoint of this script; delete it to start afresh")
+        raise UsageError(f"cannot read checkpoint {path}: not a checkpoint of this script{AFRESH}")
     return state
+
+
+def non_finite(tensors: Iterable[tuple[str, Any]]) -> str | None:
+    """The first of (name, tensor) with a NaN or an infinity, in words ("tensor NAME holds N non-finite values
+    (nan)"); None where every one is finite. A DTensor is checked in its local shard."""
+    for name, tensor in tensors:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            continue
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            bad = tensor[~finite]
+            kind = "nan" if bool(bad.isnan().any()) else "inf"
+            return f"tensor {name} holds {int(bad.numel())} non-finite values ({kind})"
+    return None
 
 
 def read_state(found: Found) -> dict[str, Any]:
@@ -52,7 +67,7 @@ def read_state(found: Found) -> dict[str, Any]:
         raise usage_error(exc, found.path) from None
     if not isinstance(state, dict) or any(key not in state for key in (*RUN_STATE, "world_size")):
         raise UsageError(f"cannot read checkpoint {found.path}: a torch.distributed.checkpoint folder, but not one "
-                         f"of this script (no run state in its extra); delete it to start afresh")
+                         f"of this script (no run state in its extra){AFRESH}")
     return state
 
 
@@ -68,18 +83,34 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
     dict, or a folder's run state and "model"), for --generate and for tools; None where there is none. A run may
     be saving into ``directory`` meanwhile: a folder removed while it is read (superseded by a newer one) is read
     again from the newer (last.pt is replaced atomically, and a mapped file outlives its name)."""
+    try:
+        return read_whole_alone(directory)
+    except UsageError as exc:  # what is wrong, and the checkpoint left alone: a reader's is no resume
+        raise UsageError(str(exc).replace(AFRESH, "")) from None
+
+
+def read_whole_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
+    """read_alone's reading, READ_ATTEMPTS times at most."""
     for _ in range(READ_ATTEMPTS):
         found = current(directory)
         if found is None:
             return None
         if not found.folder:
-            return found, read_checkpoint(found.path)
+            return found, finite_model(found, read_checkpoint(found.path))
         try:
             state = read_state(found)
             state["model"] = zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
-            return found, state
-        except (UsageError, zero.checkpoint.CheckpointError, OSError) as exc:
+            return found, finite_model(found, state)
+        except Exception as exc:  # noqa: BLE001 - DCP's own (an AssertionError on a .metadata gone) too
             error = exc if isinstance(exc, UsageError) else usage_error(exc, found.path)
             if os.path.isdir(found.path):  # not superseded: the folder itself is at fault
                 raise error from None
     raise error from None  # superseded on every attempt
+
+
+def finite_model(found: Found, state: dict[str, Any]) -> dict[str, Any]:
+    """``state``, once every tensor of its model is finite (non_finite); else refused in one line naming one."""
+    bad = non_finite(state["model"].items())
+    if bad is not None:
+        raise UsageError(f"checkpoint {found.path}: {bad}")
+    return state
