@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from replicas.protocol import FINISHED, PREFIX, STALE_S, one_line
+from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S, one_line
 
 FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group once one has asked
 LINEAGE_WAITS = 10  # the fault timeouts the lighthouse waits, at most, for the holders of the last committed step
@@ -330,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--port", type=int, required=True, help="the port to listen on (0: one the OS picks)")
     serving.add_argument("--host", default="0.0.0.0", help="the address to listen on")
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:  # (a TypeError from the store's constructor else)
+        print(f"{SERVE}: error: --port must be between 0 (one the OS picks) and 65535, got {args.port}",
+              file=sys.stderr, flush=True)
+        return 2
     try:
         serve(args.port, args.host)
     except KeyboardInterrupt:

@@ -446,3 +446,12 @@ def test_the_coordinator_killed_and_restarted_mid_run_costs_the_members_nothing(
         w, steps = ended[group]
         assert steps == list(range(8)), steps
         assert max_difference({"w": w}, {"w": reference}) == 0
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_serve_refuses_a_port_out_of_range_in_one_line(port, capsys):
+    """Not the store constructor's TypeError traceback: one line at parse time, exit 2 (0 stays: the OS picks)."""
+    assert replicas.main(["serve", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"python -m replicas serve: error: --port must be between 0 (one the OS picks) "
+                                        f"and 65535, got {port}"], err
