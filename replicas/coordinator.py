@@ -103,7 +103,7 @@ class Lighthouse:
     def _unfit(self, request: dict[str, Any], reference: dict[str, Any]) -> str | None:
         """Why a group may not join the run (None: it may)."""
         if request["identity"] != reference["identity"]:
-            return "another configuration (its fingerprint differs)"
+            return f"another configuration ({difference(request.get('record'), reference.get('record'))})"
         if request["size"] != reference["size"]:
             return f"{request['size']} processes, where the run's replica groups have {reference['size']}"
         finished = json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
@@ -225,7 +225,8 @@ class Lighthouse:
         """The groups that may join: of the quorum's identity and size (the first quorum: the most common), the
         others refused in one line each."""
         requests = [asked.request for asked in alive.values()]
-        reference = self.quorum or max(({"identity": r["identity"], "size": r["size"]} for r in requests),
+        reference = self.quorum or max(({"identity": r["identity"], "size": r["size"], "record": r.get("record")}
+                                        for r in requests),
                                        key=lambda ref: sum(r["identity"] == ref["identity"] for r in requests))
         members = []
         for group, asked in alive.items():
@@ -256,7 +257,7 @@ class Lighthouse:
                   "sources": {str(g): healthy[i % len(healthy)] for i, g in enumerate(behind)},
                   "pg": previous["pg"] if same_groups else n, "processes": processes,
                   "size": requests[members[0]]["size"],
-                  "identity": requests[members[0]]["identity"],
+                  "identity": requests[members[0]]["identity"], "record": requests[members[0]].get("record"),
                   "fault_timeout": max(request["fault_timeout"] for request in requests.values()),
                   # the run goes back: the last committed step is past the quorum's state (every member says so)
                   "back_from": self.frontier[0] if self.frontier is not None and self.frontier[0] > step else None}
@@ -313,6 +314,15 @@ class Lighthouse:
             self.said = text
 
 
+
+
+def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str:
+    """The first setting, in the record's order, where a group's identity record differs from the run's: "--lr
+    0.02, where the run's is 0.05" (the fingerprints alone where a request carries no record)."""
+    for key in dict.fromkeys([*(record or {}), *(run or {})]):
+        if record is not None and run is not None and record.get(key) != run.get(key):
+            return f"{key} {record.get(key)}, where the run's is {run.get(key)}"
+    return "its fingerprint differs"
 
 
 def serve(port: int, host: str = "0.0.0.0") -> None:

@@ -94,14 +94,18 @@ class Replica:
     group's earlier processes keeps only the steps those weights have taken (the later ones are taken again).
     ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed) and inside a state
     transfer ("send": half the tensors sent), where a test kills the process. ``transport(pg, fault)``: the live
-    state's StateTransport for a quorum's process group (transfer.py; PGTransport: over that group)."""
+    state's StateTransport for a quorum's process group (transfer.py; PGTransport: over that group). ``record``: the
+    settings ``identity`` is the fingerprint of ({name: value}, in the order a refusal compares them), sent with
+    every request so that a group of another identity is told which setting differs."""
 
     def __init__(self, coordinator: str, group: int, planned: int, identity: str,
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,
                  fault_timeout_s: float = 60.0, collectives: str = "torch", group_pg: Any = None,
                  commit_log: str | None = None, fault: Callable[[str], None] | None = None, step: int = 0,
-                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = PGTransport):
+                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = PGTransport,
+                 record: dict[str, Any] | None = None):
         self.address, self.group, self.planned, self.identity = coordinator, group, planned, identity
+        self.record = record  # what ``identity`` is the fingerprint of, for a refusal to name what differs
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives
         alone = not dist.is_initialized()
@@ -240,7 +244,7 @@ class Replica:
             if self.place == 0:
                 request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit(self.log),
                            "durable": self.durable,
-                           "identity": self.identity, "size": self.size, "planned": self.planned,
+                           "identity": self.identity, "record": self.record, "size": self.size, "planned": self.planned,
                            "min_groups": self.min_groups, "fault_timeout": self.timeout_s,
                            "seen": self.quorum.id if self.quorum is not None else None,  # for a new lighthouse
                            "with": self.quorum.members if self.quorum is not None else []}

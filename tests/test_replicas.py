@@ -122,7 +122,38 @@ def test_a_group_of_another_configuration_is_refused_in_one_line(two_groups):
     refused = two_groups["refused"]
     assert refused["code"] == 1
     lines = refused["stderr"].strip().splitlines()
-    assert len(lines) == 1 and "refused by the coordinator: another configuration" in lines[0], refused["stderr"]
+    assert len(lines) == 1 and lines[0].endswith("refused by the coordinator: another configuration (--lr 0.02, "
+                                                 "where the run's is 0.05)"), refused["stderr"]
+
+
+def test_a_group_of_another_allreduce_is_refused_naming_it():
+    """--allreduce is in the groups' identity (not in the checkpoint's trajectory: a resume may change it), and the
+    refusal names it: groups of torch's collectives and of the ring's never meet (each quorum timed out, a livelock),
+    and --bucket-mb gives buckets of other shapes."""
+    from trainer.config import parse_args
+    from trainer.replica_groups import identity_record
+
+    base = ["--dataset", "text", "--model", "gpt-tiny", "--replica-groups", "2", "--coordinator", "h:1"]
+    records = {(group, flags): identity_record(parse_args([*base, "--replica-group", str(group), *flags]),
+                                               {"lr": 0.05, "global_batch": 16})
+               for group, flags in ((0, ()), (1, ("--allreduce", "ring")), (1, ("--bucket-mb", "1")))}
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store)
+    for ticket, (group, flags) in enumerate(records):
+        record = records[group, flags]
+        store.queue_push(replicas.PREFIX + "events", json.dumps({
+            "ticket": f"{group}/{ticket}/0", "group": group, "step": 0, "last_commit": None, "durable": 0,
+            "identity": json.dumps(record),
+            "record": record, "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))
+        store.set(f"{replicas.PREFIX}hb/{group}/0", f"{ticket}/0")
+        lighthouse._take_requests()
+        lighthouse._watch_heartbeats()
+        lighthouse._form()
+    answers = [json.loads(store.get(f"{replicas.PREFIX}ticket/1/{ticket}/0")) for ticket in (1, 2)]
+    assert [answer["refused"] for answer in answers] == [
+        "replica group 1 refused by the coordinator: another configuration (--allreduce ring, where the run's is "
+        "torch)", "replica group 1 refused by the coordinator: another configuration (--bucket-mb 1.0, where the "
+        "run's is 25.0)"]
 
 
 def test_one_process_replaying_the_commit_log_reaches_the_groups_weights(local_group, two_groups, corpus):

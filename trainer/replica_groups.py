@@ -40,18 +40,35 @@ import torch
 import replicas
 from trainer import faults
 from trainer.build import Parts
-from trainer.checkpoint import NO_SUMS
+from trainer.checkpoint import NO_SUMS, fingerprint, trajectory
+from trainer.config import OUTER_SYNCS, Config
 
 STARTED = time.time()  # this process's start (near enough: the trainer's import), for a joiner's timings
 
 
+def identity_record(config: Config, record: dict[str, Any]) -> dict[str, Any]:
+    """The replica groups' identity, which every group must share: the run's trajectory (``record``, the
+    checkpoint's; a setting that is a flag named as one: "--lr") and, first, what the average across the groups
+    depends on besides, which a checkpoint may change between a save and a resume: --allreduce (torch's collectives
+    or the ring's, each with process groups and store keys of its own: groups of both never meet) and, where the
+    gradient buckets are averaged (not diloco's whole pseudo-gradient), --bucket-mb (the buckets' shapes). Not
+    --sync-mode: it changes when the group's own all-reduce of a bucket starts, not the buckets nor their sums."""
+    flags = {field.name for field in dataclasses.fields(Config)}
+    cross = ("allreduce",) if config.grad_sync in OUTER_SYNCS else ("allreduce", "bucket_mb")
+    named = {key: getattr(config, key) for key in cross} | record
+    return {f"--{key.replace('_', '-')}" if key in flags else key.replace("_", " "): value
+            for key, value in named.items()}
+
+
 class ReplicaGroups:
     """The loop's side of replicas.Replica for the trainer: its live state and its records. ``identity``: the run's
-    fingerprint (checkpoint.fingerprint), which every group must share; ``step``: where this process starts (its
-    checkpoint's optimizer steps)."""
+    fingerprint (checkpoint.fingerprint), part of the groups' identity (``identity_record``), which every group must
+    share; ``step``: where this process starts (its checkpoint's optimizer steps)."""
 
     def __init__(self, parts: Parts, identity: str, step: int):
         config = parts.config
+        record = identity_record(config, trajectory(config, parts.data, parts.schedule_steps))
+        record["trajectory"] = identity  # (its fingerprint: the checkpoint's, of the settings above)
         self.parts = parts
         self.position: Any = None  # checkpoint.Position, the loop's
         self.history: list[dict[str, Any]] = []
@@ -59,9 +76,9 @@ class ReplicaGroups:
         self.sums: list[float] = list(NO_SUMS)  # this rank's sums of the epoch under way, once the live state is taken
         self.joined = False  # diloco: whether this process has joined once (then it meets only at outer steps)
         self.replica = replicas.Replica(
-            config.coordinator, config.replica_group, config.replica_groups, identity, self.live_state,
+            config.coordinator, config.replica_group, config.replica_groups, fingerprint(record), self.live_state,
             self.take_live_state, min_groups=config.min_replica_groups, fault_timeout_s=config.fault_timeout,
-            collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step)
+            collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step, record=record)
         if parts.outer is not None:  # diloco: the groups meet through this quorum's meeting
             parts.outer.meet_through(self.meet)
 
