@@ -48,6 +48,8 @@ class Lighthouse:
         self.checkpointed: dict[int, int] = {}  # group -> the step its newest checkpoint holds, from its requests
         # ([Note: progress]): what it brings back if it restarts
         self.beats: dict[str, tuple[bytes, float]] = {}  # heartbeat key -> (value, when it last changed)
+        self.claims: dict[int, str] = {}  # group -> the incarnation whose requests it takes (a second claimant's not)
+        self.alive: dict[tuple[int, str], float] = {}  # (group, incarnation) -> when a place of it last beat
         self.places: dict[int, int] = {}  # group -> its size P, from its requests
         self.tickets: dict[int, list[str]] = {}  # quorum -> the tickets it answered
         self.first_asked: float | None = None
@@ -73,14 +75,15 @@ class Lighthouse:
 
     def _take_requests(self) -> int:
         """The requests in the queue (how many). Once a quorum exists, one of another identity or size is refused at
-        once; a newer start of a group replaces the older's request (which is told so: that process is gone, or is
-        not the group it says)."""
+        once, and so is a second claimant of a group whose process beats (``_claimed``); a newer start of a group
+        whose process is gone replaces the older's request (which is told so)."""
         queue, taken = PREFIX + "events", 0
         while self.store.queue_len(queue):
             taken += 1
             request = json.loads(self.store.queue_pop(queue, False))
             group = request["group"]
             why = self._unfit(request, self.quorum) if self.quorum is not None else None
+            why = why or self._claimed(group, request["ticket"].split("/")[1])
             older = self.asked.get(group)
             if why is None and older is not None and older.request["ticket"].split("/")[1] != \
                     request["ticket"].split("/")[1]:
@@ -113,6 +116,22 @@ class Lighthouse:
                     f"train; the run's weights are the other groups'")
         return None
 
+    def _claimed(self, group: int, incarnation: str) -> str | None:
+        """Why a request of ``incarnation`` may not speak for ``group`` (None: it may, and from now on it does): the
+        group is claimed by another process that beat within STALE_S (two torchruns started with one
+        --replica-group: the newer one would replace the live one, whose steps since would be lost). A restart of
+        a dead (or stopped) process is not refused: its old incarnation has been silent for longer (the heartbeat
+        key now names the new one, so each incarnation's last beat is kept: ``alive``)."""
+        claimant = self.claims.get(group)
+        if claimant not in (None, incarnation):
+            self._watch_heartbeats()
+            silent = time.monotonic() - self.alive.get((group, claimant), -float("inf"))
+            if silent <= STALE_S:
+                return (f"another process of it is running (its heartbeat {silent:.1f} s old): two torchruns "
+                        f"given --replica-group {group}? Give each group its own number")
+        self.claims[group] = incarnation
+        return None
+
     def _refuse(self, request: dict[str, Any], why: str) -> None:
         self.store.set(f"{PREFIX}ticket/{request['ticket']}",
                        json.dumps({"refused": f"replica group {request['group']} refused by the coordinator: {why}",
@@ -127,6 +146,7 @@ class Lighthouse:
         for key, value in zip(present, self.store.multi_get(present) if present else []):
             if self.beats.get(key, (None, 0.0))[0] != value:
                 self.beats[key] = (value, now)
+                self.alive[int(key.split("/")[-2]), value.split(b"/")[0].decode()] = now
 
     def _silent_for(self, group: int) -> float:
         """Seconds since the staler of the group's places last beat (inf: never seen)."""

@@ -486,3 +486,34 @@ def test_serve_refuses_a_port_out_of_range_in_one_line(port, capsys):
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [f"python -m replicas serve: error: --port must be between 0 (one the OS picks) "
                                         f"and 65535, got {port}"], err
+
+
+def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_one_is_not():
+    """Two torchruns started with one --replica-group: the newer is refused while the first one's heartbeat beats
+    (it replaced the live one, whose steps since were later thrown away); once the first has been silent past
+    STALE_S (dead: torchrun restarts it), a new process of the group is taken."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store)
+
+    def ask(incarnation):
+        ticket = f"0/{incarnation}/1"
+        store.set(f"{replicas.PREFIX}hb/0/0", f"{incarnation}/0")
+        store.queue_push(replicas.PREFIX + "events", json.dumps({
+            "ticket": ticket, "group": 0, "step": 0, "last_commit": None, "durable": 0, "identity": "same",
+            "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))
+        lighthouse._take_requests()
+        lighthouse._watch_heartbeats()
+        if lighthouse.quorum is None or lighthouse._decided():  # as the run loop: the next once decided
+            lighthouse._form()
+        key = f"{replicas.PREFIX}ticket/{ticket}"
+        return json.loads(store.get(key)) if store.check([key]) else {}
+
+    assert ask("first")["members"] == [0]
+    store.set(f"{replicas.PREFIX}hb/0/0", "first/1")  # the first one beats on
+    lighthouse._watch_heartbeats()
+    refused = ask("second").get("refused", "")
+    assert refused.startswith("replica group 0 refused by the coordinator: another process of it is running"), refused
+    store.set(f"{replicas.PREFIX}decision/0", "abort")
+    lighthouse._decided()
+    lighthouse.alive[0, "first"] -= replicas.STALE_S + 1  # the first one killed: silent since
+    assert ask("restarted").get("members") == [0]
