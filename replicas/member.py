@@ -114,7 +114,7 @@ class Replica:
         if not alone:
             dist.broadcast_object_list(incarnation, group=group_pg, group_src=0)
         self.incarnation = incarnation[0]
-        self.store = connect(coordinator, max(fault_timeout_s, CONNECT_S))
+        self.store = connect(coordinator, fault_timeout_s)  # absent: said within the fault timeout
         self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S),
                                    self.incarnation, fault_timeout_s)
         self.quorum: Quorum | None = None

@@ -39,11 +39,23 @@ class RunFinished(ReplicaRefused):
 
 
 def connect(address: str, timeout_s: float) -> TCPStore:
-    """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line."""
+    """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line. A
+    plain socket waits for a listener first (every RECONNECT_S): the store's client, given nothing there, takes
+    about twice its timeout and logs a C++ stack per try; once one listens, it has at least CONNECT_S to answer."""
     host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=RECONNECT_S).close()
+            break
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise CoordinatorLost(f"coordinator {address} unreachable (nothing answers there after {timeout_s:g} "
+                                      f"s: {error.strerror or error}): start it with `{SERVE} --port {port}`") from None
+            time.sleep(RECONNECT_S)
     try:
         return TCPStore(host or "127.0.0.1", int(port), is_master=False, wait_for_workers=False,
-                        timeout=timedelta(seconds=timeout_s))
+                        timeout=timedelta(seconds=max(deadline - time.monotonic(), CONNECT_S)))
     except (RuntimeError, ValueError) as error:
         raise CoordinatorLost(f"coordinator {address} unreachable ({one_line(error)}): start it with `{SERVE} "
                               f"--port {port}`") from None

@@ -517,3 +517,49 @@ def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_on
     lighthouse._decided()
     lighthouse.alive[0, "first"] -= replicas.STALE_S + 1  # the first one killed: silent since
     assert ask("restarted").get("members") == [0]
+
+
+class CountingLighthouse(replicas.Lighthouse):
+    """A lighthouse that counts the refusals it gives."""
+    refused: list[str] = []
+
+    def _refuse(self, request, why):
+        self.refused.append(why)
+        super()._refuse(request, why)
+
+
+def test_a_refused_group_restarted_by_torchrun_is_refused_again_at_once(corpus, tmp_path):
+    """A refusal is final: the restarts of a refused group's torchrun (--max-restarts 2) say the same line without
+    asking the coordinator again nor building anything (trainer/refusals.py); it asked 3 times before."""
+    import subprocess
+    import sys
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store.set(f"{replicas.PREFIX}hb/0/0", "other/0")  # a run of another configuration, its group 0 in a quorum
+    store.queue_push(replicas.PREFIX + "events", json.dumps({
+        "ticket": "0/other/1", "group": 0, "step": 0, "last_commit": None, "durable": 0, "identity": "other",
+        "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))  # (planned 1: formed at once)
+    lighthouse, stop = CountingLighthouse(store), threading.Event()
+    lighthouse.refused = []
+    thread = threading.Thread(target=lighthouse.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60  # its quorum formed (the lighthouse's thread alone uses its store)
+        while lighthouse.quorum is None:
+            assert time.monotonic() < deadline, "the other run's quorum not formed in 60 s"
+            time.sleep(0.01)
+        began = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+             "--max-restarts", "2", "ddp_cifar100.py", *argv_of(corpus, "--replica-group", "1", "--replica-groups",
+                                                                "2", "--coordinator", f"127.0.0.1:{store.port}")],
+            capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+        seconds = time.monotonic() - began
+    finally:
+        stop.set()
+        thread.join()
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ddp_cifar100.py: ")]
+    print(f"\n3 starts of a refused group (--max-restarts 2): {seconds:.1f} s")
+    assert done.returncode != 0
+    assert len(lighthouse.refused) == 1, lighthouse.refused
+    assert len(lines) == 3 and len(set(lines)) == 1 and "another configuration" in lines[0], done.stderr
