@@ -11,6 +11,7 @@ import json
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -58,6 +59,7 @@ class Lighthouse:
         self.planned = 0  # R, from the requests
         self.decided_at: float | None = None
         self.said: str | None = None
+        self.run_id: str | None = None  # the run's id: the first quorum's requests' (a restarted coordinator), or new
 
     def run(self, stop: threading.Event | None = None) -> None:
         watched = 0.0
@@ -109,7 +111,14 @@ class Lighthouse:
             return f"another configuration ({difference(request.get('record'), reference.get('record'))})"
         if request["size"] != reference["size"]:
             return f"{request['size']} processes, where the run's replica groups have {reference['size']}"
+        if request.get("run") not in (None, self.run_id) and self.run_id is not None:
+            return (f"its commit log or checkpoints are of another run ({request['run']}; this coordinator's is "
+                    f"{self.run_id}): give it a new --commit-log and --checkpoint-dir, or its run's coordinator")
         finished = json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
+        if finished is not None and request.get("run") is None:
+            return (f"this coordinator's run finished at step {finished['step']}, and this group keeps nothing of it "
+                    f"(a new run, or a group without --commit-log or --checkpoint-dir): a new run needs a new "
+                    f"coordinator (restart `{SERVE}`)")
         if finished is not None and request["step"] < finished["step"]:
             return (f"{FINISHED} at step {finished['step']} while this group was away (it is at step "
                     f"{request['step']}): no group is left to take the live state from, and nothing is left to "
@@ -262,6 +271,8 @@ class Lighthouse:
         previous = self.quorum
         n = self.seen + 1 if previous is None else previous["id"] + 1  # (a lost coordinator's ids not reused)
         requests = {g: self.asked.pop(g).request for g in members}
+        self.run_id = (self.run_id or next((r["run"] for r in requests.values() if r.get("run")), None)
+                       or uuid.uuid4().hex[:12])
         steps = {g: request["step"] for g, request in requests.items()}
         # whether it committed, as _decided read it (the frontier is its step then)
         committed = previous is not None and self.frontier == (previous["step"] + 1, previous["id"])
@@ -280,7 +291,8 @@ class Lighthouse:
                   "identity": requests[members[0]]["identity"], "record": requests[members[0]].get("record"),
                   "fault_timeout": max(request["fault_timeout"] for request in requests.values()),
                   # the run goes back: the last committed step is past the quorum's state (every member says so)
-                  "back_from": self.frontier[0] if self.frontier is not None and self.frontier[0] > step else None}
+                  "back_from": self.frontier[0] if self.frontier is not None and self.frontier[0] > step else None,
+                  "run": self.run_id}
         tickets = [request["ticket"] for request in requests.values()]
         keys = [f"{PREFIX}quorum/{n}", *(f"{PREFIX}ticket/{ticket}" for ticket in tickets)]
         self.store.multi_set(keys, [json.dumps(quorum)] * len(keys))
