@@ -129,6 +129,8 @@ class Replica:
             dist.broadcast_object_list(incarnation, group=group_pg, group_src=0)
         self.incarnation = incarnation[0]
         if incarnation[1] is not None:
+            if self.log_lock is not None:  # (a process that goes on, a test's, may take the log again)
+                os.close(self.log_lock)
             raise ReplicaRefused(f"replica group {group}: {incarnation[1]}")
         self.store = connect(coordinator, fault_timeout_s)  # absent: said within the fault timeout
         self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S),
