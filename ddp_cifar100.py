@@ -58,7 +58,7 @@ import torch.nn.functional as F
 import replicas
 import utils
 from data import derive_seed
-from trainer import faults
+from trainer import faults, refusals
 from trainer.build import Parts, build
 from trainer.checkpoint import NO_SUMS, Checkpointer, Position
 from trainer.config import Config, parse_args
@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if joined else int(os.environ.get("RANK", 0))
     launched_by_torchrun = utils.launched_by_torchrun()
     try:
+        if refusals.earlier(argv) is not None:  # replica groups: refused at a previous start of this torchrun
+            raise replicas.ReplicaRefused(refusals.earlier(argv))  # (before anything is built: trainer/refusals.py)
         config = parse_args(argv)
         if config.generate is not None:  # no process group: rank 0 samples, any other rank has nothing to do
             if rank == 0:
@@ -298,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ddp_cifar100.py: note: {exc}", file=sys.stderr, flush=True)
         return 0
     except (replicas.CoordinatorLost, replicas.ReplicaRefused) as exc:  # replica groups: each group's rank 0 says it
+        if isinstance(exc, replicas.ReplicaRefused):  # final: a restart of this torchrun says it again at once
+            refusals.remember(str(exc), argv)
         if rank == 0:
             print(f"ddp_cifar100.py: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -31,8 +31,10 @@ One step, quorum n, members M:
    late (the fault timeout since n-1's decision; but where no group that asked holds the last committed step, the
    processes that committed it are waited for until they ask, are gone, or LINEAGE_WAITS fault timeouts have
    passed: [Note: lineage]), with every new group that asked, if at least ``min_groups`` did (else it waits), and
-   answers each ticket with it. A group of another identity (model, optimizer, flags: the trainer's fingerprint) is
-   refused in one line, alone.
+   answers each ticket with it. A group of another identity (model, optimizer, flags: the trainer's record, whose first
+   differing setting the refusal names), of another run (the run's id, named by the first quorum and kept by each
+   group), a second claimant of a live group, or a new run on a coordinator whose run finished, is refused in one
+   line, alone.
 2. recovery: a member not at the quorum's state (behind its step: new, restarted, back from a hang; or at it by
    another branch: [Note: lineage]) receives, place j from place j of a member that holds it, what ``state_dict``
    names (the trainer's: weights, optimizer state, position, scheduler, generators, commit log) and loads it: no

@@ -2,14 +2,18 @@
 
 A file of JSON lines, written by each group's place 0: per committed step, {"step", "quorum", "participants",
 "time"} and, where the trainer names them, "samples" (what each participant used: {group: samples}); between them,
-notes (entries without "step": a recovery's timings, {"recovered": {...}}). A joiner receives its source's log with
+notes (entries without "step": the run's id, {"run": id}, a recovery's timings, {"recovered": {...}}, and the
+run's end, {"finished": step}: such a log is not continued). A joiner receives its source's log with
 the live state and keeps it in place of its own steps (which were another branch: [Note: lineage]), its own notes
 after it."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from typing import Any
+
+from replicas.protocol import ReplicaRefused
 
 
 def append_log(path: str, entry: dict[str, Any]) -> None:
@@ -33,13 +37,37 @@ def read_log(path: str, steps_only: bool = True) -> list[dict[str, Any]]:
 
 def resume_log(path: str, step: int) -> list[dict[str, Any]]:
     """The log an earlier process of this group left at ``path``, kept up to ``step`` (the step the new process's
-    weights are at: the later steps are taken again) and written back so; [] where there is none."""
+    weights are at: the later steps are taken again) and its run's note; [] where there is none. Not written back
+    here: the member does once the coordinator took it (a log of another run is refused, not truncated)."""
     if not os.path.exists(path):
         return []
-    log = [entry for entry in read_log(path, steps_only=False)
-           if entry.get("step", entry.get("recovered", {}).get("step", 0)) < step]
-    write_log(path, log)
-    return log
+    log = read_log(path, steps_only=False)
+    finished = next((entry["finished"] for entry in log if "finished" in entry), None)
+    if finished is not None:
+        raise ReplicaRefused(f"--commit-log {path} holds a run that finished at step {finished} (run "
+                             f"{run_of(log)}): give a new run another --commit-log")
+    return [entry for entry in log
+            if "run" in entry or entry.get("step", entry.get("recovered", {}).get("step", 0)) < step]
+
+
+def lock_log(path: str) -> int:
+    """An exclusive lock on the commit log at ``path`` for the run's life (flock on PATH.lock, which stays: the log
+    itself is replaced whole when written back), its descriptor; held by another live process (two groups given one
+    --commit-log: they interleaved their steps in it, and a truncation of one dropped the other's), one line. The
+    kernel drops it when the process dies: a killed run leaves nothing stuck."""
+    descriptor = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise ReplicaRefused(f"another run is writing --commit-log {path} (it holds {path}.lock): give each replica "
+                             f"group its own --commit-log") from None
+    return descriptor
+
+
+def run_of(log: list[dict[str, Any]]) -> str | None:
+    """The run the log's steps belong to (its {"run": id} note, written at the group's first quorum), or None."""
+    return next((entry["run"] for entry in log if "run" in entry), None)
 
 
 def last_commit(log: list[dict[str, Any]]) -> int | None:

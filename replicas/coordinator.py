@@ -11,13 +11,14 @@ import json
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from torch.distributed import TCPStore
 
-from replicas.protocol import FINISHED, PREFIX, STALE_S, one_line
+from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S, one_line
 
 FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group once one has asked
 LINEAGE_WAITS = 10  # the fault timeouts the lighthouse waits, at most, for the holders of the last committed step
@@ -48,6 +49,8 @@ class Lighthouse:
         self.checkpointed: dict[int, int] = {}  # group -> the step its newest checkpoint holds, from its requests
         # ([Note: progress]): what it brings back if it restarts
         self.beats: dict[str, tuple[bytes, float]] = {}  # heartbeat key -> (value, when it last changed)
+        self.claims: dict[int, str] = {}  # group -> the incarnation whose requests it takes (a second claimant's not)
+        self.alive: dict[tuple[int, str], float] = {}  # (group, incarnation) -> when a place of it last beat
         self.places: dict[int, int] = {}  # group -> its size P, from its requests
         self.tickets: dict[int, list[str]] = {}  # quorum -> the tickets it answered
         self.first_asked: float | None = None
@@ -56,6 +59,7 @@ class Lighthouse:
         self.planned = 0  # R, from the requests
         self.decided_at: float | None = None
         self.said: str | None = None
+        self.run_id: str | None = None  # the run's id: the first quorum's requests' (a restarted coordinator), or new
 
     def run(self, stop: threading.Event | None = None) -> None:
         watched = 0.0
@@ -73,14 +77,15 @@ class Lighthouse:
 
     def _take_requests(self) -> int:
         """The requests in the queue (how many). Once a quorum exists, one of another identity or size is refused at
-        once; a newer start of a group replaces the older's request (which is told so: that process is gone, or is
-        not the group it says)."""
+        once, and so is a second claimant of a group whose process beats (``_claimed``); a newer start of a group
+        whose process is gone replaces the older's request (which is told so)."""
         queue, taken = PREFIX + "events", 0
         while self.store.queue_len(queue):
             taken += 1
             request = json.loads(self.store.queue_pop(queue, False))
             group = request["group"]
             why = self._unfit(request, self.quorum) if self.quorum is not None else None
+            why = why or self._claimed(group, request["ticket"].split("/")[1])
             older = self.asked.get(group)
             if why is None and older is not None and older.request["ticket"].split("/")[1] != \
                     request["ticket"].split("/")[1]:
@@ -103,14 +108,37 @@ class Lighthouse:
     def _unfit(self, request: dict[str, Any], reference: dict[str, Any]) -> str | None:
         """Why a group may not join the run (None: it may)."""
         if request["identity"] != reference["identity"]:
-            return "another configuration (its fingerprint differs)"
+            return f"another configuration ({difference(request.get('record'), reference.get('record'))})"
         if request["size"] != reference["size"]:
             return f"{request['size']} processes, where the run's replica groups have {reference['size']}"
+        if request.get("run") not in (None, self.run_id) and self.run_id is not None:
+            return (f"its commit log or checkpoints are of another run ({request['run']}; this coordinator's is "
+                    f"{self.run_id}): give it a new --commit-log and --checkpoint-dir, or its run's coordinator")
         finished = json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
+        if finished is not None and request.get("run") is None:
+            return (f"this coordinator's run finished at step {finished['step']}, and this group keeps nothing of it "
+                    f"(a new run, or a group without --commit-log or --checkpoint-dir): a new run needs a new "
+                    f"coordinator (restart `{SERVE}`)")
         if finished is not None and request["step"] < finished["step"]:
             return (f"{FINISHED} at step {finished['step']} while this group was away (it is at step "
                     f"{request['step']}): no group is left to take the live state from, and nothing is left to "
                     f"train; the run's weights are the other groups'")
+        return None
+
+    def _claimed(self, group: int, incarnation: str) -> str | None:
+        """Why a request of ``incarnation`` may not speak for ``group`` (None: it may, and from now on it does): the
+        group is claimed by another process that beat within STALE_S (two torchruns started with one
+        --replica-group: the newer one would replace the live one, whose steps since would be lost). A restart of
+        a dead (or stopped) process is not refused: its old incarnation has been silent for longer (the heartbeat
+        key now names the new one, so each incarnation's last beat is kept: ``alive``)."""
+        claimant = self.claims.get(group)
+        if claimant not in (None, incarnation):
+            self._watch_heartbeats()
+            silent = time.monotonic() - self.alive.get((group, claimant), -float("inf"))
+            if silent <= STALE_S:
+                return (f"another process of it is running (its heartbeat {silent:.1f} s old): two torchruns "
+                        f"given --replica-group {group}? Give each group its own number")
+        self.claims[group] = incarnation
         return None
 
     def _refuse(self, request: dict[str, Any], why: str) -> None:
@@ -127,6 +155,7 @@ class Lighthouse:
         for key, value in zip(present, self.store.multi_get(present) if present else []):
             if self.beats.get(key, (None, 0.0))[0] != value:
                 self.beats[key] = (value, now)
+                self.alive[int(key.split("/")[-2]), value.split(b"/")[0].decode()] = now
 
     def _silent_for(self, group: int) -> float:
         """Seconds since the staler of the group's places last beat (inf: never seen)."""
@@ -225,7 +254,8 @@ class Lighthouse:
         """The groups that may join: of the quorum's identity and size (the first quorum: the most common), the
         others refused in one line each."""
         requests = [asked.request for asked in alive.values()]
-        reference = self.quorum or max(({"identity": r["identity"], "size": r["size"]} for r in requests),
+        reference = self.quorum or max(({"identity": r["identity"], "size": r["size"], "record": r.get("record")}
+                                        for r in requests),
                                        key=lambda ref: sum(r["identity"] == ref["identity"] for r in requests))
         members = []
         for group, asked in alive.items():
@@ -241,6 +271,8 @@ class Lighthouse:
         previous = self.quorum
         n = self.seen + 1 if previous is None else previous["id"] + 1  # (a lost coordinator's ids not reused)
         requests = {g: self.asked.pop(g).request for g in members}
+        self.run_id = (self.run_id or next((r["run"] for r in requests.values() if r.get("run")), None)
+                       or uuid.uuid4().hex[:12])
         steps = {g: request["step"] for g, request in requests.items()}
         # whether it committed, as _decided read it (the frontier is its step then)
         committed = previous is not None and self.frontier == (previous["step"] + 1, previous["id"])
@@ -256,10 +288,11 @@ class Lighthouse:
                   "sources": {str(g): healthy[i % len(healthy)] for i, g in enumerate(behind)},
                   "pg": previous["pg"] if same_groups else n, "processes": processes,
                   "size": requests[members[0]]["size"],
-                  "identity": requests[members[0]]["identity"],
+                  "identity": requests[members[0]]["identity"], "record": requests[members[0]].get("record"),
                   "fault_timeout": max(request["fault_timeout"] for request in requests.values()),
                   # the run goes back: the last committed step is past the quorum's state (every member says so)
-                  "back_from": self.frontier[0] if self.frontier is not None and self.frontier[0] > step else None}
+                  "back_from": self.frontier[0] if self.frontier is not None and self.frontier[0] > step else None,
+                  "run": self.run_id}
         tickets = [request["ticket"] for request in requests.values()]
         keys = [f"{PREFIX}quorum/{n}", *(f"{PREFIX}ticket/{ticket}" for ticket in tickets)]
         self.store.multi_set(keys, [json.dumps(quorum)] * len(keys))
@@ -315,6 +348,15 @@ class Lighthouse:
 
 
 
+def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str:
+    """The first setting, in the record's order, where a group's identity record differs from the run's: "--lr
+    0.02, where the run's is 0.05" (the fingerprints alone where a request carries no record)."""
+    for key in dict.fromkeys([*(record or {}), *(run or {})]):
+        if record is not None and run is not None and record.get(key) != run.get(key):
+            return f"{key} {record.get(key)}, where the run's is {run.get(key)}"
+    return "its fingerprint differs"
+
+
 def serve(port: int, host: str = "0.0.0.0") -> None:
     """The coordinator: a TCPStore server on HOST:PORT and the lighthouse, until the process is stopped."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -330,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--port", type=int, required=True, help="the port to listen on (0: one the OS picks)")
     serving.add_argument("--host", default="0.0.0.0", help="the address to listen on")
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:  # (a TypeError from the store's constructor else)
+        print(f"{SERVE}: error: --port must be between 0 (one the OS picks) and 65535, got {args.port}",
+              file=sys.stderr, flush=True)
+        return 2
     try:
         serve(args.port, args.host)
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import threading
 import time
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from collectives import Collectives
-from replicas.commit_log import adopt, append_log, last_commit, resume_log, write_log
+from replicas.commit_log import adopt, append_log, last_commit, lock_log, resume_log, run_of, write_log
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, Quorum, ReplicaRefused, RunFinished,
                                connect, one_line, reconnect)
 from replicas.transfer import SocketTransport, StateTransport
@@ -95,23 +96,44 @@ class Replica:
     ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed) and inside a state
     transfer ("send": half the tensors sent), where a test kills the process. ``transport(pg, fault)``: the live
     state's StateTransport for a quorum's process group (transfer.py; SocketTransport: a TCP connection of its own,
-    its address sent over that group; PGTransport: over that group)."""
+    its address sent over that group; PGTransport: over that group). ``record``: the settings ``identity`` is the
+    fingerprint of ({name: value}, in the order a refusal compares them), sent with every request so that a group of
+    another identity is told which setting differs. ``run``: the id of the run this group took part in, where the
+    caller kept it (else its commit log's note; None: a new group, which takes the run's at its first quorum): a
+    coordinator whose run finished tells a group of it back late from a new run."""
 
     def __init__(self, coordinator: str, group: int, planned: int, identity: str,
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,
                  fault_timeout_s: float = 60.0, collectives: str = "torch", group_pg: Any = None,
                  commit_log: str | None = None, fault: Callable[[str], None] | None = None, step: int = 0,
-                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = SocketTransport):
+                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = SocketTransport,
+                 record: dict[str, Any] | None = None, run: str | None = None):
         self.address, self.group, self.planned, self.identity = coordinator, group, planned, identity
+        self.record = record  # what ``identity`` is the fingerprint of, for a refusal to name what differs
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives
         alone = not dist.is_initialized()
         self.place, self.size = (0, 1) if alone else (dist.get_rank(group_pg), dist.get_world_size(group_pg))
-        incarnation = [uuid.uuid4().hex[:12]]
-        if not alone:
+        self.log_path = commit_log if self.place == 0 else None
+        self.log_lock: int | None = None
+        # every committed step this run knows (a joiner receives the past); an earlier process's, up to ``step``
+        self.log: list[dict[str, Any]] = []
+        refused = None  # the log taken (one process writes it) before connecting: refused, nothing of it beats
+        try:
+            if self.log_path:
+                self.log_lock = lock_log(self.log_path)
+                self.log = resume_log(self.log_path, step)
+        except ReplicaRefused as error:
+            refused = str(error)
+        incarnation = [uuid.uuid4().hex[:12], refused]
+        if not alone:  # every place of the group takes place 0's incarnation, and its refusal
             dist.broadcast_object_list(incarnation, group=group_pg, group_src=0)
         self.incarnation = incarnation[0]
-        self.store = connect(coordinator, max(fault_timeout_s, CONNECT_S))
+        if incarnation[1] is not None:
+            if self.log_lock is not None:  # (a process that goes on, a test's, may take the log again)
+                os.close(self.log_lock)
+            raise ReplicaRefused(f"replica group {group}: {incarnation[1]}")
+        self.store = connect(coordinator, fault_timeout_s)  # absent: said within the fault timeout
         self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S),
                                    self.incarnation, fault_timeout_s)
         self.quorum: Quorum | None = None
@@ -124,9 +146,8 @@ class Replica:
         self.requests = 0
         self.failure: str | None = None  # why the last average failed
         self.total_weight: float | None = None  # the last weighted average's sum of the groups' weights
-        self.log_path = commit_log if self.place == 0 else None
-        # every committed step this run knows (a joiner receives the past); an earlier process's, up to ``step``
-        self.log: list[dict[str, Any]] = resume_log(self.log_path, step) if self.log_path else []
+        self.run = run or run_of(self.log)  # the run this group took part in (None: a new group, of a new run)
+        self.taken = False  # whether the coordinator has taken this process (its log then written back)
         self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
         self.durable = step  # the step this group's newest checkpoint holds (``saved``): this process started there
         self.fault = fault or (lambda point: None)
@@ -241,7 +262,7 @@ class Replica:
             if self.place == 0:
                 request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit(self.log),
                            "durable": self.durable,
-                           "identity": self.identity, "size": self.size, "planned": self.planned,
+                           "identity": self.identity, "record": self.record, "run": self.run, "size": self.size, "planned": self.planned,
                            "min_groups": self.min_groups, "fault_timeout": self.timeout_s,
                            "seen": self.quorum.id if self.quorum is not None else None,  # for a new lighthouse
                            "with": self.quorum.members if self.quorum is not None else []}
@@ -254,11 +275,23 @@ class Replica:
             refusal = json.loads(answer)
             raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])
         self.quorum, self.stale = Quorum.parse(answer), False
+        if not self.taken:
+            self._taken()
         if self.quorum.back_from is not None and self.place == 0:
             print(f"replicas: group {self.group}: the run goes back from step {self.quorum.back_from} to step "
                   f"{self.quorum.step} (quorum {self.quorum.id}): no group that holds a later state is alive or came "
                   f"back in time", file=sys.stderr, flush=True)
         return self.quorum
+
+    def _taken(self) -> None:
+        """The coordinator took this process: its run's id kept (a new group's: the run's, from the quorum), and its
+        commit log written back as ``resume_log`` kept it, with that id (refused, it would have stayed as it was)."""
+        self.taken = True
+        if self.run is None and self.quorum.run is not None:
+            self.run = self.quorum.run
+            self.log.insert(0, {"run": self.run})
+        if self.log_path:
+            write_log(self.log_path, self.log)
 
     def saved(self, step: int) -> None:
         """This group's newest checkpoint now holds ``step`` (its place 0 says so in its requests: what the group
@@ -385,7 +418,10 @@ class Replica:
         while self.place == 0:
             try:
                 self._call(self.store.compare_set, PREFIX + "finished", "", json.dumps({"step": step,
-                                                                                         "group": self.group}))
+                                                                                         "group": self.group,
+                                                                                         "run": self.run}))
+                if self.log_path:  # not continued by a new run (resume_log)
+                    self.note({"finished": step})
                 return
             except Reconnected:  # said to the new coordinator
                 continue
@@ -399,4 +435,7 @@ class Replica:
     def close(self) -> None:
         self.heartbeat.close()
         self._drop_group()
+        if self.log_lock is not None:
+            os.close(self.log_lock)
+            self.log_lock = None
 

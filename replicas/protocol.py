@@ -4,7 +4,7 @@ connection to the coordinator's store, and the quorum as the lighthouse publishe
 The store's keys, all under PREFIX: events (the queue of join requests), ticket/T (the lighthouse's answer to
 request T: a quorum, or a refusal), answered/G (group G's last answered ticket), quorum/n, votes/n and decision/n
 (quorum n, its commit votes, its first decision: "commit" or "abort"), forgotten (the last quorum whose keys were
-deleted), finished (the step where a group finished the run), hb/G/J (place J of group G's heartbeat:
+deleted), finished (the step where a group finished the run, and the run's id), hb/G/J (place J of group G's heartbeat:
 INCARNATION/COUNT) and pg/N/J/... (the process groups of quorum N's place J)."""
 from __future__ import annotations
 
@@ -39,11 +39,23 @@ class RunFinished(ReplicaRefused):
 
 
 def connect(address: str, timeout_s: float) -> TCPStore:
-    """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line."""
+    """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line. A
+    plain socket waits for a listener first (every RECONNECT_S): the store's client, given nothing there, takes
+    about twice its timeout and logs a C++ stack per try; once one listens, it has at least CONNECT_S to answer."""
     host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=RECONNECT_S).close()
+            break
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise CoordinatorLost(f"coordinator {address} unreachable (nothing answers there after {timeout_s:g} "
+                                      f"s: {error.strerror or error}): start it with `{SERVE} --port {port}`") from None
+            time.sleep(RECONNECT_S)
     try:
         return TCPStore(host or "127.0.0.1", int(port), is_master=False, wait_for_workers=False,
-                        timeout=timedelta(seconds=timeout_s))
+                        timeout=timedelta(seconds=max(deadline - time.monotonic(), CONNECT_S)))
     except (RuntimeError, ValueError) as error:
         raise CoordinatorLost(f"coordinator {address} unreachable ({one_line(error)}): start it with `{SERVE} "
                               f"--port {port}`") from None
@@ -81,6 +93,7 @@ class Quorum:
     size: int  # P, processes per group
     fault_timeout: float = 60.0
     back_from: int | None = None  # the last committed step, where the quorum's state is behind it ([Note: progress])
+    run: str | None = None  # the run's id: made by the lighthouse for its first quorum, or a request's (Lighthouse.run_id)
     voters: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,4 +104,4 @@ class Quorum:
         raw = json.loads(text)
         return cls(raw["id"], raw["members"], {int(g): s for g, s in raw["steps"].items()}, raw["step"],
                    {int(g): s for g, s in raw["sources"].items()}, raw["pg"], raw["size"], raw["fault_timeout"],
-                   raw.get("back_from"))
+                   raw.get("back_from"), raw.get("run"))

@@ -77,12 +77,16 @@ def two_groups(local_group, corpus, tmp_path_factory):
         pending = {group: where.submit(train_in_group, argv_of(
                        corpus, *flags, "--replica-group", str(group), "--commit-log", str(out / f"log{group}")),
                        "float64") for group, where in enumerate((first, second))}
-        wait_for_lines(out / "log0", 1)
+        wait_for_lines(out / "log0", 2)  # the run's id and step 0
         refused = stranger.run(main_in_group, argv_of(corpus, *flags, "--replica-group", "1", "--lr", "0.02"))
         groups = collect_all(pending)
-        late = first.run(main_in_group, argv_of(corpus, *flags, "--replica-group", "1"))  # back at step 0, too late
+        (out / "late").write_text("".join(line for line in open(out / "log1") if "finished" not in line))  # the
+        # log of a process of group 1 that died before the end: it took part in the run
+        late = first.run(main_in_group, argv_of(corpus, *flags, "--replica-group", "1", "--commit-log",
+                                                str(out / "late")))  # back at step 0 (no checkpoint), too late
+        new = first.run(main_in_group, argv_of(corpus, *flags, "--replica-group", "0"))  # a new run: nothing on disk
     whole = local_group(4).run(train_in_group, argv_of(corpus), "float64")
-    return {"groups": groups, "whole": whole, "refused": refused[0], "late": late, "logs": out}
+    return {"groups": groups, "whole": whole, "refused": refused[0], "late": late, "new": new, "logs": out}
 
 
 def test_a_group_back_after_the_run_finished_ends_with_0_and_says_why(two_groups):
@@ -92,6 +96,43 @@ def test_a_group_back_after_the_run_finished_ends_with_0_and_says_why(two_groups
     lines = late[0]["stderr"].strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddp_cifar100.py: note: replica group 1 refused by the "
                                                    "coordinator: the run finished at step 6"), late[0]["stderr"]
+
+
+def test_a_new_run_on_a_coordinator_whose_run_finished_is_refused_with_1(two_groups):
+    """Not the late group's note and 0 (a new run that trained nothing, its checkpoint folder empty, ended as done):
+    a group that keeps nothing of the run (no commit log nor checkpoint naming its id) is a new run, refused."""
+    new = two_groups["new"]
+    assert [rank["code"] for rank in new] == [1, 1]
+    lines = new[0]["stderr"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddp_cifar100.py: error: replica group 0 refused by the "
+                                                   "coordinator: this coordinator's run finished at step 6"), lines
+
+
+def test_the_run_id_tells_a_group_of_the_run_from_another_run():
+    """The lighthouse by hand: its first quorum names a new run id, which a group's request carries from then on (its
+    commit log's note, its --checkpoint-dir's replica-run); once the run finished, a request without one is a new
+    run (refused: 1), one with the run's is a group back late (the note: 0), one of another run is refused."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store)
+
+    def ask(ticket, run, step=0):
+        store.set(f"{replicas.PREFIX}hb/0/0", f"{ticket}/0")
+        store.queue_push(replicas.PREFIX + "events", json.dumps({
+            "ticket": f"0/{ticket}/1", "group": 0, "step": step, "last_commit": None, "durable": 0,
+            "identity": "same", "run": run, "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))
+        lighthouse._take_requests()
+        lighthouse._watch_heartbeats()
+        lighthouse._form()
+        return json.loads(store.get(f"{replicas.PREFIX}ticket/0/{ticket}/1"))
+
+    run = ask("first", None)["run"]
+    assert run
+    store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 5, "group": 0, "run": run}))
+    lighthouse.alive.clear()  # the first process is gone
+    answers = [ask(ticket, which) for ticket, which in (("new", None), ("late", run), ("other", "elsewhere"))]
+    assert [answer.get("finished") for answer in answers] == [False, True, False]
+    assert "this coordinator's run finished at step 5" in answers[0]["refused"]
+    assert "another run (elsewhere" in answers[2]["refused"]
 
 
 def test_two_groups_of_two_are_one_run_of_four(two_groups):
@@ -134,7 +175,38 @@ def test_a_group_of_another_configuration_is_refused_in_one_line(two_groups):
     refused = two_groups["refused"]
     assert refused["code"] == 1
     lines = refused["stderr"].strip().splitlines()
-    assert len(lines) == 1 and "refused by the coordinator: another configuration" in lines[0], refused["stderr"]
+    assert len(lines) == 1 and lines[0].endswith("refused by the coordinator: another configuration (--lr 0.02, "
+                                                 "where the run's is 0.05)"), refused["stderr"]
+
+
+def test_a_group_of_another_allreduce_is_refused_naming_it():
+    """--allreduce is in the groups' identity (not in the checkpoint's trajectory: a resume may change it), and the
+    refusal names it: groups of torch's collectives and of the ring's never meet (each quorum timed out, a livelock),
+    and --bucket-mb gives buckets of other shapes."""
+    from trainer.config import parse_args
+    from trainer.replica_groups import identity_record
+
+    base = ["--dataset", "text", "--model", "gpt-tiny", "--replica-groups", "2", "--coordinator", "h:1"]
+    records = {(group, flags): identity_record(parse_args([*base, "--replica-group", str(group), *flags]),
+                                               {"lr": 0.05, "global_batch": 16})
+               for group, flags in ((0, ()), (1, ("--allreduce", "ring")), (1, ("--bucket-mb", "1")))}
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store)
+    for ticket, (group, flags) in enumerate(records):
+        record = records[group, flags]
+        store.queue_push(replicas.PREFIX + "events", json.dumps({
+            "ticket": f"{group}/{ticket}/0", "group": group, "step": 0, "last_commit": None, "durable": 0,
+            "identity": json.dumps(record),
+            "record": record, "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))
+        store.set(f"{replicas.PREFIX}hb/{group}/0", f"{ticket}/0")
+        lighthouse._take_requests()
+        lighthouse._watch_heartbeats()
+        lighthouse._form()
+    answers = [json.loads(store.get(f"{replicas.PREFIX}ticket/1/{ticket}/0")) for ticket in (1, 2)]
+    assert [answer["refused"] for answer in answers] == [
+        "replica group 1 refused by the coordinator: another configuration (--allreduce ring, where the run's is "
+        "torch)", "replica group 1 refused by the coordinator: another configuration (--bucket-mb 1.0, where the "
+        "run's is 25.0)"]
 
 
 def test_one_process_replaying_the_commit_log_reaches_the_groups_weights(local_group, two_groups, corpus):
@@ -300,6 +372,7 @@ def stopped_member():
     member.place, member.size, member.incarnation, member.requests, member.log = 0, 1, "start", 0, []
     member.identity, member.planned, member.min_groups, member.durable = "same", 2, 1, 0
     member.quorum, member.stale = None, False
+    member.record, member.run, member.taken, member.log_path = None, None, True, None
     return store, replicas.Lighthouse(store), member
 
 
@@ -458,3 +531,131 @@ def test_the_coordinator_killed_and_restarted_mid_run_costs_the_members_nothing(
         w, steps = ended[group]
         assert steps == list(range(8)), steps
         assert max_difference({"w": w}, {"w": reference}) == 0
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_serve_refuses_a_port_out_of_range_in_one_line(port, capsys):
+    """Not the store constructor's TypeError traceback: one line at parse time, exit 2 (0 stays: the OS picks)."""
+    assert replicas.main(["serve", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"python -m replicas serve: error: --port must be between 0 (one the OS picks) "
+                                        f"and 65535, got {port}"], err
+
+
+def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_one_is_not():
+    """Two torchruns started with one --replica-group: the newer is refused while the first one's heartbeat beats
+    (it replaced the live one, whose steps since were later thrown away); once the first has been silent past
+    STALE_S (dead: torchrun restarts it), a new process of the group is taken."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store)
+
+    def ask(incarnation):
+        ticket = f"0/{incarnation}/1"
+        store.set(f"{replicas.PREFIX}hb/0/0", f"{incarnation}/0")
+        store.queue_push(replicas.PREFIX + "events", json.dumps({
+            "ticket": ticket, "group": 0, "step": 0, "last_commit": None, "durable": 0, "identity": "same",
+            "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))
+        lighthouse._take_requests()
+        lighthouse._watch_heartbeats()
+        if lighthouse.quorum is None or lighthouse._decided():  # as the run loop: the next once decided
+            lighthouse._form()
+        key = f"{replicas.PREFIX}ticket/{ticket}"
+        return json.loads(store.get(key)) if store.check([key]) else {}
+
+    assert ask("first")["members"] == [0]
+    store.set(f"{replicas.PREFIX}hb/0/0", "first/1")  # the first one beats on
+    lighthouse._watch_heartbeats()
+    refused = ask("second").get("refused", "")
+    assert refused.startswith("replica group 0 refused by the coordinator: another process of it is running"), refused
+    store.set(f"{replicas.PREFIX}decision/0", "abort")
+    lighthouse._decided()
+    lighthouse.alive[0, "first"] -= replicas.STALE_S + 1  # the first one killed: silent since
+    assert ask("restarted").get("members") == [0]
+
+
+class CountingLighthouse(replicas.Lighthouse):
+    """A lighthouse that counts the refusals it gives."""
+    refused: list[str] = []
+
+    def _refuse(self, request, why):
+        self.refused.append(why)
+        super()._refuse(request, why)
+
+
+def test_a_refused_group_restarted_by_torchrun_is_refused_again_at_once(corpus, tmp_path):
+    """A refusal is final: the restarts of a refused group's torchrun (--max-restarts 2) say the same line without
+    asking the coordinator again nor building anything (trainer/refusals.py); it asked 3 times before."""
+    import subprocess
+    import sys
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store.set(f"{replicas.PREFIX}hb/0/0", "other/0")  # a run of another configuration, its group 0 in a quorum
+    store.queue_push(replicas.PREFIX + "events", json.dumps({
+        "ticket": "0/other/1", "group": 0, "step": 0, "last_commit": None, "durable": 0, "identity": "other",
+        "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))  # (planned 1: formed at once)
+    lighthouse, stop = CountingLighthouse(store), threading.Event()
+    lighthouse.refused = []
+    thread = threading.Thread(target=lighthouse.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60  # its quorum formed (the lighthouse's thread alone uses its store)
+        while lighthouse.quorum is None:
+            assert time.monotonic() < deadline, "the other run's quorum not formed in 60 s"
+            time.sleep(0.01)
+        began = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+             "--max-restarts", "2", "ddp_cifar100.py", *argv_of(corpus, "--replica-group", "1", "--replica-groups",
+                                                                "2", "--coordinator", f"127.0.0.1:{store.port}")],
+            capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+        seconds = time.monotonic() - began
+    finally:
+        stop.set()
+        thread.join()
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ddp_cifar100.py: ")]
+    print(f"\n3 starts of a refused group (--max-restarts 2): {seconds:.1f} s")
+    assert done.returncode != 0
+    assert len(lighthouse.refused) == 1, lighthouse.refused
+    assert len(lines) == 3 and len(set(lines)) == 1 and "another configuration" in lines[0], done.stderr
+
+
+def test_a_commit_log_is_one_runs_and_one_processs(tmp_path):
+    """Two groups given one --commit-log interleaved their steps in it (677 entries for 600 steps, 76 twice): the
+    second is refused while the first holds it; a log of another run is refused and left as it was (it was truncated
+    to the new process's step), and so is a log whose run finished."""
+    log, other, done = tmp_path / "log", tmp_path / "other", tmp_path / "done"
+    other.write_text("".join(json.dumps(entry) + "\n" for entry in
+                             [{"run": "elsewhere"}, *({"step": s, "quorum": s, "participants": [0]} for s in range(3))]))
+    done.write_text(other.read_text() + json.dumps({"finished": 3}) + "\n")
+    kept = other.read_text()
+    with coordinator() as address:
+        first = replicas.Replica(address, 0, 1, "same", dict, print, fault_timeout_s=10, commit_log=str(log))
+        try:
+            first.join(0)
+            with pytest.raises(replicas.ReplicaRefused, match=f"another run is writing --commit-log {log}"):
+                replicas.Replica(address, 1, 1, "same", dict, print, fault_timeout_s=10, commit_log=str(log))
+            with pytest.raises(replicas.ReplicaRefused, match="holds a run that finished at step 3"):
+                replicas.Replica(address, 1, 1, "same", dict, print, fault_timeout_s=10, commit_log=str(done))
+            stranger = replicas.Replica(address, 1, 1, "same", dict, print, fault_timeout_s=10, commit_log=str(other))
+            try:
+                with pytest.raises(replicas.ReplicaRefused, match=r"another run \(elsewhere"):
+                    stranger.join(0)
+            finally:
+                stranger.close()
+        finally:
+            first.close()
+    assert other.read_text() == kept
+    assert replicas.read_log(log, steps_only=False) == [{"run": first.run}]
+
+
+def test_a_coordinator_absent_at_the_start_is_said_within_the_fault_timeout():
+    """Nothing listening at the address (a port held, not listened on): one line within the fault timeout, not the
+    store client's twice its timeout (114 s at the default 60)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        began = time.monotonic()
+        with pytest.raises(replicas.CoordinatorLost, match="unreachable"):
+            replicas.Replica(f"127.0.0.1:{held.getsockname()[1]}", 0, 1, "same", dict, print, fault_timeout_s=1.0)
+        assert time.monotonic() - began < 1.0 + 2.0  # (the last try's RECONNECT_S, and a loaded machine)

@@ -32,36 +32,60 @@ that recovers appends when and from whom, and how long its start, its quorum and
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
 import torch
 
 import replicas
+import utils
 from trainer import faults
 from trainer.build import Parts
-from trainer.checkpoint import NO_SUMS
+from trainer.checkpoint import NO_SUMS, fingerprint, trajectory
+from trainer.config import OUTER_SYNCS, Config
 
+RUN_FILE = "replica-run"  # in --checkpoint-dir: the id of the run this group took part in (replicas.Replica's run)
 STARTED = time.time()  # this process's start (near enough: the trainer's import), for a joiner's timings
+
+
+def identity_record(config: Config, record: dict[str, Any]) -> dict[str, Any]:
+    """The replica groups' identity, which every group must share: the run's trajectory (``record``, the
+    checkpoint's; a setting that is a flag named as one: "--lr") and, first, what the average across the groups
+    depends on besides, which a checkpoint may change between a save and a resume: --allreduce (torch's collectives
+    or the ring's, each with process groups and store keys of its own: groups of both never meet) and, where the
+    gradient buckets are averaged (not diloco's whole pseudo-gradient), --bucket-mb (the buckets' shapes). Not
+    --sync-mode: it changes when the group's own all-reduce of a bucket starts, not the buckets nor their sums."""
+    flags = {field.name for field in dataclasses.fields(Config)}
+    cross = ("allreduce",) if config.grad_sync in OUTER_SYNCS else ("allreduce", "bucket_mb")
+    named = {key: getattr(config, key) for key in cross} | record
+    return {f"--{key.replace('_', '-')}" if key in flags else key.replace("_", " "): value
+            for key, value in named.items()}
 
 
 class ReplicaGroups:
     """The loop's side of replicas.Replica for the trainer: its live state and its records. ``identity``: the run's
-    fingerprint (checkpoint.fingerprint), which every group must share; ``step``: where this process starts (its
-    checkpoint's optimizer steps)."""
+    fingerprint (checkpoint.fingerprint), part of the groups' identity (``identity_record``), which every group must
+    share; ``step``: where this process starts (its checkpoint's optimizer steps)."""
 
     def __init__(self, parts: Parts, identity: str, step: int):
         config = parts.config
+        record = identity_record(config, trajectory(config, parts.data, parts.schedule_steps))
+        record["trajectory"] = identity  # (its fingerprint: the checkpoint's, of the settings above)
         self.parts = parts
         self.position: Any = None  # checkpoint.Position, the loop's
         self.history: list[dict[str, Any]] = []
         self.epoch: Any = None  # the loop's epoch under way (its sums), or None between epochs
         self.sums: list[float] = list(NO_SUMS)  # this rank's sums of the epoch under way, once the live state is taken
         self.joined = False  # diloco: whether this process has joined once (then it meets only at outer steps)
+        self.run_file = os.path.join(config.checkpoint_dir, RUN_FILE) if config.checkpoint_dir else None
+        run = open(self.run_file).read().strip() if self.run_file and os.path.exists(self.run_file) else None
         self.replica = replicas.Replica(
-            config.coordinator, config.replica_group, config.replica_groups, identity, self.live_state,
+            config.coordinator, config.replica_group, config.replica_groups, fingerprint(record), self.live_state,
             self.take_live_state, min_groups=config.min_replica_groups, fault_timeout_s=config.fault_timeout,
-            collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step)
+            collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step, record=record,
+            run=run)
+        self.run_kept = run is not None
         if parts.outer is not None:  # diloco: the groups meet through this quorum's meeting
             parts.outer.meet_through(self.meet)
 
@@ -91,6 +115,10 @@ class ReplicaGroups:
         asked = time.time()
         joined = self.replica.join(self.position.optimizer_steps)
         quorum, received = joined.quorum, joined.recovery
+        if not self.run_kept and self.run_file and self.parts.ctx.rank == 0 and self.replica.run:
+            with utils.atomic_write(self.run_file) as f:  # a restart of this group is of this run (protocol: run)
+                f.write(self.replica.run + "\n")
+            self.run_kept = True
         if received is not None:
             self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
                                              "quorum": quorum.id, "source": received.source,
