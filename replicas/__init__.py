@@ -77,7 +77,8 @@ from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STAL
 from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, SocketTransport, StateTransport, TensorPlace,
                                join_tensors, messages_of, split_tensors)
 
-__all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "RECONNECT_S", "STALE_S",
-           "CoordinatorLost", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum", "Received", "Recovery",
-           "Replica", "ReplicaRefused", "RunFinished", "SocketTransport", "StateTransport", "TensorPlace", "append_log", "connect",
-           "join_tensors", "main", "messages_of", "one_line", "read_log", "reconnect", "serve", "split_tensors", "write_log"]
+__all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "RECONNECT_S",
+           "STALE_S", "CoordinatorLost", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum", "Received",
+           "Recovery", "Replica", "ReplicaRefused", "RunFinished", "SocketTransport", "StateTransport",
+           "TensorPlace", "append_log", "connect", "join_tensors", "main", "messages_of", "one_line", "read_log",
+           "reconnect", "serve", "split_tensors", "write_log"]

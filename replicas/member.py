@@ -6,8 +6,9 @@ What it needs of the coordinator is the store at its address and the keys of pro
 waits for its ticket's answer and the quorum's decision, votes, and beats; it holds no connection to the lighthouse
 itself. A coordinator lost and restarted on the same address (its store new and empty) is ridden through: every
 store call that fails waits for it, up to the fault timeout (``reconnect``), takes the step in flight as not taken
-and asks the new lighthouse again, state intact (the package docstring's "Faults"). What it needs of its peers: the quorum's process groups (made over the store, per quorum) for the average,
-and a StateTransport (transfer.py) for the live state."""
+and asks the new lighthouse again, state intact (the package docstring's "Faults"). What it needs of its peers: the
+quorum's process groups (made over the store, per quorum) for the average, and a StateTransport (transfer.py) for
+the live state."""
 from __future__ import annotations
 
 import dataclasses
@@ -261,8 +262,8 @@ class Replica:
             ticket = f"{self.group}/{self.incarnation}/{self.requests}"
             if self.place == 0:
                 request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit(self.log),
-                           "durable": self.durable,
-                           "identity": self.identity, "record": self.record, "run": self.run, "size": self.size, "planned": self.planned,
+                           "durable": self.durable, "identity": self.identity, "record": self.record, "run": self.run,
+                           "size": self.size, "planned": self.planned,
                            "min_groups": self.min_groups, "fault_timeout": self.timeout_s,
                            "seen": self.quorum.id if self.quorum is not None else None,  # for a new lighthouse
                            "with": self.quorum.members if self.quorum is not None else []}

@@ -93,7 +93,7 @@ class Quorum:
     size: int  # P, processes per group
     fault_timeout: float = 60.0
     back_from: int | None = None  # the last committed step, where the quorum's state is behind it ([Note: progress])
-    run: str | None = None  # the run's id: made by the lighthouse for its first quorum, or a request's (Lighthouse.run_id)
+    run: str | None = None  # the run's id: the lighthouse's for its first quorum, or a request's (Lighthouse.run_id)
     voters: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -624,8 +624,8 @@ def test_a_commit_log_is_one_runs_and_one_processs(tmp_path):
     second is refused while the first holds it; a log of another run is refused and left as it was (it was truncated
     to the new process's step), and so is a log whose run finished."""
     log, other, done = tmp_path / "log", tmp_path / "other", tmp_path / "done"
-    other.write_text("".join(json.dumps(entry) + "\n" for entry in
-                             [{"run": "elsewhere"}, *({"step": s, "quorum": s, "participants": [0]} for s in range(3))]))
+    entries = [{"run": "elsewhere"}, *({"step": s, "quorum": s, "participants": [0]} for s in range(3))]
+    other.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
     done.write_text(other.read_text() + json.dumps({"finished": 3}) + "\n")
     kept = other.read_text()
     with coordinator() as address:

@@ -568,10 +568,10 @@ def readers_in_group(rank, world_size, directory, argv, stop):
                                    ["--async-checkpoint"]], ids=["folders", "folders async", "last.pt",
                                                                  "last.pt async"])
 def test_readers_beside_a_saving_run_read_a_whole_checkpoint_every_time(flags, local_group, corpus, tmp_path):
-    """A run on 2 processes saving every other step (--checkpoint-every 2, as the issue's), and meanwhile
-    --eval-only and read_alone in another process, again and again: every read is whole, the current checkpoint or the one that superseded it.
-    On main --eval-only failed against a folder ("step-N: no such folder", a data file not found, DCP's "metadata is
-    None")."""
+    """A run on 2 processes saving every other step (--checkpoint-every 2), and meanwhile --eval-only and read_alone
+    in another process, again and again: every read is whole, the current checkpoint or the one that superseded it.
+    A reader that does not start again where its checkpoint was superseded fails against a folder ("step-N: no such
+    folder", a data file not found, DCP's "metadata is None")."""
     directory, stop = str(tmp_path / "run"), str(tmp_path / "stop")
     argv = argv_of(corpus, 4, *flags, "--epochs", "20", "--max-steps", "24", "--checkpoint-every", "2",
                    "--checkpoint-dir", directory)

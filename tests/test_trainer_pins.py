@@ -200,6 +200,8 @@ def test_every_flag_parses_to_its_pinned_value(argv, changed):
 # ----------------------------------------------------------------------------------------------------------
 # One-line errors and exit codes
 # ----------------------------------------------------------------------------------------------------------
+REPLICA_GROUP_0 = ["--dataset", "text", "--model", "gpt", "--replica-group", "0", "--replica-groups", "2",
+                   "--coordinator", "h:29400"]  # group 0 of 2: the replica groups' refusals below
 ERRORS = [
     (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
     (["--batch-size", "0"], "--batch-size must be positive, got 0"),
@@ -311,17 +313,17 @@ ERRORS = [
     # the replica groups' flags: each bad value in one line at parse time, not a traceback minutes later
     (["--dataset", "text", "--model", "gpt", "--replica-group", "0", "--replica-groups", "0", "--coordinator",
       "h:29400"], "--replica-groups must be positive, got 0"),
-    (["--dataset", "text", "--model", "gpt", "--replica-group", "0", "--replica-groups", "2", "--coordinator", "h:29400", "--fault-timeout", "inf"],
+    ([*REPLICA_GROUP_0, "--fault-timeout", "inf"],
      "--fault-timeout must be positive and at most 86400 s, got inf"),
-    (["--dataset", "text", "--model", "gpt", "--replica-group", "0", "--replica-groups", "2", "--coordinator", "h:29400", "--fault-timeout", "nan"],
+    ([*REPLICA_GROUP_0, "--fault-timeout", "nan"],
      "--fault-timeout must be positive and at most 86400 s, got nan"),
-    (["--dataset", "text", "--model", "gpt", "--replica-group", "0", "--replica-groups", "2", "--coordinator", "h:29400", "--fault-timeout", "0"],
+    ([*REPLICA_GROUP_0, "--fault-timeout", "0"],
      "--fault-timeout must be positive and at most 86400 s, got 0.0"),
     (["--dataset", "text", "--model", "gpt", "--replica-group", "0", "--replica-groups", "2", "--coordinator",
       "h:99999"], "--coordinator's port must be between 1 and 65535, got 99999"),
     (["--dataset", "text", "--model", "gpt", "--replica-group", "0", "--replica-groups", "2", "--coordinator",
       "h:0"], "--coordinator's port must be between 1 and 65535, got 0"),
-    (["--dataset", "text", "--model", "gpt", "--replica-group", "0", "--replica-groups", "2", "--coordinator", "h:29400", "--commit-log", "/no/such/dir/x.jsonl"],
+    ([*REPLICA_GROUP_0, "--commit-log", "/no/such/dir/x.jsonl"],
      "--commit-log /no/such/dir/x.jsonl: no such folder /no/such/dir"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--zero", "4"], "argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3)"),

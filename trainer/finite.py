@@ -12,9 +12,10 @@ the next step tries again. More than MAX_SKIPS skips in a row stop the run: from
 40 halvings bring the scale below 2^-24, fp16's smallest subnormal, where no gradient is left that fp16 could
 carry; a loss that still overflows is non-finite of itself, not for the scale.
 
-Its cost: one all-reduce of 4 numbers per step (the fourth: a background save that failed, ``watch``) (a world of 1: none), launched without waiting, and read one step
-later (a CUDA event on a pinned copy: the host never waits for the step under way), or before a save, which reads
-the step it saves (``settle``). No host-device sync of its own per step.
+Its cost: one all-reduce of 4 numbers per step (the fourth: a background save that failed, ``watch``; a world of
+1: none), launched without waiting, and read one step later (a CUDA event on a pinned copy: the host never waits for
+the step under way), or before a save, which reads the step it saves (``settle``). No host-device sync of its own
+per step.
 """
 from __future__ import annotations
 

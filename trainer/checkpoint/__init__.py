@@ -16,8 +16,8 @@
 Two formats of one content: the model, the optimizer's state, and the run's state beside them (the scheduler, the
 scaler, the position in the epoch, the finished epochs, every rank's sums of the current one, the run's record and
 fingerprint, the world size and the seed). Either is written and read by the sync itself (every sync's
-``save_checkpoint`` / ``load_checkpoint``: zero.checkpoint.Checkpoints), so the checkpointer never asks which sync runs; it
-decides where a checkpoint goes, which is current, and what the run carries.
+``save_checkpoint`` / ``load_checkpoint``: zero.checkpoint.Checkpoints), so the checkpointer never asks which sync
+runs; it decides where a checkpoint goes, which is current, and what the run carries.
 
 - Folders of torch.distributed.checkpoint (DCP; zero.checkpoint's format, which FSDP2 and torch's tools read), where
   the sync holds shards (``sync.holds_shards``: --grad-sync custom --zero 1-3 and fsdp) and every rank sees the same

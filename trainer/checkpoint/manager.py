@@ -4,8 +4,8 @@ folder's lock, the format (``folders``: DCP folders or last.pt), the background 
 loop's stall in each save and the run's end's wait for its last.
 
 The model and the optimizer are written and read by the sync itself (every sync's ``save_checkpoint`` /
-``load_checkpoint``: zero.checkpoint.Checkpoints), the run state beside them as last.pt's other keys or the folder's extra,
-so nothing here asks which sync runs.
+``load_checkpoint``: zero.checkpoint.Checkpoints), the run state beside them as last.pt's other keys or the folder's
+extra, so nothing here asks which sync runs.
 """
 from __future__ import annotations
 

@@ -29,8 +29,9 @@ already competes for the same two cores. benchmarks/checkpoint_benchmark.py meas
 writers beside ours).
 
 Crash safety is the format's: a folder is written as DIR/step-N.partial and published by the caller's ``then``
-(trainer/checkpoint/folders.py renames it and points DIR/latest at it), a file is written to a temporary name and renamed
-(zero/checkpoint/whole.py): a process killed while its writer writes leaves the previous checkpoint current and whole.
+(trainer/checkpoint/folders.py renames it and points DIR/latest at it), a file is written to a temporary name and
+renamed (zero/checkpoint/whole.py): a process killed while its writer writes leaves the previous checkpoint current
+and whole.
 """
 from __future__ import annotations
 
