@@ -47,18 +47,23 @@ import sys
 import time
 from typing import Any, Iterator
 
-# replica groups: a lost coordinator is said in one line, not after a C++ stack per failed store call (c10d's
-# client logs each at warning level; the level is read once, as torch is imported)
+from trainer import refusals  # (imports no torch)
+
+# replica groups, before torch is imported: a restart of a group the coordinator refused says the same line and stops
+# (trainer/refusals.py), and a lost coordinator is said in one line, not after a C++ stack per failed store call
+# (c10d's client logs each at warning level; the level is read once, as torch is imported)
+if __name__ == "__main__":
+    refusals.exit_if_refused(sys.argv[1:])
 if "--coordinator" in sys.argv:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-import torch
+import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import replicas
 import utils
 from data import derive_seed
-from trainer import faults, refusals
+from trainer import faults
 from trainer.build import Parts, build
 from trainer.checkpoint import NO_SUMS, Checkpointer, Position
 from trainer.config import Config, parse_args

@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 
 from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S, one_line
 
-FIRST_WAIT_S = 5.0  # the first quorum waits this long for every planned group once one has asked
+FIRST_WAIT_S = 5.0  # the least the first quorum waits for every planned group (else the fault timeout)
 LINEAGE_WAITS = 10  # the fault timeouts the lighthouse waits, at most, for the holders of the last committed step
 TICK_S = 0.005  # the lighthouse's poll of its event queue and of the open quorum's decision
 WATCH_S = 0.05  # ... and of the heartbeats, when no request came meanwhile
@@ -205,19 +205,21 @@ class Lighthouse:
         self._publish(members)
 
     def _first_waits(self, alive: dict[int, Asked]) -> bool:
-        """Whether the first quorum waits for more groups: every planned one, up to FIRST_WAIT_S since the first
-        asked. A coordinator restarted after a loss (a request names a quorum it was in: groups that were training)
+        """Whether the first quorum waits for more groups: every planned one, up to the fault timeout (at least
+        FIRST_WAIT_S) since the first asked: a planned group slower to start than the others (a loaded machine: its
+        torch imported seconds later) is no more taken for lost than a quorum's silent member. A coordinator restarted after a loss (a request names a quorum it was in: groups that were training)
         waits instead for the members of the latest quorum a request names, the lost coordinator's (one of them may
         hold the last committed step: [Note: lineage]), until they ask, are gone (their heartbeat, back, silent past
         STALE_S) or the fault timeout has passed; not for the other groups (gone, or restarting: not coming)."""
         waited = time.monotonic() - self.first_asked
+        patience = max(asked.request["fault_timeout"] for asked in alive.values())
         if self.last_members[0] < 0:
-            return len(alive) < self.planned and waited < FIRST_WAIT_S
+            return len(alive) < self.planned and waited < max(FIRST_WAIT_S, patience)
         now = time.monotonic()
         coming = [g for g in self.last_members[1] if g not in alive and all(
             now - self.beats.get(f"{PREFIX}hb/{g}/{j}", (None, now))[1] <= STALE_S
             for j in range(self.places.get(g, 1)))]  # (not seen beating yet: still reconnecting)
-        return bool(coming) and waited < max(asked.request["fault_timeout"] for asked in alive.values())
+        return bool(coming) and waited < patience
 
     def _waiting_for_newer_state(self, alive: dict[int, Asked]) -> bool:
         """Whether the next quorum waits for a group that is not among ``alive`` and may bring back a newer state

@@ -39,7 +39,8 @@ WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", 
 FAULT_TIMEOUT_S = 3.0
 STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60}
 RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
-RESTART_DELAY_S = FAULT_TIMEOUT_S + 3  # progress: group 0's restart slower than the fault timeout (gone, as a holder)
+PROGRESS_TIMEOUT_S = 10.0  # progress: the first quorum waits this long for both groups (a loaded machine's start)
+RESTART_DELAY_S = PROGRESS_TIMEOUT_S + 3  # ... and group 0's restart is slower than it (gone, as a holder)
 PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them before group 0 could finish alone
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
 
@@ -110,7 +111,7 @@ def progress(out: str, data: str) -> dict:
            1: {"DDP_CIFAR100_FAULT": "1/0:3:after"}}
     run = ReplicaRun(out, 2, flags(data, STEPS["progress"], "--checkpoint-every", "2"),
                      entry="tests/float64_trainer.py", env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"},
-                     group_env=env, min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+                     group_env=env, min_groups=1, fault_timeout_s=PROGRESS_TIMEOUT_S, max_restarts=2)
 
     def act() -> None:
         run.wait_for(1, "recovery from group 0", lambda entries: any(

@@ -43,3 +43,15 @@ def earlier(argv: list[str] | None) -> str | None:
         return None
     with open(path) as f:
         return f.read()
+
+
+def exit_if_refused(argv: list[str]) -> None:
+    """A restart of a refused group's torchrun (``earlier``), at the script's start, before torch is imported (about
+    2 s of every start, and what makes K restarts cost seconds rather than minutes): the same line on rank 0, exit 1,
+    as ddp_cifar100.main says a refusal."""
+    refusal = earlier(argv)
+    if refusal is None:
+        return
+    if os.environ.get("RANK", "0") == "0":
+        print(f"ddp_cifar100.py: error: {refusal}", file=sys.stderr, flush=True)
+    sys.exit(1)
