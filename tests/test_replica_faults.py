@@ -144,10 +144,12 @@ def test_no_group_goes_on_from_a_state_older_than_a_checkpoint_holds(outcomes):
     assert run["restarts"] == {"0": 1, "1": 1}
     log = steps_of(run["logs"]["0"])
     assert [entry["step"] for entry in log] == list(range(replica_scenarios.STEPS["progress"]))  # every step once
-    assert not any(entry["participants"] == [1] for entry in log)  # group 1 never trained alone
     resumed = [int(line.rsplit(" ", 1)[1]) for line in run["outputs"]["0"].splitlines()
                if line.startswith("resuming from ")]
     assert len(resumed) == 1 and resumed[0] > 3, run["outputs"]["0"][-2000:]  # group 0's restart, past step 3
+    # group 1 never trained alone from its older state (later, once both hold the same, it may: a loaded machine
+    # once left group 0 out of a step, late past the fault timeout, and it then received group 1's state)
+    assert not any(entry["participants"] == [1] and entry["step"] < resumed[0] for entry in log)
     notes = [note["recovered"] for note in run["logs"]["1"] if "recovered" in note]
     assert [(note["group"], note["source"], note["step"]) for note in notes][-1] == (1, 0, resumed[0])
     # what no process can bring back, group 0's steps since its last checkpoint (every 2 steps), said on each group
