@@ -22,6 +22,8 @@ STALE_S = 1.0  # a heartbeat this old: the process is gone (killed or stopped), 
 FINISHED = "the run finished"  # how a refusal of a group back after the end begins (RunFinished)
 RECONNECT_S = 0.2  # how often a member tries the coordinator's address again, once it is lost
 CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's process group (a loaded machine's processes)
+HANDSHAKE_S = 30.0  # the least time a listening coordinator's store has to answer a new client: under two busy loops
+# its handshake once took over 10 s, and the client logged a C++ stack per try it timed out
 SERVE = "python -m replicas serve"  # the coordinator's command
 
 
@@ -41,7 +43,7 @@ class RunFinished(ReplicaRefused):
 def connect(address: str, timeout_s: float) -> TCPStore:
     """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line. A
     plain socket waits for a listener first (every RECONNECT_S): the store's client, given nothing there, takes
-    about twice its timeout and logs a C++ stack per try; once one listens, it has at least CONNECT_S to answer."""
+    about twice its timeout and logs a C++ stack per try; once one listens, it has at least HANDSHAKE_S to answer."""
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -55,7 +57,7 @@ def connect(address: str, timeout_s: float) -> TCPStore:
             time.sleep(RECONNECT_S)
     try:
         return TCPStore(host or "127.0.0.1", int(port), is_master=False, wait_for_workers=False,
-                        timeout=timedelta(seconds=max(deadline - time.monotonic(), CONNECT_S)))
+                        timeout=timedelta(seconds=max(deadline - time.monotonic(), HANDSHAKE_S)))
     except (RuntimeError, ValueError) as error:
         raise CoordinatorLost(f"coordinator {address} unreachable ({one_line(error)}): start it with `{SERVE} "
                               f"--port {port}`") from None

@@ -128,7 +128,12 @@ def coordinator(out: str, data: str) -> dict:
     events = {}
 
     def act() -> None:
-        run.wait_for_step(0, 7, 120)
+        # both groups past step 7 and each with a checkpoint (a loaded machine may start one late: it then joins
+        # by recovery, and its first checkpoint comes later), so that what the test reads is there to be read
+        for group in range(2):
+            run.wait_for_step(group, 7, 120)
+            run.wait_for(group, "checkpoint", lambda entries, g=group: os.path.exists(
+                os.path.join(run.path(g, "checkpoints"), "last.pt")), 120)
         run.kill_coordinator()
         events["killed_at"] = time.time()
     outcome = finish(run, act, timeout_s=120)
