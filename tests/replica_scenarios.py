@@ -92,8 +92,11 @@ def alone(out: str, data: str) -> dict:
         events["stopped"] = run.signal(2, signal.SIGSTOP)
         events["stopped_at"] = time.time()
         events["quorum_at_stop"] = max(entry["quorum"] for entry in run.committed(0))  # the last one committed
-        time.sleep(FAULT_TIMEOUT_S + 8)  # past the timeout, and long enough for the others to step without it
-        # under load (the whole suite on 2 cores: a new process group and a step took 3.9 s past the timeout)
+        # past the timeout, and until the others have taken two steps without it (an event, not a fixed wait: under
+        # two busy loops an epoch's validation once filled the whole of 8 s, and nothing was stepped while it hung)
+        past = events["stopped_at"] + FAULT_TIMEOUT_S + 1
+        run.wait_for(0, "two steps without group 2", lambda entries: sum(
+            1 for e in entries if "step" in e and e["time"] > past) >= 2, 120)
         run.signal(2, signal.SIGCONT)
         events["continued_at"] = time.time()
         run.wait_for(2, "recovery after the hang", rejoined(events["quorum_at_stop"]), 120)
