@@ -40,7 +40,7 @@ class RunFinished(ReplicaRefused):
     restarted the group after a fault need not restart it again (its process ends with 0)."""
 
 
-def connect(address: str, timeout_s: float) -> TCPStore:
+def connect(address: str, timeout_s: float, handshake_s: float = HANDSHAKE_S) -> TCPStore:
     """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line. A
     plain socket waits for a listener first (every RECONNECT_S): the store's client, given nothing there, takes
     about twice its timeout and logs a C++ stack per try; once one listens, it has at least HANDSHAKE_S to answer."""
@@ -57,7 +57,7 @@ def connect(address: str, timeout_s: float) -> TCPStore:
             time.sleep(RECONNECT_S)
     try:
         return TCPStore(host or "127.0.0.1", int(port), is_master=False, wait_for_workers=False,
-                        timeout=timedelta(seconds=max(deadline - time.monotonic(), HANDSHAKE_S)))
+                        timeout=timedelta(seconds=max(deadline - time.monotonic(), handshake_s)))
     except (RuntimeError, ValueError) as error:
         raise CoordinatorLost(f"coordinator {address} unreachable ({one_line(error)}): start it with `{SERVE} "
                               f"--port {port}`") from None
@@ -72,7 +72,8 @@ def reconnect(address: str, timeout_s: float) -> TCPStore | None:
     while time.monotonic() < deadline:
         try:
             socket.create_connection((host or "127.0.0.1", int(port)), timeout=RECONNECT_S).close()
-            return connect(address, max(deadline - time.monotonic(), RECONNECT_S))
+            # CONNECT_S, not HANDSHAKE_S: a probe that met the dying store would hold a lost coordinator's line 60 s
+            return connect(address, max(deadline - time.monotonic(), RECONNECT_S), CONNECT_S)
         except (OSError, CoordinatorLost):
             time.sleep(RECONNECT_S)
     return None
