@@ -283,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if joined else int(os.environ.get("RANK", 0))
     launched_by_torchrun = utils.launched_by_torchrun()
     try:
-        if refusals.earlier(argv) is not None:  # replica groups: refused at a previous start of this torchrun
-            raise replicas.ReplicaRefused(refusals.earlier(argv))  # (before anything is built: trainer/refusals.py)
+        earlier = refusals.earlier(argv)  # replica groups: refused at a previous start of this torchrun (callers
+        if earlier is not None:  # in-process; under torchrun the script's start said it: trainer/refusals.py)
+            raise replicas.ReplicaRefused(earlier)
         config = parse_args(argv)
         if config.generate is not None:  # no process group: rank 0 samples, any other rank has nothing to do
             if rank == 0:
