@@ -23,6 +23,9 @@ same ranks, so they overlap backward and never interleave with the caller's coll
 ``group``. A ``group`` made directly over a store (the replica groups' quorums, outside torch.distributed's registry)
 comes with its ``thread_group``, a second such group over the same processes.
 ``all_to_all`` is torch's all_to_all_single, or allreduce.py's pairwise_all_to_all on the thread.
+``launched``, where set (a callable of the collective's kind: "all_reduce", "reduce_scatter", "all_gather",
+"all_to_all"), is called once each collective is launched and before it lands: where the trainer's faults
+(trainer/faults.py) kill a process inside one.
 ``sent_bytes()`` is what this rank has sent: the ring's own isend payloads, counted where they are posted, on this
 object's thread only (so two Collectives in one process, a shard group's and a replicate group's, count apart); for
 torch's collectives what an ideal ring sends, (W-1)/W of the buffer per reduce-scatter or all-gather and twice
@@ -32,7 +35,7 @@ the segments that leave this rank.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -84,6 +87,7 @@ class Collectives:
         self.thread = None if kind == "torch" else AllreduceThread(kind, timeout_s, group=group,
                                                                    own_group=thread_group)
         self.nominal_sent = 0
+        self.launched: Callable[[str], None] | None = None  # (module docstring)
         self.in_place_on_gloo = kind == "torch" and (group or dist.group.WORLD).name() == "gloo"
 
     def chunk(self, flat: torch.Tensor) -> torch.Tensor:
@@ -99,7 +103,7 @@ class Collectives:
             flat.div_(self.size)
             self.nominal_sent += 2 * (self.size - 1) * flat.numel() * flat.element_size() // self.size
             return dist.all_reduce(flat, group=self.group, async_op=True)
-        return self._launch(name, start)
+        return self._launch(name, start, "all_reduce")
 
     def reduce_scatter(self, flat: torch.Tensor, name: str) -> Pending:
         """Average chunk ``rank`` of ``flat`` over the group into that chunk (divide by W first, then sum)."""
@@ -111,7 +115,7 @@ class Collectives:
             if self.in_place_on_gloo:  # gloo's own would all-reduce a copy of flat
                 return dist.all_reduce(flat, group=self.group, async_op=True)
             return dist.reduce_scatter_tensor(self.chunk(flat), flat, group=self.group, async_op=True)
-        return self._launch(name, start)
+        return self._launch(name, start, "reduce_scatter")
 
     def all_gather(self, flat: torch.Tensor, name: str) -> Pending:
         """Every rank's chunk r of ``flat`` into chunk r of every rank's ``flat``, bit for bit."""
@@ -125,7 +129,7 @@ class Collectives:
                                              async_op=True) for r in range(self.size)])
             return dist.all_gather_into_tensor(flat, self.chunk(flat), group=self.group, async_op=True)
         with torch.no_grad():  # a flat behind parameters: gloo's in-place copies must not be recorded
-            return self._launch(name, start)
+            return self._launch(name, start, "all_gather")
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                    name: str) -> tuple[Pending, torch.Tensor]:
@@ -136,17 +140,20 @@ class Collectives:
         if self.thread is not None:  # one buffer, what leaves and what lands, in place on the thread
             buffer = torch.cat([send.reshape(-1), send.new_empty(received)])
             operation = partial(pairwise_all_to_all, send_counts=send_counts, recv_counts=recv_counts)
-            return self._launch(name, lambda: self.thread.submit(buffer, operation=operation)), buffer[send.numel():]
+            return self._launch(name, lambda: self.thread.submit(buffer, operation=operation), "all_to_all"), \
+                buffer[send.numel():]
         output = send.new_empty(received)
 
         def start() -> Any:
             self.nominal_sent += (send.numel() - send_counts[self.rank]) * send.element_size()
             return dist.all_to_all_single(output, send, recv_counts, send_counts, group=self.group, async_op=True)
-        return self._launch(name, start), output
+        return self._launch(name, start, "all_to_all"), output
 
-    def _launch(self, name: str, start: Any) -> Pending:
+    def _launch(self, name: str, start: Any, kind: str) -> Pending:
         with utils.profiled(name) as span:
             work = start()
+            if self.launched is not None:
+                self.launched(kind)
             if span is None:
                 return Pending(work, self.thread is not None)
             # the range ends when the result lands, not when the launch returns: record_function's hand-over to a

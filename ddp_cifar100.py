@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"ddp_cifar100.py: note: {exc}", file=sys.stderr, flush=True)
         return 0
-    except (replicas.CoordinatorLost, replicas.ReplicaRefused) as exc:  # replica groups: each group's rank 0 says it
+    except (replicas.GroupStops, replicas.ReplicaRefused) as exc:  # replica groups: each group's rank 0 says it
         if isinstance(exc, replicas.ReplicaRefused):  # final: a restart of this torchrun says it again at once
             refusals.remember(str(exc), argv)
         if rank == 0:

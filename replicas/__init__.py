@@ -72,13 +72,13 @@ its own and over the process group, the wire format) and commit_log.py (the log 
 from replicas.commit_log import append_log, read_log, write_log
 from replicas.coordinator import FIRST_WAIT_S, LINEAGE_WAITS, Lighthouse, main, serve
 from replicas.member import Heartbeat, Joined, Recovery, Replica
-from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STALE_S, CoordinatorLost, Quorum,
-                               ReplicaRefused, RunFinished, connect, one_line, reconnect)
+from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STALE_S, CoordinatorLost, GroupStops,
+                               Quorum, ReplicaRefused, RunFinished, connect, one_line, reconnect)
 from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, SocketTransport, StateTransport, TensorPlace,
-                               join_tensors, messages_of, split_tensors)
+                               TornTransfer, join_tensors, messages_of, split_tensors)
 
 __all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "RECONNECT_S",
-           "STALE_S", "CoordinatorLost", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum", "Received",
+           "STALE_S", "CoordinatorLost", "GroupStops", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum", "Received",
            "Recovery", "Replica", "ReplicaRefused", "RunFinished", "SocketTransport", "StateTransport",
-           "TensorPlace", "append_log", "connect", "join_tensors", "main", "messages_of", "one_line", "read_log",
+           "TensorPlace", "TornTransfer", "append_log", "connect", "join_tensors", "main", "messages_of", "one_line", "read_log",
            "reconnect", "serve", "split_tensors", "write_log"]

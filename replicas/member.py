@@ -28,9 +28,9 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from collectives import Collectives
 from replicas.commit_log import adopt, append_log, last_commit, lock_log, resume_log, run_of, write_log
-from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, Quorum, ReplicaRefused, RunFinished,
-                               connect, one_line, reconnect)
-from replicas.transfer import SocketTransport, StateTransport
+from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused,
+                               RunFinished, connect, one_line, reconnect)
+from replicas.transfer import SocketTransport, StateTransport, TornTransfer
 
 
 @dataclass(frozen=True)
@@ -323,7 +323,15 @@ class Replica:
         return recovery
 
     def _receive_state(self, source: int, quorum: Quorum) -> Recovery:
-        received = self.transport.receive(source)
+        """The state from the quorum's member of rank ``source``, received into this process's own tensors where it
+        can (transfer.py), then loaded. Torn after it had begun writing into them ([Note: a torn transfer]): this
+        group stops, to start again from its checkpoints."""
+        try:
+            received = self.transport.receive(source, into={"state": self.state_dict(), "log": None})
+        except TornTransfer as error:
+            raise GroupStops(f"replica group {self.group}: the live state's transfer was torn after it began "
+                             f"writing into this group's state ({one_line(error)}); the group stops, to start again "
+                             f"from its checkpoints") from None
         arrived = time.perf_counter()
         self.log = adopt(self.log, received.state["log"])
         self.load_state_dict(received.state["state"])

@@ -27,7 +27,12 @@ HANDSHAKE_S = 30.0  # the least time a listening coordinator's store has to answ
 SERVE = "python -m replicas serve"  # the coordinator's command
 
 
-class CoordinatorLost(RuntimeError):
+class GroupStops(RuntimeError):
+    """This group cannot go on with the state it holds: its processes stop (one line, a non-zero exit), and torchrun
+    restarts them from their checkpoints."""
+
+
+class CoordinatorLost(GroupStops):
     """The coordinator cannot be reached: one line, naming it."""
 
 

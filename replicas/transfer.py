@@ -2,15 +2,24 @@
 (the package docstring's step 2), and the wire format both ends share.
 
 The member sees one small interface, StateTransport (torchft's CheckpointTransport is the model): ``send(state,
-joiner)`` on the source, ``receive(source) -> Received`` on the joiner, both peers named by their rank in the
-quorum. Today's, PGTransport, goes over the quorum's process group (made afresh per quorum); another (at the
-wire's speed, with a checksum; or with ZeRO inside the groups, rank j's shards from rank j) would take its place
-without the member changing.
+joiner)`` on the source, ``receive(source, into) -> Received`` on the joiner, both peers named by their rank in the
+quorum. SocketTransport (the default) streams over a TCP connection of its own at the wire's speed, each message
+checked against its CRC32, and writes every tensor straight into the joiner's own tensor at the same place of
+``into`` (the joiner's own state: its weights, its optimizer's moments), so that a joiner holds nothing beyond its
+steady state but what it had no tensor for; PGTransport goes over the quorum's process group (gloo's send and recv)
+and gives new tensors. With ZeRO inside the groups each place's state is its own shards (zero.checkpoint.held_state),
+sent place j to place j: no rank ever holds more than its own.
 
 The wire format: a state (any nesting of dicts, lists and tuples of tensors and picklable leaves) is split into a
 skeleton, its tensors replaced by numbered places (TensorPlace), and the tensors in that order (split_tensors);
 the skeleton goes pickled, then the tensors in messages of about MESSAGE_BYTES (messages_of: both ends group them
-alike from the skeleton), and the receiver puts them back in place (join_tensors)."""
+alike from the skeleton), and the receiver puts them back in place (join_tensors). A tensor that appears twice in a
+state (a tied weight under two names) is sent once.
+
+[Note: a torn transfer] A transfer that fails before any tensor was written into the joiner's own state (the
+source lost, a message whose CRC32 differs) leaves the joiner as it was: it asks again. One that fails after
+(TornTransfer) has overwritten part of it: the member stops its group, which torchrun restarts from its checkpoint,
+rather than let a state that is half one step and half another ever be a source."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -26,6 +35,10 @@ from typing import Any, Callable, Protocol
 import torch
 
 MESSAGE_BYTES = 64 * 2**20  # a state transfer's message
+
+
+class TornTransfer(RuntimeError):
+    """A transfer failed after it had begun writing into the joiner's own tensors ([Note: a torn transfer])."""
 
 
 @dataclass(frozen=True)
@@ -44,9 +57,11 @@ class StateTransport(Protocol):
         """``state`` to the quorum's member of rank ``joiner`` (this place's peer there); returns once it is sent,
         raises RuntimeError where the joiner is lost."""
 
-    def receive(self, source: int) -> Received:
+    def receive(self, source: int, into: Any = None) -> Received:
         """The state the quorum's member of rank ``source`` sends; raises RuntimeError where it is lost (nothing
-        half-received is given back)."""
+        half-received is given back), TornTransfer where it had begun writing into ``into``'s tensors. ``into``: a
+        state of the same form (this member's own), whose tensors may receive the tensors at the same place, of the
+        same shape and dtype, in place."""
 
 
 class PGTransport:
@@ -54,7 +69,8 @@ class PGTransport:
     skeleton, then the tensors in messages of about MESSAGE_BYTES (gloo moves one large message over loopback about
     twice as fast as many small ones: 0.8 against 0.4 GB/s measured here), a tensor larger than that alone. The
     group's own send and recv (allreduce.place_in: torch.distributed's blocking send refuses a group it did not
-    make). ``fault("send")``: called with half the messages sent, where a test kills the process."""
+    make). It receives into new tensors (``into`` is not used). ``fault("send")``: called with half the messages
+    sent, where a test kills the process."""
 
     def __init__(self, pg: Any, fault: Callable[[str], None] | None = None):
         self.pg, self.fault = pg, fault or (lambda point: None)
@@ -71,7 +87,7 @@ class PGTransport:
                 [t.detach().reshape(-1) for t in message])
             self.pg.send([flat.contiguous().cpu()], joiner, 0).wait()
 
-    def receive(self, source: int) -> Received:
+    def receive(self, source: int, into: Any = None) -> Received:
         started = time.perf_counter()
 
         def receive(count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -97,9 +113,10 @@ class SocketTransport:
     a port the OS hands out and sends ``host:port`` over the quorum's process group (so a quorum's transfer needs no
     key of its own), the source connects and streams a pickled skeleton, then the tensors' bytes straight from their
     storage, message by message (messages_of), each followed by its CRC32: no torch.cat on the sender (a
-    non-contiguous or GPU tensor alone is copied), and the receiver reads into one flat tensor per message that it
-    splits into views. A message whose checksum differs is refused (RuntimeError: the member aborts the quorum and
-    asks again); the checksums run in a thread beside the socket (zlib.crc32 lets the GIL go), so that they cost
+    non-contiguous or GPU tensor alone is copied), and the receiver reads each tensor's bytes straight into the
+    joiner's own tensor at its place in ``into`` (``destinations``), or a new one where it has none. A message whose
+    checksum differs is refused (RuntimeError: the member aborts the quorum and asks again; TornTransfer where it had
+    begun writing into ``into``: [Note: a torn transfer]); the checksums run in a thread beside the socket (zlib.crc32 lets the GIL go), so that they cost
     nothing while the next message moves. Every socket call waits at most the process group's timeout (the quorum's
     fault timeout): a peer killed or hung mid-transfer is a RuntimeError, never a joiner waiting for ever.
     ``host``: the name or address the source reaches this place by (the host's name, as gloo's default device).
@@ -136,7 +153,7 @@ class SocketTransport:
         except OSError as e:
             raise RuntimeError(f"the live state's transfer to rank {joiner} at {host}:{port} failed: {e!r}") from e
 
-    def receive(self, source: int) -> Received:
+    def receive(self, source: int, into: Any = None) -> Received:
         started = time.perf_counter()
         dual = socket.has_dualstack_ipv6()
         with socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
@@ -145,41 +162,72 @@ class SocketTransport:
             address = f"{self.host}:{server.getsockname()[1]}".encode()
             self.pg.send([torch.frombuffer(bytearray(address.ljust(self.ADDRESS_BYTES, b"\0")), dtype=torch.uint8)],
                          source, 0).wait()
+            written = [False]  # whether a byte went into ``into``'s tensors ([Note: a torn transfer])
             try:
                 conn, _ = server.accept()
                 with conn, concurrent.futures.ThreadPoolExecutor(1) as checksums:
                     conn.settimeout(self.timeout_s)
-                    skeleton, tensors = read_stream(conn, checksums)
-            except OSError as e:
-                raise RuntimeError(f"the live state's transfer from rank {source} failed: {e!r}") from e
+                    skeleton, tensors = read_stream(conn, checksums, into, written)
+            except (OSError, RuntimeError) as e:
+                why = f"the live state's transfer from rank {source} failed: {e!r}"
+                raise (TornTransfer(f"{why}, after it had begun writing into this member's own state") if written[0]
+                       else RuntimeError(why)) from e
         state, seconds = join_tensors(skeleton, tensors), time.perf_counter() - started
         return Received(state, int(sum(t.numel() * t.element_size() for t in tensors)), seconds)
 
 
-def read_stream(conn: socket.socket, checksums: concurrent.futures.Executor) -> tuple[dict[str, Any], list]:
-    """What SocketTransport.send streams: the skeleton and its tensors, each message checked against its CRC32
-    (in ``checksums``' thread while the next message arrives); RuntimeError on a checksum that differs."""
+def read_stream(conn: socket.socket, checksums: concurrent.futures.Executor, into: Any = None,
+                written: list[bool] | None = None) -> tuple[dict[str, Any], list]:
+    """What SocketTransport.send streams: the skeleton and its tensors, each read into its place in ``into``
+    (``destinations``) or a new tensor, each message checked against its CRC32 (in ``checksums``' thread while the
+    next message arrives); RuntimeError on a checksum that differs. ``written[0]`` is set once a byte goes into one
+    of ``into``'s tensors."""
     length, expected = struct.unpack("!QI", read_exactly(conn, 12))
     header = read_exactly(conn, length)
     if zlib.crc32(header) != expected:
         raise RuntimeError("the live state's skeleton arrived corrupted (its CRC32 differs): refused")
     skeleton = pickle.loads(header)
     shapes = skeleton["tensors"]
-    tensors: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+    tensors = destinations(skeleton, into)
     checks = []
     for n, message in enumerate(messages_of(shapes)):
-        sizes = [math.prod(shapes[i][0]) for i in message]
-        flat = torch.empty(sum(sizes), dtype=shapes[message[0]][1])
-        view = byte_view(flat)
-        read_exactly(conn, len(view), into=view)
+        views = []
+        for i in message:
+            if tensors[i] is None:
+                tensors[i] = torch.empty(shapes[i][0], dtype=shapes[i][1])
+            elif written is not None:
+                written[0] = True
+            views.append(byte_view(tensors[i]))
+            read_exactly(conn, len(views[-1]), into=views[-1])
         expected = struct.unpack("!I", read_exactly(conn, 4))[0]
-        checks.append((n, expected, checksums.submit(crc32, [view])))
-        for i, part in zip(message, flat.split(sizes)):
-            tensors[i] = part.view(shapes[i][0])  # a view of the message: nothing copied here
+        checks.append((n, expected, checksums.submit(crc32, views)))
     for n, expected, crc in checks:
         if crc.result() != expected:
             raise RuntimeError(f"the live state's message {n} arrived corrupted (its CRC32 differs): refused")
     return skeleton, tensors
+
+
+def destinations(skeleton: dict[str, Any], into: Any) -> list[torch.Tensor | None]:
+    """For each tensor of the skeleton, the tensor at the same place of ``into`` (the same keys and positions) where
+    it has the same shape and dtype and is contiguous on the CPU (its bytes then receive it in place); else None."""
+    found: list[torch.Tensor | None] = [None] * len(skeleton["tensors"])
+
+    def walk(item: Any, own: Any) -> None:
+        if isinstance(item, TensorPlace):
+            shape, dtype = skeleton["tensors"][item.index]
+            if (torch.is_tensor(own) and tuple(own.shape) == shape and own.dtype == dtype and own.is_contiguous()
+                    and own.device.type == "cpu" and found[item.index] is None):
+                found[item.index] = own.detach()
+        elif isinstance(item, dict) and isinstance(own, dict):
+            for key, value in item.items():
+                if key in own:
+                    walk(value, own[key])
+        elif isinstance(item, (list, tuple)) and isinstance(own, (list, tuple)):
+            for value, mine in zip(item, own):
+                walk(value, mine)
+    if into is not None:
+        walk(skeleton["body"], into)
+    return found
 
 
 def read_exactly(conn: socket.socket, count: int, into: memoryview | None = None) -> bytes | None:
@@ -226,13 +274,19 @@ def messages_of(tensors: list[tuple[tuple[int, ...], torch.dtype]]) -> list[list
 
 def split_tensors(value: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """``value`` (dicts, lists, tuples; tensors and picklable leaves) as a skeleton whose tensors are numbered
-    places, and the tensors in that order."""
+    places, and the tensors in that order; a tensor met again (the same memory, shape and strides: a tied weight
+    under two names) takes its first number."""
     tensors: list[torch.Tensor] = []
+    numbers: dict[tuple, int] = {}
 
     def walk(item: Any) -> Any:
         if torch.is_tensor(item):
-            tensors.append(item)
-            return TensorPlace(len(tensors) - 1)
+            key = (item.device, item.data_ptr(), item.dtype, tuple(item.shape), item.stride())
+            if item.numel() == 0 or key not in numbers:
+                tensors.append(item)
+                numbers[key] = len(tensors) - 1
+                return TensorPlace(len(tensors) - 1)
+            return TensorPlace(numbers[key])
         if isinstance(item, dict):
             return {key: walk(v) for key, v in item.items()}
         if isinstance(item, (list, tuple)):

@@ -1,7 +1,8 @@
 """The live state's transfer (replicas/transfer.py), between two threads of this process over a pair of gloo process
-groups made on a TCPStore on a port the OS hands out: every dtype and odd shape round-trips bit for bit, a message
-corrupted on the wire is refused, and a source that dies or hangs mid-transfer is a RuntimeError within the fault
-timeout, never a joiner waiting for ever."""
+groups made on a TCPStore on a port the OS hands out: every dtype and odd shape round-trips bit for bit, into the
+joiner's own tensors where it has them, a tied tensor once; a message corrupted on the wire is refused, and a source
+that dies or hangs mid-transfer is a RuntimeError within the fault timeout, never a joiner waiting for ever (a
+TornTransfer once it had begun writing into the joiner's own tensors)."""
 import concurrent.futures
 import socket
 import time
@@ -28,15 +29,15 @@ def pair(timeout_s: float = TIMEOUT_S) -> list:
     return groups
 
 
-def move(kind, state, fault=None, timeout_s: float = TIMEOUT_S):
-    """``state`` sent by rank 0 to rank 1 with transports of ``kind``: (what rank 1 received or raised, what rank 0
-    raised or None, the receive's seconds)."""
+def move(kind, state, fault=None, timeout_s: float = TIMEOUT_S, into=None):
+    """``state`` sent by rank 0 to rank 1 with transports of ``kind`` (received into ``into``'s tensors where they
+    fit): (what rank 1 received or raised, what rank 0 raised or None, the receive's seconds)."""
     source, joiner = pair(timeout_s)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         sent = pool.submit(kind(source, fault).send, state, 1)
         started = time.monotonic()
         try:
-            received = pool.submit(kind(joiner).receive, 0).result(timeout=10 * timeout_s + 30)
+            received = pool.submit(kind(joiner).receive, 0, into).result(timeout=10 * timeout_s + 30)
         except RuntimeError as e:
             received = e
         seconds = time.monotonic() - started
@@ -129,3 +130,47 @@ def test_a_source_lost_mid_transfer_is_a_runtime_error_within_the_timeout(how):
         hang.set_result(None)
     assert isinstance(received, RuntimeError), received
     assert seconds < (2 if how == "dies" else TIMEOUT_S + 2), seconds
+
+
+def test_the_joiners_own_tensors_receive_in_place_and_a_tied_tensor_travels_once():
+    """Each tensor whose place in ``into`` holds a contiguous tensor of its shape and dtype lands in that tensor's
+    memory (no new one); the others (another shape, a place ``into`` lacks) are new; all bit for bit. A tensor under
+    two names (a tied weight) is sent once and received as one."""
+    g = torch.Generator().manual_seed(5)
+    tied = torch.randn(6, 4, generator=g)
+    state = {"model": {"embed": tied, "head": tied, "bias": torch.randn(4, generator=g)},
+             "moments": [torch.randn(3, generator=g).to(torch.bfloat16), torch.randn(2, 2, generator=g)],
+             "step": 7}
+    own_embed, own_head, own_bias = torch.zeros(6, 4), torch.zeros(6, 4), torch.zeros(5)  # bias: another shape
+    own_moment = torch.zeros(3, dtype=torch.bfloat16)
+    into = {"model": {"embed": own_embed, "head": own_head, "bias": own_bias}, "moments": [own_moment]}
+    received, failed, _ = move(SocketTransport, state, into=into)
+    assert failed is None and not isinstance(received, Exception), (failed, received)
+    assert same_bits(state, received.state)
+    got = received.state
+    assert got["model"]["embed"].data_ptr() == own_embed.data_ptr() and torch.equal(own_embed, tied)
+    assert got["model"]["head"] is got["model"]["embed"]  # once: the head's place is the embedding's tensor
+    assert got["moments"][0].data_ptr() == own_moment.data_ptr()
+    assert got["model"]["bias"].data_ptr() != own_bias.data_ptr() and not own_bias.any()
+    assert received.bytes == sum(t.numel() * t.element_size() for t in (tied, state["model"]["bias"],
+                                                                        *state["moments"]))
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_transfer_lost_after_writing_into_the_joiners_state_is_torn(into):
+    """The source dies with half the messages sent: received into new tensors, a RuntimeError (the joiner asks
+    again, its state intact); into its own tensors, a TornTransfer (its group stops and restarts from its
+    checkpoints: [Note: a torn transfer])."""
+    state = {f"t{i}": torch.full((1000,), float(i + 1)) for i in range(4)}
+    own = {f"t{i}": torch.zeros(1000) for i in range(4)}
+    transfer.MESSAGE_BYTES, saved = 4000, transfer.MESSAGE_BYTES
+
+    def fault(point):
+        raise ConnectionAbortedError("killed at the fault point")
+    try:
+        received, _, _ = move(SocketTransport, state, fault, into=own if into else None)
+    finally:
+        transfer.MESSAGE_BYTES = saved
+    assert isinstance(received, RuntimeError), received
+    assert isinstance(received, transfer.TornTransfer) == into, received
+    assert own["t0"].eq(0).all() != into  # the first message had landed in the joiner's own tensor

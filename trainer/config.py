@@ -249,8 +249,9 @@ class Config:
                                      help="fault tolerance: this torchrun is replica group I (0 .. R-1) of a run "
                                           "whose groups train together through --coordinator and carry on when "
                                           "one is lost, a group that comes back taking the live state from another "
-                                          "(replicas/; custom --zero 0, or diloco and localsgd with each group a "
-                                          "replica; each group its own --checkpoint-dir)")
+                                          "(replicas/; custom --zero 0-3, each group sharding over its own "
+                                          "processes and place j's shards averaged across the groups, or diloco and "
+                                          "localsgd with each group a replica; each group its own --checkpoint-dir)")
     replica_groups: int | None = flag(None, type=int, metavar="R",
                                       help="fault tolerance: the replica groups the run is planned for; group I's "
                                            "processes take the data of ranks I*P .. I*P+P-1 of one R*P-process run, "
@@ -545,7 +546,7 @@ MAX_FAULT_TIMEOUT_S = 86400.0  # a day: longer is a typo, and a timedelta of inf
 
 def check_replica_groups(given: argparse.Namespace) -> None:
     """The fault-tolerant replica groups' flags (trainer/replica_groups.py): together, in range, and with what
-    they support (custom --zero 0 inside a group)."""
+    they support (custom --zero 0-3 inside a group, diloco and localsgd at --zero 0)."""
     named = [f"--{key.replace('_', '-')}" for key in FT_FLAGS if getattr(given, key) is not None]
     options = [f"--{key.replace('_', '-')}" for key, default in FT_OPTIONS.items() if getattr(given, key) != default]
     if not named:
@@ -575,10 +576,12 @@ def check_replica_groups(given: argparse.Namespace) -> None:
     folder = os.path.dirname(given.commit_log or "") or "."
     if given.commit_log is not None and not os.path.isdir(folder):
         raise UsageError(f"--commit-log {given.commit_log}: no such folder {folder}")
-    if given.grad_sync not in ("custom", *OUTER_SYNCS) or given.zero != 0:
-        raise UsageError(f"fault-tolerant replica groups train --grad-sync custom, diloco or localsgd with --zero 0 "
-                         f"inside each group; --grad-sync {given.grad_sync} --zero {given.zero} is not supported (ZeRO "
-                         f"inside a group with fault tolerance across groups, FT-HSDP, is not built yet)")
+    if given.grad_sync not in ("custom", *OUTER_SYNCS):
+        raise UsageError(f"fault-tolerant replica groups train --grad-sync custom (--zero 0-3 inside each group), "
+                         f"diloco or localsgd; --grad-sync {given.grad_sync} is not supported")
+    if given.grad_sync in OUTER_SYNCS and given.zero != 0:
+        raise UsageError(f"--grad-sync {given.grad_sync} with --replica-groups takes --zero 0 inside each group; "
+                         f"--zero {given.zero} is not built yet")
     if given.replicas is not None:
         raise UsageError("--replicas splits one torchrun into replicas; with --replica-groups each torchrun is one "
                          "group (one replica): leave --replicas out")

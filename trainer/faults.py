@@ -7,7 +7,8 @@ or 0 for the first, the default), so that the restarted processes run through.
 
 the second: replica group GROUP's rank RANK (any group's, without GROUP), at POINT, with STEP optimizer steps done
 (*: at any step), in torchrun's attempt ATTEMPT (default 0). POINT is one of POINTS: inside the step's forward or
-backward, inside the all-reduce across replica groups (its messages launched, not landed), inside the optimizer's
+backward, inside the group's own reduce-scatter or all-gather of a bucket (--zero 1-3: the step's first one launched
+and not landed, ``watch``), inside the all-reduce across replica groups (its messages launched, not landed), inside the optimizer's
 step (the update applied, the step not yet counted), while this rank sends its live state to a replica group that
 joins (half the tensors sent), in --async-checkpoint's writer thread as it starts writing a save (the loop gone on),
 while it saves a checkpoint (its files written, the save not yet made current), or after the step (the default).
@@ -18,9 +19,12 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from typing import Any, Callable
 
 ENV = "DDP_CIFAR100_FAULT"
-POINTS = ("forward", "backward", "allreduce", "optimizer", "send", "write", "save", "after", "nan")
+POINTS = ("forward", "backward", "reduce_scatter", "all_gather", "allreduce", "optimizer", "send", "write", "save",
+          "after", "nan")
+WATCHED = ("reduce_scatter", "all_gather")  # inside the sync's own collectives (``watch``)
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,18 @@ def named(point: str, rank: int, step: int, group: int | None = None) -> bool:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return any((fault.point, fault.rank, fault.attempt) == (point, rank, attempt) and fault.step in (None, step)
                and fault.group in (None, group) for fault in parse(text))
+
+
+def watch(comm: Any, rank: int, steps: Callable[[], int | None], group: int | None = None) -> None:
+    """Where DDP_CIFAR100_FAULT names a point inside the sync's own collectives (WATCHED), have ``comm``
+    (collectives.Collectives) call ``at`` as each one is launched; ``steps()``: the optimizer steps done (None:
+    none named yet)."""
+    text = os.environ.get(ENV)
+    if not text or not any(fault.point in WATCHED for fault in parse(text)):
+        return
+
+    def launched(kind: str) -> None:
+        done = steps()
+        if kind in WATCHED and done is not None:
+            at(kind, rank, done, group)
+    comm.launched = launched

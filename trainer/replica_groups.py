@@ -40,6 +40,7 @@ import torch
 
 import replicas
 import utils
+import zero.checkpoint
 from trainer import faults
 from trainer.build import Parts
 from trainer.checkpoint import NO_SUMS, fingerprint, trajectory
@@ -54,10 +55,15 @@ def identity_record(config: Config, record: dict[str, Any]) -> dict[str, Any]:
     checkpoint's; a setting that is a flag named as one: "--lr") and, first, what the average across the groups
     depends on besides, which a checkpoint may change between a save and a resume: --allreduce (torch's collectives
     or the ring's, each with process groups and store keys of its own: groups of both never meet) and, where the
-    gradient buckets are averaged (not diloco's whole pseudo-gradient), --bucket-mb (the buckets' shapes). Not
-    --sync-mode: it changes when the group's own all-reduce of a bucket starts, not the buckets nor their sums."""
+    gradient buckets are averaged (not diloco's whole pseudo-gradient), --zero (place j averages its shard j with
+    place j's of the other groups: the shards must be cut alike, and a live state is a place's own shards),
+    --bucket-mb at --zero 0-2 (the buckets' shapes; stage 3's units are the model's blocks) and --zero3-accumulate
+    at 3 (the order a window's gradient is summed in). Not --sync-mode: it changes when the group's own all-reduce
+    of a bucket starts, not the buckets nor their sums. The group's size P is in every request besides."""
     flags = {field.name for field in dataclasses.fields(Config)}
-    cross = ("allreduce",) if config.grad_sync in OUTER_SYNCS else ("allreduce", "bucket_mb")
+    cross = ("allreduce", "zero")
+    if config.grad_sync not in OUTER_SYNCS:
+        cross += ("bucket_mb",) if config.zero < 3 else ("zero3_accumulate",)
     named = {key: getattr(config, key) for key in cross} | record
     return {f"--{key.replace('_', '-')}" if key in flags else key.replace("_", " "): value
             for key, value in named.items()}
@@ -143,9 +149,11 @@ class ReplicaGroups:
                 return average if self.replica.total_weight else None
 
     def live_state(self) -> dict[str, Any]:
-        """What a joiner needs to continue from this rank's place (module docstring)."""
+        """What a joiner needs to continue from this rank's place (module docstring): the model and the optimizer as
+        this rank holds them (zero.checkpoint.held_state: at --zero 1-3 this place's shards alone, as views), the
+        rest small."""
         parts = self.parts
-        return {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+        return {"held": zero.checkpoint.held_state(parts.sync, parts.optimizer),
                 "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
                 "scaler": parts.scaler.state_dict(), "position": dataclasses.asdict(self.position),
                 "history": self.history, "sums": self.epoch.sums.values() if self.epoch is not None else NO_SUMS,
@@ -153,8 +161,7 @@ class ReplicaGroups:
 
     def take_live_state(self, state: dict[str, Any]) -> None:
         parts = self.parts
-        parts.model.load_state_dict(state["model"])
-        parts.optimizer.load_state_dict(state["optimizer"])
+        zero.checkpoint.load_held_state(parts.sync, parts.optimizer, state["held"])
         if parts.scheduler is not None:
             parts.scheduler.load_state_dict(state["scheduler"])
         parts.scaler.load_state_dict(state["scaler"])

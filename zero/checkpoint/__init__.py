@@ -87,7 +87,8 @@ zero/checkpoint/state_dict.py (the state dict of one rank: what the sync holds, 
 places a load reads into; extra), zero/checkpoint/planner.py (DCP's default planners, with pieces written and read
 as boxes), zero/checkpoint/checks.py (every refusal, in one line, the same on every rank), zero/checkpoint/checksums.py
 (the CRC32s checked before a read), zero/checkpoint/disk.py (the disk's errors of a save, named),
-zero/checkpoint/whole.py (one file of the whole state dicts), zero/checkpoint/methods.py (the checkpoint methods every
+zero/checkpoint/whole.py (one file of the whole state dicts), zero/checkpoint/held.py (what one rank holds, as it
+holds it, for a peer of the same layout: a replica group's live state), zero/checkpoint/methods.py (the checkpoint methods every
 sync offers, ``Checkpoints``, and a whole-tensor sync's, ``WholeCheckpoints``); the piece arithmetic without DCP is
 zero/pieces.py's. DCP's flattening and its inverse come from its private modules (``_nested_dict.flatten_state_dict``,
 ``_traverse.set_element``): the ones DCP's own planners and ``dcp_to_torch_save`` use, so the keys and the rebuilt
@@ -119,6 +120,7 @@ EXPORTS = {
     "Checkpointable": "zero.checkpoint.state_dict", "encode_extra": "zero.checkpoint.state_dict",
     "model_entries": "zero.checkpoint.state_dict", "optimizer_entries": "zero.checkpoint.state_dict",
     "ShardSavePlanner": "zero.checkpoint.planner", "ShardLoadPlanner": "zero.checkpoint.planner",
+    "held_state": "zero.checkpoint.held", "load_held_state": "zero.checkpoint.held",
     "Piece": "zero.pieces", "Shards": "zero.pieces", "flat_pieces": "zero.pieces", "layout_boxes": "zero.pieces",
     "memory_order": "zero.pieces", "range_boxes": "zero.pieces",
 }
