@@ -88,6 +88,8 @@ def train(config: Config) -> dict[str, Any]:
     try:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpointer.restore()
+        faults.watch(getattr(parts.sync, "comm", None), parts.ctx.rank, lambda: position.optimizer_steps,
+                     config.replica_group)  # trainer/faults.py: inside the sync's own collectives, where named
         if config.coordinator:  # fault-tolerant replica groups: this group trains with the others through it
             parts.replicas = ReplicaGroups(parts, checkpointer.fingerprint, position.optimizer_steps)
             checkpointer.when_published(parts.replicas.replica.saved)  # what a restart of this group brings back
@@ -308,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     except (replicas.GroupStops, replicas.ReplicaRefused) as exc:  # replica groups: each group's rank 0 says it
         if isinstance(exc, replicas.ReplicaRefused):  # final: a restart of this torchrun says it again at once
             refusals.remember(str(exc), argv)
-        if rank == 0:
+        # every rank meets a refusal and the coordinator's loss (rank 0 says it); a torn transfer, its own place
+        if rank == 0 or not isinstance(exc, (replicas.CoordinatorLost, replicas.ReplicaRefused)):
             print(f"ddp_cifar100.py: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as exc:

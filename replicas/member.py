@@ -225,6 +225,8 @@ class Replica:
                     if quorum.pg != self.pg_id:
                         self._make_group(quorum)
                     return Joined(quorum, self._transfer(quorum))
+                except GroupStops:  # a torn transfer: this group's state is not whole, and must not be asked with
+                    raise
                 except (RuntimeError, dist.DistError) as error:  # a member died before the group was made or the
                     self._abort(quorum, f"joining quorum {quorum.id} failed ({one_line(error)})")  # state arrived
             except Reconnected:

@@ -18,6 +18,11 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   for it, then says so in one line and stops.
 - restart: 3 groups, the coordinator SIGKILLed while they are inside step 6 and a new one started on its port: the
   groups keep their processes and state, lose at most that step, and run to the end.
+- sharded: 3 groups of 2 processes at --zero 3 (each sharding the model over its own 2), --min-replica-groups 3:
+  in step 2 group 1's rank 1 SIGKILLed inside its own reduce-scatter and group 2's rank 0 inside its all-gather;
+  group 0, their only source, has its rank 1 SIGKILLed while it sends them its place's shards (the joiners' own
+  tensors half written: their groups stop, [Note: a torn transfer]; every group starts again from its checkpoints);
+  in step 6 group 0's rank 0 SIGKILLed inside the average of a shard across the groups (it recovers from another).
 - diloco: 2 groups as DiLoCo's replicas (meeting every 3 steps), --min-replica-groups 2: group 1 SIGKILLed inside a
   window (steps 4 and 7), back from its checkpoint, recovering at the next meeting (6), then again (9), where group
   0 is SIGKILLed while sending it the state (both start again from their checkpoints, at one meeting).
@@ -37,12 +42,13 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60}
+STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 10}
 RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
 PROGRESS_TIMEOUT_S = 10.0  # progress: the first quorum waits this long for both groups (a loaded machine's start)
 RESTART_DELAY_S = PROGRESS_TIMEOUT_S + 3  # ... and group 0's restart is slower than it (gone, as a holder)
 PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them before group 0 could finish alone
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
+SHARDED_KILLS = {0: "0/1:*:send,0/0:6:allreduce:1", 1: "1/1:2:reduce_scatter", 2: "2/0:2:all_gather"}
 
 
 def corpus(root: str) -> str:
@@ -68,6 +74,14 @@ def kills(out: str, data: str) -> dict:
     env = {group: {"DDP_CIFAR100_FAULT": faults} for group, faults in KILLS.items()}
     run = ReplicaRun(out, 3, flags(data, STEPS["kills"], "--checkpoint-every", "4"), entry="tests/float64_trainer.py",
                      group_env=env, min_groups=3, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=4)
+    return finish(run, lambda: None, timeout_s=400)
+
+
+def sharded(out: str, data: str) -> dict:
+    env = {group: {"DDP_CIFAR100_FAULT": faults} for group, faults in SHARDED_KILLS.items()}
+    run = ReplicaRun(out, 3, flags(data, STEPS["sharded"], "--checkpoint-every", "4", "--zero", "3"),
+                     entry="tests/float64_trainer.py", group_env=env, processes=2, min_groups=3,
+                     fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=5)
     return finish(run, lambda: None, timeout_s=400)
 
 
@@ -188,8 +202,8 @@ def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
             "metrics": {str(g): run.path(g, "metrics") for g in range(run.groups)}}
 
 
-SCENARIOS = {"kills": kills, "alone": alone, "progress": progress, "diloco": diloco, "coordinator": coordinator,
-             "restart": restart}
+SCENARIOS = {"kills": kills, "sharded": sharded, "alone": alone, "progress": progress, "diloco": diloco,
+             "coordinator": coordinator, "restart": restart}
 
 
 def main(out: str, names: list[str]) -> int:

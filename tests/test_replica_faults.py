@@ -10,6 +10,10 @@ a coordinator and a torchrun per group, the trainer in float64), each run compar
 - alone: groups 1 and 2 SIGKILLed at once: group 0 goes on alone (--min-replica-groups 1), they come back and
   recover; then group 2 stopped past the fault timeout and woken: left out while hung, it rejoins by recovery, not
   by applying what it had in flight; every group ends with the same weights, which the replay reaches.
+- sharded: 3 groups of 2 processes at --zero 3: ranks SIGKILLed inside the group's own reduce-scatter and
+  all-gather, while sending their place's shards to a joiner (whose own tensors, half written, stop its group: it
+  starts again from its checkpoint) and inside the average of a shard across the groups: every step is taken once
+  by all three, every group ends with the same weights bit for bit, and the replay reaches them.
 - diloco: DiLoCo's replicas as groups: one killed inside a window recovers at the next meeting, bringing nothing to
   it; the one that sends it the state killed mid-transfer: both start again from their checkpoints; they end equal.
 - progress: the only group that went on alone killed while it sends the state to the other, back from its older
@@ -40,6 +44,8 @@ import torch
 
 import processes
 import replica_scenarios
+import zero.checkpoint
+from trainer.checkpoint import folders
 from trainer_testing import max_difference, replay_in_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test waits for the scenarios
@@ -69,9 +75,12 @@ def steps_of(log):
 
 
 def final_weights(outcome, group):
-    path = os.path.join(outcome["checkpoints"][str(group)], "last.pt")
-    assert os.path.exists(path), f"group {group} ended without its checkpoint:\n{outcome['outputs'][str(group)]}"
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+    """The group's last checkpoint's weights: its last.pt, or (--zero 3) its current DCP folder, read whole."""
+    found = folders.current(outcome["checkpoints"][str(group)])
+    assert found is not None, f"group {group} ended without its checkpoint:\n{outcome['outputs'][str(group)]}"
+    if found.folder:
+        return zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
+    return torch.load(found.path, map_location="cpu", weights_only=True)["model"]
 
 
 def replayed(local_group, outcome, group, steps):
@@ -94,7 +103,25 @@ def test_every_step_is_taken_once_by_all_three_groups_through_six_kills(outcomes
     assert recovered == {0, 1}  # group 1 from group 0, group 0 from another (group 2 from its own checkpoint)
 
 
-@pytest.mark.parametrize("scenario", ["kills", "alone", "restart", "progress"])
+def test_a_sharded_group_loses_ranks_inside_each_collective_and_every_step_is_taken_once(outcomes):
+    """The sharded scenario (--zero 3, 2 processes a group): ranks SIGKILLed inside the group's reduce-scatter and
+    all-gather, while sending a place's shards, and inside the average of a shard across the groups; every step is
+    taken once by all three groups; a joiner whose own tensors were half written stops its group (the torn line)."""
+    sharded = outcomes["sharded"]
+    assert sharded["codes"] == {"0": 0, "1": 0, "2": 0}
+    assert sharded["restarts"]["0"] == 2, sharded["outputs"]["0"][-2000:]  # while sending; inside the average
+    for group in ("0", "1", "2"):
+        log = steps_of(sharded["logs"][group])
+        assert [entry["step"] for entry in log] == list(range(replica_scenarios.STEPS["sharded"]))
+        assert all(entry["participants"] == [0, 1, 2] for entry in log)
+    torn = [g for g in ("1", "2") if "was torn after it began writing" in sharded["outputs"][g]]
+    assert torn, "no joiner's transfer was torn"
+    for group in torn:  # stopped, and restarted by torchrun: its kill, then the torn transfer
+        assert sharded["restarts"][group] + sharded["outputs"][group].count("failed (exitcode: 1)") >= 2
+    assert any("recovered" in note for note in sharded["logs"]["0"])  # after the kill inside the average
+
+
+@pytest.mark.parametrize("scenario", ["kills", "sharded", "alone", "restart", "progress"])
 def test_every_group_ends_with_the_same_weights_and_the_replay_reaches_them(local_group, outcomes, scenario):
     outcome = outcomes[scenario]
     weights = [final_weights(outcome, group) for group in range(len(outcome["codes"]))]

@@ -71,10 +71,10 @@ def named(point: str, rank: int, step: int, group: int | None = None) -> bool:
 
 def watch(comm: Any, rank: int, steps: Callable[[], int | None], group: int | None = None) -> None:
     """Where DDP_CIFAR100_FAULT names a point inside the sync's own collectives (WATCHED), have ``comm``
-    (collectives.Collectives) call ``at`` as each one is launched; ``steps()``: the optimizer steps done (None:
-    none named yet)."""
+    (collectives.Collectives; None: a sync without one, PyTorch's) call ``at`` as each one is launched; ``steps()``:
+    the optimizer steps done (None: none named yet)."""
     text = os.environ.get(ENV)
-    if not text or not any(fault.point in WATCHED for fault in parse(text)):
+    if comm is None or not text or not any(fault.point in WATCHED for fault in parse(text)):
         return
 
     def launched(kind: str) -> None:
