@@ -66,6 +66,14 @@ delay <= floor(H / F) keeps one fragment in flight at a time. With delay 0 the u
 schedule is a fixed function of the inner step: a run stopped anywhere resumes exactly from ``state_dict``, which
 holds the shared point, the outer momentum, this rank's error feedback, the inner-step count and any fragment in
 flight (landed, not yet applied).
+
+Fault-tolerant replica groups (``meets_outside``, trainer/replica_groups.py) run the same schedule, each meeting
+through a quorum of the caller's (``meet_through``): formed at the launch, the average on the same ring over the
+quorum's process group, the vote at the application (delay steps later). The exact rule for a fault between launch
+and landing: the meeting is not applied by anyone, and is averaged again at the landing step in a new quorum, every
+replica bringing the pseudo-gradient it launched (the progress since the launch kept as above); a meeting in flight
+in a checkpoint is met again so too. A replica found behind in a quorum takes a peer's state and the peer's place in
+its meeting (weight 0), and brings nothing to each fragment's next launch (``brings``).
 """
 from __future__ import annotations
 

@@ -21,8 +21,14 @@ by the sync, then across the quorum's groups). Each optimizer step:
 With --grad-sync diloco (or localsgd) each group is one DiLoCo replica: its inner steps are its own, and the groups
 meet only at the outer step (diloco.DiLoCo's ``meet``), where the quorum is formed, the pseudo-gradients averaged
 over the groups alive and the outer step applied only if the quorum commits it (else averaged again in the next
-one). A group that comes back joins at the next meeting: it takes the live state (the shared point and the outer
-optimizer's state among it) and brings no pseudo-gradient of its own (weight 0), then steps like the others.
+one). --fragments, --outer-delay and --outer-compress too: a quorum per fragment's meeting, its average on
+diloco.py's compressed ring over the quorum's process group (``start_meeting``, on a thread, so that R groups meet as
+the R replicas of one run, bit for bit) and its vote when it is applied, --outer-delay steps later (``end_meeting``):
+an aborted meeting, a group lost between the launch and the landing, is averaged again at the landing step in the
+next quorum, with the same pseudo-gradients. A group that comes back joins at a peer's meeting: it takes the live
+state (the shared point, the outer optimizer's state, the error feedback, the fragment in flight and where the peer
+stands in its meeting) and the peer's place in it with weight 0, and brings nothing to each fragment's next meeting
+(diloco.DiLoCo._meet_as_joiner).
 
 The commit log (--commit-log PATH, written by each group's rank 0) holds every committed step: its quorum, the
 groups that took part and the samples each used (``samples_of``: epoch, micro-batches and data ranks, which name
