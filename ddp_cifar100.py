@@ -155,6 +155,7 @@ def train(config: Config) -> dict[str, Any]:
     if parts.ctx.rank == 0 and config.metrics_out:
         utils.write_json(config.metrics_out, metrics)
     metrics["model"] = parts.model  # for in-process callers (tests), whole (sync.close()); not part of the JSON
+    metrics["outer"] = parts.outer.state_dict() if parts.outer is not None else None  # (diloco's outer state, too)
     return metrics
 
 

@@ -66,6 +66,14 @@ delay <= floor(H / F) keeps one fragment in flight at a time. With delay 0 the u
 schedule is a fixed function of the inner step: a run stopped anywhere resumes exactly from ``state_dict``, which
 holds the shared point, the outer momentum, this rank's error feedback, the inner-step count and any fragment in
 flight (landed, not yet applied).
+
+Fault-tolerant replica groups (``meets_outside``, trainer/replica_groups.py) run the same schedule, each meeting
+through a quorum of the caller's (``meet_through``): formed at the launch, the average on the same ring over the
+quorum's process group, the vote at the application (delay steps later). The exact rule for a fault between launch
+and landing: the meeting is not applied by anyone, and is averaged again at the landing step in a new quorum, every
+replica bringing the pseudo-gradient it launched (the progress since the launch kept as above); a meeting in flight
+in a checkpoint is met again so too. A replica found behind in a quorum takes a peer's state and the peer's place in
+its meeting (weight 0), and brings nothing to each fragment's next launch (``brings``).
 """
 from __future__ import annotations
 
@@ -83,6 +91,7 @@ import torch.nn as nn
 from allreduce import AllreduceThread, split_bounds
 
 CODECS = ("none", "bf16", "int8", "int4")
+REPLACED = object()  # meets_outside: a landing during which this replica took a peer's live state instead
 BLOCK = 256  # elements per scale (int8, int4)
 LEVELS = {"int8": 127, "int4": 7}  # codes in [-L, L]
 
@@ -246,8 +255,9 @@ class InFlight:
     apply_at: int  # the inner step after which it is applied
     average: torch.Tensor  # the pseudo-gradient, averaged in place once landed
     at_launch: torch.Tensor | None  # the fragment's local weights at the launch (delay > 0)
-    future: Any = None  # the thread's; None once landed
+    future: Any = None  # the thread's; None once landed (meets_outside: the meeting's; None: not launched in a quorum)
     entry: dict[str, Any] | None = None  # its line in DiLoCo.log (None: launched before a resume, counted there)
+    brings: bool = True  # meets_outside: whether ``average`` is this replica's own (else it takes part with weight 0)
 
 
 class DiLoCo:
@@ -272,9 +282,6 @@ class DiLoCo:
         if not 0 <= delay <= local_steps // fragments:
             raise ValueError(f"delay must be in [0, local_steps // fragments = {local_steps // fragments}] (one "
                              f"fragment in flight at a time), got {delay}")
-        if meets_outside and (fragments, delay, compress) != (1, 0, "none"):
-            raise ValueError("meetings through fault-tolerant replica groups take one fragment, no delay and no "
-                             "compression")
         self.model, self.local_steps, self.compress, self.delay = model, local_steps, compress, delay
         self.per_rank = params is not None  # the outer state is this rank's shards' (ZeRO-3 inside the replicas)
         # the tensors the outer step reads and writes: the model's parameters, or (ZeRO-3 inside the replicas)
@@ -292,21 +299,28 @@ class DiLoCo:
         # meets_outside: the meetings are the caller's (fault-tolerant replica groups: trainer/replica_groups.py),
         # which gives the meeting once it holds one (meet_through); else our ring, on its thread
         self.meets_outside = meets_outside
-        self.meet: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None
+        self.meet: Any = None
         self.thread = None if meets_outside else AllreduceThread("ring", timeout_s, group=group)
         self.inner_steps = 0
+        # meets_outside: per fragment, whether this replica's progress on it since its last launch is its own (a
+        # replica that took a peer's live state holds the peer's: it brings nothing until the fragment's next launch)
+        self.brings = [True] * fragments
+        self.launched = 0  # the inner step of the last launch (a joiner that launched with its peers launches once)
+        self.meeting_now: str | None = None  # meets_outside: "first", "launch" or "land" while in a quorum's join
         self.in_flight: list[InFlight] = []
         self.log: list[dict[str, Any]] = []  # one entry per outer all-reduce: step, fragment, bytes, wait
 
-    def meet_through(self, meet: Callable[[torch.Tensor | None], torch.Tensor | None]) -> None:
-        """The caller's meeting (``meets_outside``), given once, before the first: ``meet(pseudo)`` gives back the
-        average of the replicas' pseudo-gradients once they agreed on it (None where none brought one: no outer
-        step), ``meet(None)`` takes part bringing nothing."""
+    def meet_through(self, meet: Any) -> None:
+        """The caller's meeting (``meets_outside``), given once, before the first: ``meet.join()`` forms a new quorum
+        (True: this replica was behind and has taken a peer's live state in it, ``load_state_dict`` done);
+        ``meet.start(sent, weight, codec)`` launches the weighted average of ``sent`` (None: of nothing) across the
+        quorum, on a thread; ``meet.finish(handle)`` waits for it and votes: (committed, the average or None where
+        no replica brought one, this rank's new error feedback or None, the bytes sent)."""
         if not self.meets_outside or self.meet is not None:
             raise RuntimeError("DiLoCo.meet_through: a meeting is given once, to a DiLoCo made with meets_outside")
         self.meet = meet
 
-    def _meeting(self) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+    def _meeting(self) -> Any:
         if self.meet is None:
             raise RuntimeError("DiLoCo meets outside (meets_outside) and no meeting was given yet (meet_through)")
         return self.meet
@@ -330,22 +344,26 @@ class DiLoCo:
     def step(self) -> None:
         """Count one inner step; launch the fragments due now, apply those whose delay is over."""
         self.inner_steps += 1
+        self._rest_of_step()
+
+    def _rest_of_step(self) -> None:
         self._apply_due()  # first, so that a launch at the step another lands keeps one fragment in flight
-        for f in self.due(self.inner_steps):
-            self._launch(f)
+        if self.launched < self.inner_steps:  # (a joiner may have launched already, with its peers)
+            for f in self.due(self.inner_steps):
+                self._launch(f)
         self._apply_due()  # delay 0: at once
 
     def _apply_due(self) -> None:
         while self.in_flight and self.in_flight[0].apply_at <= self.inner_steps:
-            self._apply(self.in_flight.pop(0))
+            self._apply(self.in_flight[0])
 
     def _launch(self, f: int) -> None:
+        if self.meets_outside:
+            self._launch_outside(f)
+            return
+        self.launched = self.inner_steps
         local = self._flatten(f)
         pseudo = self.start[f] - local  # Delta_r: the shared point minus this replica's
-        if self.meets_outside:  # averaged over the replica groups alive, applied now (delay 0)
-            self.log.append({"step": self.inner_steps, "fragment": f, "elements": pseudo.numel(), "bytes": None})
-            self.in_flight.append(InFlight(f, self.inner_steps, self._meeting()(pseudo), None, None, None))
-            return
         if self.error is not None:
             pseudo += self.error[f]  # error feedback: what earlier roundings lost, sent now
         operation = partial(ring_allreduce_compressed, codec=self.compress,
@@ -368,16 +386,107 @@ class DiLoCo:
         item.future = None
 
     def _apply(self, item: InFlight) -> None:
-        self._land(item)
+        if self.meets_outside:
+            average = self._land_outside(item)
+            if average is REPLACED:  # this replica took a peer's state meanwhile, and met with it
+                return
+        else:
+            self._land(item)
+            average = item.average
+        self.in_flight = [i for i in self.in_flight if i is not item]
         f = item.fragment
+        if average is None:  # a meeting where no replica brought anything: no outer step
+            return
         # the outer step on this fragment alone: torch.optim.SGD skips tensors whose .grad is None
-        self.start[f].grad = item.average
+        self.start[f].grad = average
         self.outer_optimizer.step()
         self.start[f].grad = None
         new = self.start[f]
         if item.at_launch is not None:  # keep the inner steps taken while the all-reduce was on the wire
             new = new + (self._flatten(f) - item.at_launch)
         self._write(f, new)
+
+    # ------------------------------------------------------------------------------------------------------
+    # meets_outside: each meeting through a quorum of the caller's (fault-tolerant replica groups)
+    # ------------------------------------------------------------------------------------------------------
+    def _launch_outside(self, f: int, joined: bool = False) -> None:
+        """Fragment ``f``'s meeting: a new quorum (``joined``: this replica is in its peers' already), then its
+        average launched on the meeting's thread, voted on and applied after inner step t + delay."""
+        if not joined:
+            self.meeting_now = "launch"
+            received = self._meeting().join()
+            self.meeting_now = None if not received else self.meeting_now
+            if received:  # behind: a peer's live state taken, and with it the peer's place in its meeting
+                self._meet_as_joiner()
+                return
+        self.launched = self.inner_steps
+        local = self._flatten(f)
+        sent = self.start[f] - local  # Delta_r, and what earlier roundings lost
+        if self.error is not None:
+            sent += self.error[f]
+        brings, self.brings[f] = self.brings[f], True  # from now on this replica's progress on f is its own
+        if not brings:
+            sent.zero_()
+        entry = {"step": self.inner_steps, "fragment": f, "elements": sent.numel(), "bytes": None}
+        self.log.append(entry)
+        item = InFlight(f, self.inner_steps + self.delay, sent, local if self.delay else None, None, entry, brings)
+        item.future = self.meet.start(sent, float(brings), self.compress)
+        self.in_flight.append(item)
+
+    def _land_outside(self, item: InFlight) -> Any:
+        """The committed average of ``item``'s meeting (None: nobody brought one), or REPLACED. An aborted quorum
+        (a peer lost between the launch and now, or before) is followed by another, at this step, which averages
+        the same pseudo-gradients again; a replica found behind in it takes a peer's state and that peer's
+        meeting."""
+        while True:
+            if item.future is None:  # not launched in a live quorum (aborted, or resumed from a checkpoint)
+                self.meeting_now = "land"
+                received = self._meeting().join()
+                self.meeting_now = None if not received else self.meeting_now
+                if received:
+                    self._meet_as_joiner()
+                    return REPLACED
+                item.future = self.meet.start(item.average, float(item.brings), self.compress)
+            committed, average, error, sent = self.meet.finish(item.future)
+            item.future = None
+            if committed:
+                if error is not None:
+                    self.error[item.fragment].copy_(error)
+                if item.entry is not None:
+                    item.entry["bytes"] = (item.entry["bytes"] or 0) + sent
+                return average
+
+    def meet_first(self) -> bool:
+        """This process's first quorum (fault-tolerant replica groups): True where it took a peer's live state
+        there, and then took part in the peer's meeting as it stood (``_meet_as_joiner``); else every member has
+        just started (or resumed) too, and the quorum meets with nothing to average."""
+        self.meeting_now = "first"
+        received = self._meeting().join()
+        if received:
+            self._meet_as_joiner()
+            return True
+        self.meeting_now = None
+        self.meet.finish(self.meet.start(None, 0.0, self.compress))  # aborted or not: nothing to apply
+        return False
+
+    def _meet_as_joiner(self) -> None:
+        """This replica has just taken a peer's live state in the quorum the peer was forming: it takes the peer's
+        place in the meeting (``meeting_now``, the peer's) with nothing of its own (weight 0), and finishes the
+        peer's step. Every fragment's progress is the peer's until its next launch: brought as nothing then, the
+        fragment heals to the replicas' average (plus, with a delay, this replica's own steps since)."""
+        now, self.meeting_now = self.meeting_now, None
+        self.brings = [False] * len(self.fragments)
+        if now == "first":  # a peer that has just started: a meeting of nothing
+            self.meet.finish(self.meet.start(None, 0.0, self.compress))
+            return
+        if now == "land":  # the peer lands a meeting aborted before: the peer's in-flight item, brought as nothing
+            item = next(i for i in self.in_flight if i.apply_at <= self.inner_steps)
+            item.brings, item.average = False, torch.zeros_like(item.average)
+            item.future = self.meet.start(item.average, 0.0, self.compress)
+            self._apply(item)
+        else:  # "launch": the fragment due at the peer's step, launched in this quorum
+            self._launch_outside(self.due(self.inner_steps)[0], joined=True)
+        self._rest_of_step()
 
     @contextlib.contextmanager
     def global_weights(self) -> Iterator[None]:
@@ -391,18 +500,12 @@ class DiLoCo:
             for f, weights in enumerate(own):
                 self._write(f, weights)
 
-    def meet_as_joiner(self) -> None:
-        """A replica that has just taken the live state at a meeting (fault-tolerant replica groups): no progress of
-        its own to bring, it takes the meeting's average (``meet(None)``) and its outer step like the others (none
-        where no replica brought a pseudo-gradient: a meeting of replicas that all just started)."""
-        average = self._meeting()(None)
-        if average is not None:
-            self._apply(InFlight(0, self.inner_steps, average, None, None, None))
-
     def wait(self) -> None:
-        """Wait until every outer all-reduce in flight has landed (they stay unapplied until their step)."""
+        """Wait until every outer all-reduce in flight has landed (they stay unapplied until their step). Not the
+        meetings through a quorum: theirs land at their step, where they are voted on."""
         for item in self.in_flight:
-            self._land(item)
+            if not self.meets_outside:
+                self._land(item)
 
     def sent_bytes(self) -> int:
         """Bytes this rank has sent in outer all-reduces that have landed."""
@@ -415,7 +518,8 @@ class DiLoCo:
                 "outer_optimizer": self.outer_optimizer.state_dict(),
                 "error": None if self.error is None else [e.clone() for e in self.error],
                 "in_flight": [{"fragment": i.fragment, "apply_at": i.apply_at, "average": i.average.clone(),
-                               "at_launch": i.at_launch} for i in self.in_flight]}
+                               "at_launch": i.at_launch, "brings": i.brings} for i in self.in_flight],
+                "brings": list(self.brings), "launched": self.launched, "meeting_now": self.meeting_now}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["start"]) != len(self.start) or any(a.shape != b.shape for a, b in zip(state["start"],
@@ -433,8 +537,11 @@ class DiLoCo:
                 mine.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.in_flight = [InFlight(i["fragment"], i["apply_at"], i["average"].clone(),
-                                   None if i["at_launch"] is None else i["at_launch"].clone())
-                          for i in state["in_flight"]]
+                                   None if i["at_launch"] is None else i["at_launch"].clone(),
+                                   brings=i.get("brings", True)) for i in state["in_flight"]]
+        self.brings = list(state.get("brings", [True] * len(self.start)))
+        self.launched = state.get("launched", self.inner_steps)
+        self.meeting_now = state.get("meeting_now")
 
     def close(self) -> None:
         """Wait for what is in flight (unapplied), stop the thread and its group; a second call does nothing."""

@@ -365,17 +365,25 @@ class Replica:
         self.comm, self.pg, self.pg_id, self.transport = None, None, None, None
 
     # 3. average
-    def average(self, tensors: list[torch.Tensor], weight: float | None = None) -> bool:
-        """Each tensor averaged over the quorum's groups, in place; False (and ``failure`` says why) where a peer
-        died or timed out, or the quorum was already aborted (a transfer in it failed). ``weight`` (every member
-        gives one, or none does): each group's tensors count by their group's weight, sum(w t) / sum(w) (a group
-        with nothing to bring: 0). The coordinator lost before it: False (its quorum is not taken)."""
+    def can_average(self) -> bool:
+        """Whether the quorum can still average: not decided already (a transfer in it failed: aborted) nor a lost
+        coordinator's (else False, and ``failure`` says why). An average of the caller's own (diloco's compressed
+        ring over ``pg``) asks first, as ``average`` does."""
         try:
             if self.stale or self._call(self.store.check, [f"{PREFIX}decision/{self.quorum.id}"]):
                 self.failure = "the quorum was aborted before its average"
                 return False
         except Reconnected:
             self.failure = "the coordinator was lost before the average"
+            return False
+        return True
+
+    def average(self, tensors: list[torch.Tensor], weight: float | None = None) -> bool:
+        """Each tensor averaged over the quorum's groups, in place; False (and ``failure`` says why) where a peer
+        died or timed out, or the quorum was already aborted (a transfer in it failed). ``weight`` (every member
+        gives one, or none does): each group's tensors count by their group's weight, sum(w t) / sum(w) (a group
+        with nothing to bring: 0). The coordinator lost before it: False (its quorum is not taken)."""
+        if not self.can_average():
             return False
         weights = [] if weight is None else [torch.tensor([weight], dtype=torch.float64)]
         if weights:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import threading
 import time
 from datetime import timedelta
@@ -222,26 +223,72 @@ DILOCO = ["--grad-sync", "diloco", "--local-steps", "2", "--outer-lr", "0.7", "-
 
 
 @pytest.fixture(scope="module")
-def diloco_groups(local_group, corpus):
-    """DiLoCo's replicas as 2 replica groups of one process (meeting through the quorum every 2 steps, averaged on
-    allreduce.py's ring over the quorum's own process groups), and as one run of 2 processes with --replicas 2
-    (meeting on diloco.py's ring)."""
-    with coordinator() as address, LocalGroup(1) as first, LocalGroup(1) as second:
-        flags = [*DILOCO, "--replica-groups", "2", "--coordinator", address]
-        pending = {group: where.submit(train_in_group, argv_of(corpus, *flags, "--replica-group", str(group)),
-                                       "float64") for group, where in enumerate((first, second))}
+def singles():
+    """Three worker groups of one process each, one per replica group, shared by the diloco cases."""
+    with LocalGroup(1) as first, LocalGroup(1) as second, LocalGroup(1) as third:
+        yield first, second, third
+
+
+OUTER = {"plain": [], "streaming": ["--local-steps", "4", "--fragments", "2", "--outer-delay", "1",
+                                    "--outer-compress", "int4"],
+         "bf16": ["--fragments", "2", "--outer-compress", "bf16"]}
+
+
+@pytest.fixture(scope="module", params=sorted(OUTER))
+def diloco_groups(request, local_group, singles, corpus):
+    """DiLoCo's replicas as 2 replica groups of one process (meeting through a quorum per meeting, every 2 steps,
+    or per fragment, on diloco.py's ring over the quorum's own process groups), and as one run of 2 processes with
+    --replicas 2 (meeting on diloco.py's ring): plain, 2 fragments applied a step after launch in int4, and 2
+    fragments in bf16."""
+    flags = [*DILOCO, *OUTER[request.param]]
+    with coordinator() as address:
+        groups_flags = [*flags, "--replica-groups", "2", "--coordinator", address]
+        pending = {group: where.submit(train_in_group, argv_of(corpus, *groups_flags, "--replica-group", str(group)),
+                                       "float64") for group, where in enumerate(singles[:2])}
         groups = collect_all(pending)
-    whole = local_group(2).run(train_in_group, argv_of(corpus, *DILOCO, "--replicas", "2"), "float64")
-    return groups, whole
+    whole = local_group(2).run(train_in_group, argv_of(corpus, *flags, "--replicas", "2"), "float64")
+    return request.param, groups, whole
 
 
 def test_diloco_replica_groups_are_one_diloco_run(diloco_groups):
-    groups, whole = diloco_groups
+    case, groups, whole = diloco_groups
     for group, ranks in groups.items():
         worst = max_difference(ranks[0]["state"], whole[group]["state"])  # replica `group` is rank `group` there
-        print(f"\ndiloco replica group {group} vs replica {group} of one run, float64: max |dw| = {worst:.1e}")
+        print(f"\ndiloco ({case}) replica group {group} vs replica {group} of one run, float64: max |dw| = "
+              f"{worst:.1e}")
         assert worst < 1e-10
-    assert max_difference(groups[0][0]["state"], groups[1][0]["state"]) == 0  # the run ends on a meeting
+    if case == "plain":
+        assert max_difference(groups[0][0]["state"], groups[1][0]["state"]) == 0  # the run ends on a meeting
+
+
+def test_a_diloco_group_joining_mid_window_heals_at_each_fragments_next_meeting(singles, corpus, tmp_path):
+    """Groups 0 and 1 of 3 planned train 3 steps of streaming DiLoCo (2 fragments, meeting at steps 2 and 4 of 4,
+    applied a step later) and stop; both resume from their checkpoints to step 6, alone, and again with a group 2
+    that starts afresh and joins there, mid-window, taking a peer's live state. Group 2 brings nothing to each
+    fragment's next meeting (its progress there is the peer's): groups 0 and 1 end as they do alone (to the sums'
+    rounding: the average is over 3 members, weights 1, 1, 0), and all three hold the same shared point and outer
+    momentum, bit for bit."""
+    flags = [*DILOCO, "--local-steps", "4", "--fragments", "2", "--outer-delay", "1", "--replica-groups", "3",
+             "--fault-timeout", "3"]  # (a planned group absent: the quorum forms without it after 3 s)
+
+    def run(groups, folder, *more):
+        with coordinator() as address:
+            return collect_all({g: singles[g].submit(train_in_group, argv_of(
+                corpus, *flags, "--coordinator", address, "--replica-group", str(g), "--checkpoint-dir",
+                str(tmp_path / folder / f"group{g}"), "--min-replica-groups", str(len(groups)), *more), "float64")
+                for g in groups})
+    run((0, 1), "alone", "--max-steps", "3")
+    shutil.copytree(tmp_path / "alone", tmp_path / "joined")
+    alone, joined = run((0, 1), "alone"), run((0, 1, 2), "joined")
+    worst = max(max_difference(joined[g][0]["state"], alone[g][0]["state"]) for g in (0, 1))
+    print(f"\ndiloco groups 0, 1 with group 2 joining at step 3 vs without it, float64: max |dw| = {worst:.1e}")
+    assert worst < 1e-10
+    outer = [joined[g][0]["outer"] for g in range(3)]
+    for other in outer[1:]:
+        assert all(a.equal(b) for a, b in zip(outer[0]["start"], other["start"]))
+        momentum = [state["outer_optimizer"]["state"][i]["momentum_buffer"] for state in (outer[0], other)
+                    for i in range(2)]
+        assert momentum[0].equal(momentum[2]) and momentum[1].equal(momentum[3])
 
 
 def push_request(store, ticket, group, step, last_commit, fault_timeout=0.0, durable=None):

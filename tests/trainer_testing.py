@@ -30,9 +30,10 @@ def train_in_group(rank, world_size, argv, dtype="float32"):
         metrics = trainer.train(trainer.parse_args(argv))
     finally:
         torch.set_default_dtype(previous)
-    model = metrics.pop("model")
+    model, outer = metrics.pop("model"), metrics.pop("outer")
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-    return {"state": {k: v.detach().clone() for k, v in state.items()}, "metrics": metrics}  # FSDP2: DTensors
+    return {"state": {k: v.detach().clone() for k, v in state.items()}, "metrics": metrics,  # FSDP2: DTensors
+            "outer": outer}  # diloco's outer state (its shared point, momentum, ...), else None
 
 
 def try_train_in_group(rank, world_size, argv):

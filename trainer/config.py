@@ -251,7 +251,8 @@ class Config:
                                           "one is lost, a group that comes back taking the live state from another "
                                           "(replicas/; custom --zero 0-3, each group sharding over its own "
                                           "processes and place j's shards averaged across the groups, or diloco and "
-                                          "localsgd with each group a replica; each group its own --checkpoint-dir)")
+                                          "localsgd with each group a replica, --fragments, --outer-delay and "
+                                          "--outer-compress too; each group its own --checkpoint-dir)")
     replica_groups: int | None = flag(None, type=int, metavar="R",
                                       help="fault tolerance: the replica groups the run is planned for; group I's "
                                            "processes take the data of ranks I*P .. I*P+P-1 of one R*P-process run, "
@@ -585,10 +586,6 @@ def check_replica_groups(given: argparse.Namespace) -> None:
     if given.replicas is not None:
         raise UsageError("--replicas splits one torchrun into replicas; with --replica-groups each torchrun is one "
                          "group (one replica): leave --replicas out")
-    if given.grad_sync in OUTER_SYNCS and ((given.fragments or 1) != 1 or (given.outer_delay or 0) != 0
-                                           or (given.outer_compress or "none") != "none"):
-        raise UsageError(f"--grad-sync {given.grad_sync} with --replica-groups meets through the quorum: one "
-                         f"fragment, no --outer-delay and no --outer-compress (not built yet with fault tolerance)")
     if given.allreduce == "butterfly":
         raise UsageError("fault-tolerant replica groups average across groups with --allreduce torch or ring")
     if given.norm != "local" and given.model not in LANGUAGE_MODELS + ("vit", *TORCHVISION_VITS):

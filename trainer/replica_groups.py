@@ -21,8 +21,14 @@ by the sync, then across the quorum's groups). Each optimizer step:
 With --grad-sync diloco (or localsgd) each group is one DiLoCo replica: its inner steps are its own, and the groups
 meet only at the outer step (diloco.DiLoCo's ``meet``), where the quorum is formed, the pseudo-gradients averaged
 over the groups alive and the outer step applied only if the quorum commits it (else averaged again in the next
-one). A group that comes back joins at the next meeting: it takes the live state (the shared point and the outer
-optimizer's state among it) and brings no pseudo-gradient of its own (weight 0), then steps like the others.
+one). --fragments, --outer-delay and --outer-compress too: a quorum per fragment's meeting, its average on
+diloco.py's compressed ring over the quorum's process group (``start_meeting``, on a thread, so that R groups meet as
+the R replicas of one run, bit for bit) and its vote when it is applied, --outer-delay steps later (``end_meeting``):
+an aborted meeting, a group lost between the launch and the landing, is averaged again at the landing step in the
+next quorum, with the same pseudo-gradients. A group that comes back joins at a peer's meeting: it takes the live
+state (the shared point, the outer optimizer's state, the error feedback, the fragment in flight and where the peer
+stands in its meeting) and the peer's place in it with weight 0, and brings nothing to each fragment's next meeting
+(diloco.DiLoCo._meet_as_joiner).
 
 The commit log (--commit-log PATH, written by each group's rank 0) holds every committed step: its quorum, the
 groups that took part and the samples each used (``samples_of``: epoch, micro-batches and data ranks, which name
@@ -34,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,6 +48,7 @@ import torch
 import replicas
 import utils
 import zero.checkpoint
+from diloco import ring_allreduce_compressed
 from trainer import faults
 from trainer.build import Parts
 from trainer.checkpoint import NO_SUMS, fingerprint, trajectory
@@ -92,8 +100,9 @@ class ReplicaGroups:
             collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step, record=record,
             run=run)
         self.run_kept = run is not None
-        if parts.outer is not None:  # diloco: the groups meet through this quorum's meeting
-            parts.outer.meet_through(self.meet)
+        self.meeting: ThreadPoolExecutor | None = None  # diloco: the thread of the average in flight
+        if parts.outer is not None:  # diloco: a quorum per meeting (join_meeting, start_meeting, end_meeting)
+            parts.outer.meet_through(Meeting(self))
 
     def _fault(self, point: str) -> None:
         """trainer/faults.py's injection, inside the average and the state transfer."""
@@ -110,10 +119,9 @@ class ReplicaGroups:
         if self.parts.outer is not None and self.joined:
             return False
         self.joined = True
-        recovered = self._join()
         if self.parts.outer is not None:
-            self.parts.outer.meet_as_joiner()
-        return recovered
+            return self.parts.outer.meet_first()
+        return self._join()
 
     def _join(self) -> bool:
         """This step's quorum joined; whether this group received the live state in it (``take_live_state`` has
@@ -134,19 +142,51 @@ class ReplicaGroups:
                                              "bytes": received.bytes}})
         return received is not None
 
-    def meet(self, pseudo: torch.Tensor | None) -> torch.Tensor | None:
-        """diloco's meeting (diloco.DiLoCo's ``meet``): this group's pseudo-gradient (None: it has just joined and
-        brings nothing, weight 0) averaged over the groups alive, once their quorum has committed it; None where no
-        group brought one (no outer step then); an aborted quorum is followed by another, with the same
-        pseudo-gradient. The meeting's quorum: a new one, unless this process has just joined (it is in one)."""
-        joined = pseudo is None
-        while True:
-            if not joined and self._join():  # this group was behind (back from a hang): its pseudo-gradient is stale
-                pseudo = None
-            joined = False
-            average = torch.zeros_like(self.parts.outer.start[0]) if pseudo is None else pseudo.clone()
-            if self.replica.commit(self.replica.average([average], 0.0 if pseudo is None else 1.0)):
-                return average if self.replica.total_weight else None
+    # diloco's meeting (diloco.DiLoCo.meet_through): a quorum per meeting, an average on a thread, a vote
+    def join_meeting(self) -> bool:
+        """A new quorum for a meeting; True where this group was behind it and took a peer's live state there."""
+        return self._join()
+
+    def start_meeting(self, sent: torch.Tensor | None, weight: float, codec: str) -> Any:
+        """Launch sum_g w_g sent_g / sum_g w_g across the quorum's groups on this process's meeting thread: the
+        weights' sum, then ``sent`` (this group's, a copy; None: nothing, the weights alone) averaged on diloco.py's
+        compressed ring over the quorum's process group (this place's; rank: the group's place among the members), so
+        that R groups meet as the R replicas of one run do, bit for bit. A quorum already aborted: nothing launched."""
+        replica = self.replica
+        if not replica.can_average():
+            return None
+        flat = None if sent is None else sent * weight  # (weight 1: the same bits)
+        error = None if sent is None or codec == "none" else torch.zeros_like(sent)
+        pg, members = replica.pg, replica.quorum.members
+        rank, size = members.index(self.parts.config.replica_group), len(members)
+
+        def meet() -> tuple[float, int]:
+            total = torch.tensor([weight], dtype=torch.float64)
+            torch.distributed.all_reduce(total, group=pg)
+            sent_bytes = 0 if flat is None else ring_allreduce_compressed(flat, rank, size, pg, codec=codec,
+                                                                          error=error)
+            return total.item(), sent_bytes
+        if self.meeting is None:
+            self.meeting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-meeting")
+        future = self.meeting.submit(meet)
+        replica.fault("allreduce")
+        return future, flat, error, size
+
+    def end_meeting(self, handle: Any) -> tuple[bool, torch.Tensor | None, torch.Tensor | None, int]:
+        """``start_meeting``'s average landed and voted on: (committed, the average or None where every weight was 0, this
+        rank's error feedback, the bytes this rank sent)."""
+        ok, total, sent = handle is not None, 0.0, 0
+        if ok:
+            try:
+                total, sent = handle[0].result()
+            except (RuntimeError, torch.distributed.DistError) as error:
+                self.replica.failure, ok = replicas.one_line(error), False
+        if not self.replica.commit(ok):
+            return False, None, None, 0
+        _, flat, error, size = handle
+        if flat is not None and total and total != size:  # the ring divided by the members: by the weights instead
+            flat *= size / total
+        return True, flat if total else None, error, sent
 
     def live_state(self) -> dict[str, Any]:
         """What a joiner needs to continue from this rank's place (module docstring): the model and the optimizer as
@@ -204,4 +244,13 @@ class ReplicaGroups:
         self.replica.finish(position.optimizer_steps)
 
     def close(self) -> None:
+        if self.meeting is not None:
+            self.meeting.shutdown(wait=True)
         self.replica.close()
+
+
+class Meeting:
+    """diloco.DiLoCo's view of the groups' meetings (its ``meet_through``): ``join``, ``start``, ``finish``."""
+
+    def __init__(self, groups: ReplicaGroups):
+        self.join, self.start, self.finish = groups.join_meeting, groups.start_meeting, groups.end_meeting
