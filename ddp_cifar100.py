@@ -88,8 +88,7 @@ def train(config: Config) -> dict[str, Any]:
     try:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpointer.restore()
-        faults.watch(getattr(parts.sync, "comm", None), parts.ctx.rank, lambda: position.optimizer_steps,
-                     config.replica_group)  # trainer/faults.py: inside the sync's own collectives, where named
+        faults.watch(parts, lambda: position.optimizer_steps)  # faults inside the sync's collectives, where named
         if config.coordinator:  # fault-tolerant replica groups: this group trains with the others through it
             parts.replicas = ReplicaGroups(parts, checkpointer.fingerprint, position.optimizer_steps)
             checkpointer.when_published(parts.replicas.replica.saved)  # what a restart of this group brings back

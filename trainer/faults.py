@@ -69,16 +69,16 @@ def named(point: str, rank: int, step: int, group: int | None = None) -> bool:
                and fault.group in (None, group) for fault in parse(text))
 
 
-def watch(comm: Any, rank: int, steps: Callable[[], int | None], group: int | None = None) -> None:
-    """Where DDP_CIFAR100_FAULT names a point inside the sync's own collectives (WATCHED), have ``comm``
-    (collectives.Collectives; None: a sync without one, PyTorch's) call ``at`` as each one is launched; ``steps()``:
-    the optimizer steps done (None: none named yet)."""
-    text = os.environ.get(ENV)
+def watch(parts: Any, steps: Callable[[], int]) -> None:
+    """Where DDP_CIFAR100_FAULT names a point inside the sync's own collectives (WATCHED), have the sync's
+    collectives.Collectives (``parts.sync.comm``; PyTorch's syncs have none) call ``at`` as each one is launched;
+    ``steps()``: the optimizer steps done."""
+    text, comm = os.environ.get(ENV), getattr(parts.sync, "comm", None)
     if comm is None or not text or not any(fault.point in WATCHED for fault in parse(text)):
         return
+    rank, group = parts.ctx.rank, parts.config.replica_group
 
     def launched(kind: str) -> None:
-        done = steps()
-        if kind in WATCHED and done is not None:
-            at(kind, rank, done, group)
+        if kind in WATCHED:
+            at(kind, rank, steps(), group)
     comm.launched = launched
