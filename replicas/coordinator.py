@@ -89,8 +89,8 @@ class Lighthouse:
             group = request["group"]
             if request.get("run") is None and self.new_run and self._finished() is not None:
                 self._start_new_run()
-            why = self._ended(request)
-            why = why or (self._unfit(request, self.quorum) if self.quorum is not None else None)
+            # (before any quorum: a restarted coordinator's, or a new run's, the end of a run is still said first)
+            why = self._unfit(request, self.quorum) if self.quorum is not None else self._ended(request)
             why = why or self._claimed(group, request["ticket"].split("/")[1])
             older = self.asked.get(group)
             if why is None and older is not None and older.request["ticket"].split("/")[1] != \
@@ -117,9 +117,10 @@ class Lighthouse:
             return f"another configuration ({difference(request.get('record'), reference.get('record'))})"
         if request["size"] != reference["size"]:
             return f"{request['size']} processes, where the run's replica groups have {reference['size']}"
-        if request.get("run") not in (None, self.run_id) and self.run_id is not None:
-            return (f"its commit log or checkpoints are of another run ({request['run']}; this coordinator's is "
-                    f"{self.run_id}): give it a new --commit-log and --checkpoint-dir, or its run's coordinator")
+        if request.get("run") not in (None, self.run_id) and self.run_id is not None:  # (a run before this one on
+            return self._ended(request) or (  # this coordinator: told it finished, if behind its end)
+                f"its commit log or checkpoints are of another run ({request['run']}; this coordinator's is "
+                f"{self.run_id}): give it a new --commit-log and --checkpoint-dir, or its run's coordinator")
         return self._ended(request)
 
     def _finished(self) -> dict[str, Any] | None:
