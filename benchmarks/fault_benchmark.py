@@ -111,7 +111,8 @@ def run_ours(args: argparse.Namespace, workdir: str, faults: list[tuple[float, i
 def fault_figures(kill: dict[str, Any], committed: list[dict[str, Any]], logs: dict[int, list], started: float
                   ) -> dict[str, Any]:
     """A kill's figures from the commit logs: the survivors' stall and the steps they took again; the killed
-    group's time to its first committed step, and its parts (start, quorum, transfer: its recovery note)."""
+    group's time to its first committed step, and its parts (start, imports, build, quorum, transfer: its recovery
+    note)."""
     at, group = kill["at"], kill["replica"]
     before = [e for e in committed if e["time"] <= at]
     after = [e for e in committed if e["time"] > at]
@@ -129,6 +130,9 @@ def fault_figures(kill: dict[str, Any], committed: list[dict[str, Any]], logs: d
         note = notes[0]
         figures.update(start_s=note["started"] - at, quorum_s=note["quorum_s"], transfer_s=note["transfer_s"],
                        transfer_bytes=note["bytes"], asked_s=note["asked"] - at)
+        # the restart's timeline, seconds after the kill: its imports done (torch's), built (the optimizer's first
+        # use imports torch._dynamo) and its checkpoint read, connected to the coordinator
+        figures.update({f"{name}_s": note[name] - at for name in ("imported", "built", "connected") if name in note})
     return figures
 
 

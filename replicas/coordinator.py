@@ -2,7 +2,7 @@
 (the package docstring's step 1). It holds membership, not state: everything the members need is in the store's
 keys (protocol.py), and everything else the members settle among themselves through the store.
 
-    python -m replicas serve --port 29400 [--host 0.0.0.0]
+    python -m replicas serve --port 29400 [--host 0.0.0.0] [--new-run]
 """
 from __future__ import annotations
 
@@ -37,10 +37,13 @@ class Asked:
 class Lighthouse:
     """Forms the quorums (the package docstring, step 1) from the join requests in the store's event queue, and aborts a
     quorum whose member went silent. It keeps no state that the members need besides the store's keys: quorum/n
-    (the quorum), ticket/T (its answer to request T), decision/n (written by members, or by it on silence)."""
+    (the quorum), ticket/T (its answer to request T), decision/n (written by members, or by it on silence).
+    ``new_run``: once the run finished, a new run's group (one that keeps no run id) starts a new run instead of
+    being refused ([Note: new run])."""
 
-    def __init__(self, store: TCPStore):
-        self.store = store
+    def __init__(self, store: TCPStore, new_run: bool = False):
+        self.store, self.new_run = store, new_run
+        self.finished_runs: dict[str, int] = {}  # run id -> its last step: the runs before this one ([Note: new run])
         self.quorum: dict[str, Any] | None = None  # the last one formed
         self.frontier: tuple[int, int] | None = None  # (step, quorum) of the last step committed ([Note: lineage])
         self.holders: dict[str, str] = {}  # group -> incarnation: the processes that committed it (they hold that
@@ -84,7 +87,10 @@ class Lighthouse:
             taken += 1
             request = json.loads(self.store.queue_pop(queue, False))
             group = request["group"]
-            why = self._unfit(request, self.quorum) if self.quorum is not None else None
+            if request.get("run") is None and self.new_run and self._finished() is not None:
+                self._start_new_run()
+            # (before any quorum: a restarted coordinator's, or a new run's, the end of a run is still said first)
+            why = self._unfit(request, self.quorum) if self.quorum is not None else self._ended(request)
             why = why or self._claimed(group, request["ticket"].split("/")[1])
             older = self.asked.get(group)
             if why is None and older is not None and older.request["ticket"].split("/")[1] != \
@@ -111,19 +117,49 @@ class Lighthouse:
             return f"another configuration ({difference(request.get('record'), reference.get('record'))})"
         if request["size"] != reference["size"]:
             return f"{request['size']} processes, where the run's replica groups have {reference['size']}"
-        if request.get("run") not in (None, self.run_id) and self.run_id is not None:
-            return (f"its commit log or checkpoints are of another run ({request['run']}; this coordinator's is "
-                    f"{self.run_id}): give it a new --commit-log and --checkpoint-dir, or its run's coordinator")
-        finished = json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
+        if request.get("run") not in (None, self.run_id) and self.run_id is not None:  # (a run before this one on
+            return self._ended(request) or (  # this coordinator: told it finished, if behind its end)
+                f"its commit log or checkpoints are of another run ({request['run']}; this coordinator's is "
+                f"{self.run_id}): give it a new --commit-log and --checkpoint-dir, or its run's coordinator")
+        return self._ended(request)
+
+    def _finished(self) -> dict[str, Any] | None:
+        """This run's end, as a group that finished it wrote it ({"step", "group", "run"}; None: not finished)."""
+        return json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
+
+    def _ended(self, request: dict[str, Any]) -> str | None:
+        """Why a request may not join for its run's end (None: not so): a new run once this one finished, a group
+        behind the end of its run (this one, or one before it on this coordinator: told so, with exit 0)."""
+        finished = self._finished()
         if finished is not None and request.get("run") is None:
             return (f"this coordinator's run finished at step {finished['step']}, and this group keeps nothing of it "
                     f"(a new run, or a group without --commit-log or --checkpoint-dir): a new run needs a new "
-                    f"coordinator (restart `{SERVE}`)")
-        if finished is not None and request["step"] < finished["step"]:
-            return (f"{FINISHED} at step {finished['step']} while this group was away (it is at step "
-                    f"{request['step']}): no group is left to take the live state from, and nothing is left to "
-                    f"train; the run's weights are the other groups'")
+                    f"coordinator (restart `{SERVE}`) or one started with --new-run")
+        end = self.finished_runs.get(request.get("run"))
+        if finished is not None and request.get("run") in (None, finished.get("run"), self.run_id):
+            end = finished["step"]
+        if end is not None and request["step"] < end:
+            return (f"{FINISHED} at step {end} while this group was away (it is at step {request['step']}): no group "
+                    f"is left to take the live state from, and nothing is left to train; the run's weights are the "
+                    f"other groups'")
         return None
+
+    # [Note: new run] A coordinator whose run finished refuses a new run's groups (a run that trained nothing and ended
+    # as done, else), unless it was started with --new-run: then the first group of a new run (no run id: nothing of
+    # an earlier run on disk) starts it afresh. The finished run's end is kept by its id (finished_runs), so that its
+    # groups back late are still told it finished; the store's finished key is cleared for the new run's own end; the
+    # quorum ids go on past the old run's (its keys may still be in the store); the rest of the lighthouse's state,
+    # membership and the frontier, starts over.
+    def _start_new_run(self) -> None:
+        finished = self._finished()
+        runs = {**self.finished_runs, (finished.get("run") or self.run_id): finished["step"]}
+        seen = max(self.seen, self.quorum["id"] if self.quorum is not None else -1)
+        self.store.delete_key(PREFIX + "finished")
+        for group in list(self.asked):  # the old run's requests, never answered: told it finished
+            self._refuse(self.asked.pop(group).request, f"{FINISHED} at step {finished['step']}")
+        self.__init__(self.store, self.new_run)  # membership and the frontier anew
+        self.finished_runs, self.seen = runs, seen
+        self._say(f"the run {finished.get('run')} finished at step {finished['step']}: a new run starts (--new-run)")
 
     def _claimed(self, group: int, incarnation: str) -> str | None:
         """Why a request of ``incarnation`` may not speak for ``group`` (None: it may, and from now on it does): the
@@ -359,11 +395,11 @@ def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str
     return "its fingerprint differs"
 
 
-def serve(port: int, host: str = "0.0.0.0") -> None:
+def serve(port: int, host: str = "0.0.0.0", new_run: bool = False) -> None:
     """The coordinator: a TCPStore server on HOST:PORT and the lighthouse, until the process is stopped."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     print(f"replicas serve: coordinator on {host}:{store.port}", flush=True)
-    Lighthouse(store).run()
+    Lighthouse(store, new_run).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,13 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     serving = commands.add_parser("serve", help="a TCPStore and the lighthouse that forms the quorums")
     serving.add_argument("--port", type=int, required=True, help="the port to listen on (0: one the OS picks)")
     serving.add_argument("--host", default="0.0.0.0", help="the address to listen on")
+    serving.add_argument("--new-run", action="store_true", help="once the run finished, start a new run's groups "
+                         "afresh (its late groups still told it finished) instead of refusing them")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:  # (a TypeError from the store's constructor else)
         print(f"{SERVE}: error: --port must be between 0 (one the OS picks) and 65535, got {args.port}",
               file=sys.stderr, flush=True)
         return 2
     try:
-        serve(args.port, args.host)
+        serve(args.port, args.host, args.new_run)
     except KeyboardInterrupt:
         return 0
     except RuntimeError as error:

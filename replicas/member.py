@@ -11,6 +11,7 @@ quorum's process groups (made over the store, per quorum) for the average, and a
 the live state."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -65,6 +66,7 @@ class Heartbeat:
         self.store, self.key, self.incarnation = connect(address, timeout_s), key, incarnation
         self.address, self.fault_timeout_s = address, fault_timeout_s
         self.stop, self.lost = threading.Event(), None
+        self.carried: tuple[str, str] | None = None  # a key set again on every new coordinator (the run's end)
         self.store.set(key, f"{incarnation}/0")
         self.thread = threading.Thread(target=self._beat, name="replica-heartbeat", daemon=True)
         self.thread.start()
@@ -80,6 +82,9 @@ class Heartbeat:
                 if self.store is None:  # not back in time: the main thread says so at its next call
                     self.lost = one_line(error)
                     return
+                if self.carried is not None:  # the new coordinator's store knows nothing of it (lost again at
+                    with contextlib.suppress(RuntimeError):  # once: the next beat fails and reconnects)
+                        self.store.compare_set(self.carried[0], "", self.carried[1])
 
     def close(self) -> None:
         self.stop.set()
@@ -433,12 +438,14 @@ class Replica:
 
     def finish(self, step: int) -> None:
         """This group is done at ``step``: a group that comes back later, behind it, has no one to take the state
-        from, and is told so in one line instead of training on alone."""
+        from, and is told so in one line instead of training on alone. The mark is the coordinator's store's, so a
+        coordinator lost and restarted would forget it: until this process closes, its heartbeat sets it again on
+        every new one."""
+        end = json.dumps({"step": step, "group": self.group, "run": self.run})
+        self.heartbeat.carried = (PREFIX + "finished", end) if self.place == 0 else None
         while self.place == 0:
             try:
-                self._call(self.store.compare_set, PREFIX + "finished", "", json.dumps({"step": step,
-                                                                                         "group": self.group,
-                                                                                         "run": self.run}))
+                self._call(self.store.compare_set, PREFIX + "finished", "", end)
                 if self.log_path:  # not continued by a new run (resume_log)
                     self.note({"finished": step})
                 return

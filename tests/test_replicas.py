@@ -136,6 +136,77 @@ def test_the_run_id_tells_a_group_of_the_run_from_another_run():
     assert "another run (elsewhere" in answers[2]["refused"]
 
 
+def test_a_coordinator_started_with_new_run_starts_a_new_run_once_the_old_one_finished():
+    """--new-run (Lighthouse(new_run=True)): once the run finished, a group that keeps no run id (a new run) is not
+    refused but starts a new run, under a new id; a group of the finished run back late is still told it finished,
+    and the new run's own end is kept apart from the old one's. Without the flag, the same group is refused (the
+    test above)."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store, new_run=True)
+
+    def ask(ticket, run, step=0):
+        store.set(f"{replicas.PREFIX}hb/0/0", f"{ticket}/0")
+        store.queue_push(replicas.PREFIX + "events", json.dumps({
+            "ticket": f"0/{ticket}/1", "group": 0, "step": step, "last_commit": None, "durable": 0,
+            "identity": "same", "run": run, "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))
+        lighthouse._take_requests()
+        lighthouse._watch_heartbeats()
+        lighthouse._form()
+        lighthouse.alive.clear()  # each process gone once answered (not a second claimant)
+        return json.loads(store.get(f"{replicas.PREFIX}ticket/0/{ticket}/1"))
+
+    old = ask("first", None)
+    store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 5, "group": 0, "run": old["run"]}))
+    new = ask("new", None)
+    assert "refused" not in new and new["members"] == [0] and new["run"] not in (None, old["run"])
+    assert new["id"] > old["id"]  # (the old run's quorum keys are not reused)
+    assert not store.check([f"{replicas.PREFIX}finished"])  # the new run's end will be its own
+    late = ask("late", old["run"], step=2)
+    assert late.get("finished") and "the run finished at step 5" in late["refused"]
+    store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 9, "group": 0, "run": new["run"]}))
+    assert ask("late-new", new["run"], step=3).get("finished")  # the new run's late group: its end, step 9
+
+
+def test_serve_passes_new_run_to_the_lighthouse():
+    from unittest import mock
+    with mock.patch("replicas.coordinator.serve") as serve:
+        assert replicas.main(["serve", "--port", "0", "--new-run"]) == 0
+        assert replicas.main(["serve", "--port", "0"]) == 0
+    assert [call.args for call in serve.call_args_list] == [(0, "0.0.0.0", True), (0, "0.0.0.0", False)]
+
+
+@pytest.mark.timeout(120)
+def test_the_finished_mark_outlives_a_restart_of_the_coordinator(tmp_path):
+    """The run's end is a key of the coordinator's store, which a coordinator killed and restarted has lost: the
+    group that finished sets it again on the new one (its heartbeat, until it closes), so that a group of the run
+    back late is told the run finished rather than trains alone from its checkpoint."""
+    from benchmarks.replica_runs import ReplicaRun
+    run = ReplicaRun(str(tmp_path), 0, [])
+    run.start_coordinator()
+    port, state, members = int(run.address.rpartition(":")[2]), {}, []
+    try:
+        done = replicas.Replica(run.address, 0, 1, "same", lambda: {}, state.update, fault_timeout_s=60.0)
+        members.append(done)
+        done.join(0)
+        done.finish(5)
+        run.kill_coordinator()
+        run.start_coordinator(port)
+        probe = replicas.connect(run.address, 30.0)
+        deadline = time.monotonic() + 30
+        while not probe.check([f"{replicas.PREFIX}finished"]):
+            assert time.monotonic() < deadline, "the finished mark was not set again on the new coordinator"
+            time.sleep(0.05)
+        late = replicas.Replica(run.address, 0, 1, "same", lambda: {}, state.update, fault_timeout_s=60.0,
+                                step=2, run=done.run)
+        members.append(late)
+        with pytest.raises(replicas.RunFinished, match="the run finished at step 5"):
+            late.join(2)
+    finally:
+        for member in members:
+            member.close()
+        run.close()
+
+
 def test_two_groups_of_two_are_one_run_of_four(two_groups):
     whole = two_groups["whole"][0]
     for group, ranks in two_groups["groups"].items():

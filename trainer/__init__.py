@@ -6,3 +6,6 @@ objects with state_dict(), never build's Parts) <- export (a checkpoint out in o
 Each imports only the rooms to its left and the library (data, models, zero, references, diloco, replicas, utils),
 which imports none of them.
 """
+import time
+
+STARTED = time.time()  # this process's start, near enough: ddp_cifar100.py imports the package first, before torch

@@ -33,7 +33,9 @@ stands in its meeting) and the peer's place in it with weight 0, and brings noth
 The commit log (--commit-log PATH, written by each group's rank 0) holds every committed step: its quorum, the
 groups that took part and the samples each used (``samples_of``: epoch, micro-batches and data ranks, which name
 them: data.py's order), so one process can replay the run (``replay``) and reach the survivors' weights; a group
-that recovers appends when and from whom, and how long its start, its quorum and its transfer took.
+that recovers appends when and from whom, and how long its start, its quorum and its transfer took: the times (s since
+the epoch) its process started, its imports were done, its parts were built and its checkpoint read, it was connected
+to the coordinator, and it asked to join (a restart's timeline: benchmarks/fault_benchmark.py).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 
 import replicas
+import trainer
 import utils
 import zero.checkpoint
 from diloco import ring_allreduce_compressed
@@ -55,7 +58,7 @@ from trainer.checkpoint import NO_SUMS, fingerprint, trajectory
 from trainer.config import OUTER_SYNCS, Config
 
 RUN_FILE = "replica-run"  # in --checkpoint-dir: the id of the run this group took part in (replicas.Replica's run)
-STARTED = time.time()  # this process's start (near enough: the trainer's import), for a joiner's timings
+IMPORTED = time.time()  # the trainer's imports done (torch's among them), for a joiner's timings
 
 
 def identity_record(config: Config, record: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +86,7 @@ class ReplicaGroups:
     share; ``step``: where this process starts (its checkpoint's optimizer steps)."""
 
     def __init__(self, parts: Parts, identity: str, step: int):
+        self.ready = time.time()  # built, its checkpoint read: the joiner's timings
         config = parts.config
         record = identity_record(config, trajectory(config, parts.data, parts.schedule_steps))
         record["trajectory"] = identity  # (its fingerprint: the checkpoint's, of the settings above)
@@ -100,6 +104,7 @@ class ReplicaGroups:
             collectives=config.allreduce, commit_log=config.commit_log, fault=self._fault, step=step, record=record,
             run=run)
         self.run_kept = run is not None
+        self.connected = time.time()
         self.meeting: ThreadPoolExecutor | None = None  # diloco: the thread of the average in flight
         if parts.outer is not None:  # diloco: a quorum per meeting (join_meeting, start_meeting, end_meeting)
             parts.outer.meet_through(Meeting(self))
@@ -136,7 +141,8 @@ class ReplicaGroups:
         if received is not None:
             self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
                                              "quorum": quorum.id, "source": received.source,
-                                             "started": STARTED, "asked": asked,
+                                             "started": trainer.STARTED, "imported": IMPORTED,
+                                             "built": self.ready, "connected": self.connected, "asked": asked,
                                              "quorum_s": time.time() - asked - received.seconds - received.load_s,
                                              "transfer_s": received.seconds, "load_s": received.load_s,
                                              "bytes": received.bytes}})
