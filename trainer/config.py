@@ -547,7 +547,7 @@ MAX_FAULT_TIMEOUT_S = 86400.0  # a day: longer is a typo, and a timedelta of inf
 
 def check_replica_groups(given: argparse.Namespace) -> None:
     """The fault-tolerant replica groups' flags (trainer/replica_groups.py): together, in range, and with what
-    they support (custom --zero 0-3 inside a group, diloco and localsgd at --zero 0)."""
+    they support (custom, diloco and localsgd, --zero 0-3 inside a group)."""
     named = [f"--{key.replace('_', '-')}" for key in FT_FLAGS if getattr(given, key) is not None]
     options = [f"--{key.replace('_', '-')}" for key, default in FT_OPTIONS.items() if getattr(given, key) != default]
     if not named:
@@ -580,9 +580,6 @@ def check_replica_groups(given: argparse.Namespace) -> None:
     if given.grad_sync not in ("custom", *OUTER_SYNCS):
         raise UsageError(f"fault-tolerant replica groups train --grad-sync custom (--zero 0-3 inside each group), "
                          f"diloco or localsgd; --grad-sync {given.grad_sync} is not supported")
-    if given.grad_sync in OUTER_SYNCS and given.zero != 0:
-        raise UsageError(f"--grad-sync {given.grad_sync} with --replica-groups takes --zero 0 inside each group; "
-                         f"--zero {given.zero} is not built yet")
     if given.replicas is not None:
         raise UsageError("--replicas splits one torchrun into replicas; with --replica-groups each torchrun is one "
                          "group (one replica): leave --replicas out")
