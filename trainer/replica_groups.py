@@ -139,6 +139,7 @@ class ReplicaGroups:
                 f.write(self.replica.run + "\n")
             self.run_kept = True
         if received is not None:
+            self.parts.phases.end("recovery")  # the joiner's peak memory while it received and loaded (metrics)
             self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
                                              "quorum": quorum.id, "source": received.source,
                                              "started": trainer.STARTED, "imported": IMPORTED,
