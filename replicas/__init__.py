@@ -27,7 +27,8 @@ process that decides who is in each quorum; everything else the members settle a
 
 One step, quorum n, members M:
 1. join: each group's place 0 asks to join (its step, identity and size, in the store's event queue); the
-   lighthouse forms quorum n once every member of n-1 has asked, is gone (a heartbeat older than STALE_S) or is
+   lighthouse forms quorum n once every member of n-1 has asked, is gone (its process dead: its liveness
+   connection closed, liveness.py; or its heartbeat older than STALE_S) or is
    late (the fault timeout since n-1's decision; but where no group that asked holds the last committed step, the
    processes that committed it are waited for until they ask, are gone, or LINEAGE_WAITS fault timeouts have
    passed: [Note: lineage]), with every new group that asked, if at least ``min_groups`` did (else it waits), and
@@ -54,8 +55,10 @@ replay the run, and tests do, within 1e-10 in float64. Without faults every step
 processes are one data-parallel run of R P processes.
 
 Faults. A SIGKILLed process closes its sockets: the quorum's average fails at once on every member (gloo reports
-the closed peer), they vote abort, ask to join again, and the lighthouse forms the next quorum without the dead
-group once its heartbeat is STALE_S old: the survivors lose the step they were in and about STALE_S of waiting.
+the closed peer), they vote abort, ask to join again, and the lighthouse, which saw the dead process's liveness
+connection close (liveness.py), forms the next quorum without its group at once: the survivors lose the step they
+were in, not a heartbeat's timeout (a process that cannot reach the liveness server is found by its heartbeat,
+STALE_S old).
 A hung process (SIGSTOP) holds the average until its timeout (``fault_timeout_s``); woken (SIGCONT), it finds its
 quorum decided (abort, or commit if it had voted) and its next join behind, so it recovers. The coordinator gone,
 every store call fails: each process tries its address again every RECONNECT_S for up to the fault timeout; a new

@@ -18,6 +18,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from replicas.liveness import LivenessServer
 from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S, one_line
 
 FIRST_WAIT_S = 5.0  # the least the first quorum waits for every planned group (else the fault timeout)
@@ -41,8 +42,9 @@ class Lighthouse:
     ``new_run``: once the run finished, a new run's group (one that keeps no run id) starts a new run instead of
     being refused ([Note: new run])."""
 
-    def __init__(self, store: TCPStore, new_run: bool = False):
-        self.store, self.new_run = store, new_run
+    def __init__(self, store: TCPStore, new_run: bool = False, host: str = "0.0.0.0"):
+        self.store, self.new_run, self.host = store, new_run, host
+        self.liveness: LivenessServer | None = None  # the members' connections, while ``run`` runs (liveness.py)
         self.finished_runs: dict[str, int] = {}  # run id -> its last step: the runs before this one ([Note: new run])
         self.quorum: dict[str, Any] | None = None  # the last one formed
         self.frontier: tuple[int, int] | None = None  # (step, quorum) of the last step committed ([Note: lineage])
@@ -66,17 +68,21 @@ class Lighthouse:
 
     def run(self, stop: threading.Event | None = None) -> None:
         watched = 0.0
-        while stop is None or not stop.is_set():
-            asked = self._take_requests()
-            decided = self.quorum is None or self._decided()
-            if asked or time.monotonic() - watched > WATCH_S:
-                self._watch_heartbeats()
-                watched = time.monotonic()
-                if decided:
-                    self._form()
-                else:
-                    self._abort_if_silent()
-            time.sleep(TICK_S)
+        self.liveness = LivenessServer(self.store, self.host)
+        try:
+            while stop is None or not stop.is_set():
+                asked = self._take_requests()
+                decided = self.quorum is None or self._decided()
+                if asked or time.monotonic() - watched > WATCH_S:
+                    self._watch_heartbeats()
+                    watched = time.monotonic()
+                    if decided:
+                        self._form()
+                    else:
+                        self._abort_if_silent()
+                time.sleep(TICK_S)
+        finally:
+            self.liveness.close()
 
     def _take_requests(self) -> int:
         """The requests in the queue (how many). Once a quorum exists, one of another identity or size is refused at
@@ -194,10 +200,17 @@ class Lighthouse:
                 self.alive[int(key.split("/")[-2]), value.split(b"/")[0].decode()] = now
 
     def _silent_for(self, group: int) -> float:
-        """Seconds since the staler of the group's places last beat (inf: never seen)."""
-        now = time.monotonic()
-        return max(now - self.beats.get(f"{PREFIX}hb/{group}/{j}", (None, -float("inf")))[1]
-                   for j in range(self.places.get(group, 1)))
+        """Seconds since the staler of the group's places last beat (inf: never seen, or a place's process is gone:
+        its liveness connection closed, liveness.py)."""
+        now, silent = time.monotonic(), 0.0
+        for j in range(self.places.get(group, 1)):
+            key = f"{PREFIX}hb/{group}/{j}"
+            value, seen = self.beats.get(key, (None, -float("inf")))
+            if value is not None and self.liveness is not None and self.liveness.closed(
+                    key, value.split(b"/")[0].decode()):
+                return float("inf")
+            silent = max(silent, now - seen)
+        return silent
 
     def _may_hold(self, group: int, incarnation: str) -> bool:
         """Whether that incarnation of the group may still hold the state it committed: every place's last heartbeat
@@ -399,7 +412,7 @@ def serve(port: int, host: str = "0.0.0.0", new_run: bool = False) -> None:
     """The coordinator: a TCPStore server on HOST:PORT and the lighthouse, until the process is stopped."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     print(f"replicas serve: coordinator on {host}:{store.port}", flush=True)
-    Lighthouse(store, new_run).run()
+    Lighthouse(store, new_run, host).run()
 
 
 def main(argv: list[str] | None = None) -> int:

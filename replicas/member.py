@@ -31,6 +31,7 @@ from collectives import Collectives
 from replicas.commit_log import adopt, append_log, last_commit, lock_log, resume_log, run_of, write_log
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused,
                                RunFinished, connect, one_line, reconnect)
+from replicas.liveness import open_link
 from replicas.transfer import SocketTransport, StateTransport, TornTransfer
 
 
@@ -59,8 +60,10 @@ class Reconnected(Exception):  # not a RuntimeError: none of the handlers of a f
 
 class Heartbeat:
     """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own, to
-    INCARNATION/COUNT (the lighthouse tells a restarted process from the one it replaced). The coordinator lost, it
-    beats to the next one at the address, if one comes within the fault timeout (else ``lost`` says why)."""
+    INCARNATION/COUNT (the lighthouse tells a restarted process from the one it replaced), beside a connection held
+    open to the coordinator's liveness server for the process's life (liveness.py: its death seen at once, its hang
+    by its silence). The coordinator lost, it beats to the next one at the address, if one comes within the fault
+    timeout (else ``lost`` says why)."""
 
     def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = "", fault_timeout_s: float = 60.0):
         self.store, self.key, self.incarnation = connect(address, timeout_s), key, incarnation
@@ -68,6 +71,7 @@ class Heartbeat:
         self.stop, self.lost = threading.Event(), None
         self.carried: tuple[str, str] | None = None  # a key set again on every new coordinator (the run's end)
         self.store.set(key, f"{incarnation}/0")
+        self.link = open_link(self.store, address, key, incarnation)
         self.thread = threading.Thread(target=self._beat, name="replica-heartbeat", daemon=True)
         self.thread.start()
 
@@ -82,13 +86,22 @@ class Heartbeat:
                 if self.store is None:  # not back in time: the main thread says so at its next call
                     self.lost = one_line(error)
                     return
+                self._relink()
                 if self.carried is not None:  # the new coordinator's store knows nothing of it (lost again at
                     with contextlib.suppress(RuntimeError):  # once: the next beat fails and reconnects)
                         self.store.compare_set(self.carried[0], "", self.carried[1])
 
+    def _relink(self) -> None:
+        """The liveness connection to a new coordinator (the lost one's closed with it)."""
+        if self.link is not None:
+            self.link.close()
+        self.link = open_link(self.store, self.address, self.key, self.incarnation)
+
     def close(self) -> None:
         self.stop.set()
         self.thread.join()
+        if self.link is not None:
+            self.link.close()
 
 
 class Replica:

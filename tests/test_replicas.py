@@ -16,6 +16,9 @@ import json
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -777,3 +780,44 @@ def test_a_coordinator_absent_at_the_start_is_said_within_the_fault_timeout():
         with pytest.raises(replicas.CoordinatorLost, match="unreachable"):
             replicas.Replica(f"127.0.0.1:{held.getsockname()[1]}", 0, 1, "same", dict, print, fault_timeout_s=1.0)
         assert time.monotonic() - began < 1.0 + 2.0  # (the last try's RECONNECT_S, and a loaded machine)
+
+
+def test_a_member_killed_is_gone_at_once_and_a_stopped_one_only_once_silent():
+    """replicas/liveness.py: a member's process SIGKILLed is taken for gone (silent for ever) within a fraction of a
+    second, where its heartbeat alone would take STALE_S; one stopped (SIGSTOP: hung, its connection open) is found
+    by its silence only, as before."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse, stop = replicas.Lighthouse(store, host="127.0.0.1"), threading.Event()
+    lighthouse.planned = 1  # (else from the requests: this member asks nothing)
+    thread = threading.Thread(target=lighthouse.run, args=(stop,), daemon=True)
+    thread.start()
+    code = ("import sys, time, replicas; replicas.Heartbeat(sys.argv[1], replicas.PREFIX + 'hb/0/0', 30, 'one', 30); "
+            "time.sleep(600)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    member = subprocess.Popen([sys.executable, "-c", code, f"127.0.0.1:{store.port}"], cwd=root)
+    try:
+        deadline = time.monotonic() + 60
+        while lighthouse._silent_for(0) > replicas.STALE_S / 2:  # beating
+            assert time.monotonic() < deadline and member.poll() is None, "the member never beat"
+            time.sleep(0.02)
+        member.send_signal(signal.SIGSTOP)
+        time.sleep(replicas.STALE_S + 0.5)
+        hung = lighthouse._silent_for(0)
+        member.send_signal(signal.SIGCONT)
+        while lighthouse._silent_for(0) > replicas.STALE_S / 2:  # beating again
+            assert time.monotonic() < deadline, "the member did not beat again"
+            time.sleep(0.02)
+        member.kill()
+        killed = time.monotonic()
+        while lighthouse._silent_for(0) != float("inf") and time.monotonic() - killed < 5:
+            time.sleep(0.005)
+        gone_after = time.monotonic() - killed
+    finally:
+        member.kill()
+        member.wait()
+        stop.set()
+        thread.join()
+    assert replicas.STALE_S < hung < float("inf")  # silent, not gone: a hang is the fault timeout's to judge
+    print(f"\na member SIGKILLed: gone for the lighthouse after {gone_after * 1000:.0f} ms (STALE_S: "
+          f"{replicas.STALE_S * 1000:.0f} ms)")
+    assert gone_after < replicas.STALE_S / 2
