@@ -22,7 +22,9 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   in step 2 group 1's rank 1 SIGKILLed inside its own reduce-scatter and group 2's rank 0 inside its all-gather;
   group 0, their only source, has its rank 1 SIGKILLed while it sends them its place's shards (the joiners' own
   tensors half written: their groups stop, [Note: a torn transfer]; every group starts again from its checkpoints);
-  in step 6 group 0's rank 0 SIGKILLed inside the average of a shard across the groups (it recovers from another).
+  in step 6 group 0's rank 0 SIGKILLed inside the average of a shard across the groups (it recovers from another);
+  from step 8, group 2's rank 1 stopped (SIGSTOP) past the fault timeout, its peers inside their collectives with
+  it, and woken: the run waits for it (--min-replica-groups 3) and goes on with it.
 - diloco: 2 groups as DiLoCo's replicas (meeting every 3 steps), --min-replica-groups 2: group 1 SIGKILLed inside a
   window (steps 4 and 7), back from its checkpoint, recovering at the next meeting (6), then again (9), where group
   0 is SIGKILLed while sending it the state (both start again from their checkpoints, at one meeting).
@@ -42,7 +44,7 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 10}
+STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 14}
 RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
 PROGRESS_TIMEOUT_S = 10.0  # progress: the first quorum waits this long for both groups (a loaded machine's start)
 RESTART_DELAY_S = PROGRESS_TIMEOUT_S + 3  # ... and group 0's restart is slower than it (gone, as a holder)
@@ -82,7 +84,17 @@ def sharded(out: str, data: str) -> dict:
     run = ReplicaRun(out, 3, flags(data, STEPS["sharded"], "--checkpoint-every", "4", "--zero", "3"),
                      entry="tests/float64_trainer.py", group_env=env, processes=2, min_groups=3,
                      fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=5)
-    return finish(run, lambda: None, timeout_s=400)
+    events = {}
+
+    def act() -> None:
+        run.wait_for_step(0, 8, 300)
+        rank1 = max(run.workers(2))  # the newer of group 2's two processes
+        os.kill(rank1, signal.SIGSTOP)
+        events["stopped_at"] = time.time()
+        time.sleep(FAULT_TIMEOUT_S + 2)
+        os.kill(rank1, signal.SIGCONT)
+        events["woken_at"] = time.time()
+    return {**finish(run, act, timeout_s=400), "events": events}
 
 
 def alone(out: str, data: str) -> dict:

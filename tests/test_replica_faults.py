@@ -13,7 +13,8 @@ a coordinator and a torchrun per group, the trainer in float64), each run compar
 - sharded: 3 groups of 2 processes at --zero 3: ranks SIGKILLed inside the group's own reduce-scatter and
   all-gather, while sending their place's shards to a joiner (whose own tensors, half written, stop its group: it
   starts again from its checkpoint) and inside the average of a shard across the groups: every step is taken once
-  by all three, every group ends with the same weights bit for bit, and the replay reaches them.
+  by all three (one rank of a group stopped past the fault timeout: the run waits for it), every group ends with the
+  same weights bit for bit, and the replay reaches them.
 - diloco: DiLoCo's replicas as groups: one killed inside a window recovers at the next meeting, bringing nothing to
   it; the one that sends it the state killed mid-transfer: both start again from their checkpoints; they end equal.
 - progress: the only group that went on alone killed while it sends the state to the other, back from its older
@@ -105,8 +106,9 @@ def test_every_step_is_taken_once_by_all_three_groups_through_six_kills(outcomes
 
 def test_a_sharded_group_loses_ranks_inside_each_collective_and_every_step_is_taken_once(outcomes):
     """The sharded scenario (--zero 3, 2 processes a group): ranks SIGKILLed inside the group's reduce-scatter and
-    all-gather, while sending a place's shards, and inside the average of a shard across the groups; every step is
-    taken once by all three groups; a joiner whose own tensors were half written stops its group (the torn line)."""
+    all-gather, while sending a place's shards, and inside the average of a shard across the groups, and one stopped
+    past the fault timeout; every step is taken once by all three groups; a joiner whose own tensors were half
+    written stops its group (the torn line)."""
     sharded = outcomes["sharded"]
     assert sharded["codes"] == {"0": 0, "1": 0, "2": 0}
     assert sharded["restarts"]["0"] == 2, sharded["outputs"]["0"][-2000:]  # while sending; inside the average
@@ -119,6 +121,10 @@ def test_a_sharded_group_loses_ranks_inside_each_collective_and_every_step_is_ta
     for group in torn:  # stopped, and restarted by torchrun: its kill, then the torn transfer
         assert sharded["restarts"][group] + sharded["outputs"][group].count("failed (exitcode: 1)") >= 2
     assert any("recovered" in note for note in sharded["logs"]["0"])  # after the kill inside the average
+    events = sharded["events"]
+    assert events["woken_at"] - events["stopped_at"] > replica_scenarios.FAULT_TIMEOUT_S  # stopped past it
+    late = [e for e in steps_of(sharded["logs"]["0"]) if e["time"] > events["stopped_at"]]
+    assert late and all(e["participants"] == [0, 1, 2] for e in late)  # the run waited for it and went on with it
 
 
 @pytest.mark.parametrize("scenario", ["kills", "sharded", "alone", "restart", "progress"])
