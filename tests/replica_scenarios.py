@@ -27,7 +27,8 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   it, and woken: the run waits for it (--min-replica-groups 3) and goes on with it.
 - diloco: 2 groups as DiLoCo's replicas (meeting every 3 steps), --min-replica-groups 2: group 1 SIGKILLed inside a
   window (steps 4 and 7), back from its checkpoint, recovering at the next meeting (6), then again (9), where group
-  0 is SIGKILLed while sending it the state (both start again from their checkpoints, at one meeting).
+  0 is SIGKILLed while sending it the state (both start again from their checkpoints, at one meeting: group 1's own
+  tensors half written, it stops and torchrun restarts it).
 """
 from __future__ import annotations
 
@@ -193,8 +194,8 @@ def diloco(out: str, data: str) -> dict:
     env = {0: {"DDP_CIFAR100_FAULT": "0/0:9:send"}, 1: {"DDP_CIFAR100_FAULT": "1/0:4:forward,1/0:7:forward:1"}}
     run = ReplicaRun(out, 2, flags(data, STEPS["diloco"], "--checkpoint-every", "3", "--grad-sync", "diloco",
                                    "--local-steps", "3"), entry="tests/float64_trainer.py", group_env=env,
-                     min_groups=2, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
-    return finish(run, lambda: None, timeout_s=400)
+                     min_groups=2, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=3)  # group 1: 2 kills, then its
+    return finish(run, lambda: None, timeout_s=400)  # transfer torn by group 0's kill: it stops ([Note: a torn transfer])
 
 
 def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
