@@ -5,8 +5,8 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
 
 - kills: 3 groups, --min-replica-groups 3 (a step waits for all three), each group SIGKILLed twice at a point of
   its own (trainer/faults.py), paired so that restarts overlap: groups 1 and 2 in step 2's forward and backward;
-  group 0, their only source, while sending them the live state (every group lost: all start again from their
-  checkpoints); groups 1 and 2 at the end of step 3, one in its optimizer's step and one saving its checkpoint
+  group 0, their only source, while sending them the live state (group 1's own tensors half written: it stops
+  too; every group lost: all start again from their checkpoints); groups 1 and 2 at the end of step 3, one in its optimizer's step and one saving its checkpoint
   (group 1 recovers from group 0); group 0 inside step 6's all-reduce across groups (it recovers from another).
 - alone: 3 groups, --min-replica-groups 1: groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
   back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it
@@ -50,7 +50,8 @@ RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for 
 PROGRESS_TIMEOUT_S = 10.0  # progress: the first quorum waits this long for both groups (a loaded machine's start)
 RESTART_DELAY_S = PROGRESS_TIMEOUT_S + 3  # ... and group 0's restart is slower than it (gone, as a holder)
 PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them before group 0 could finish alone
-KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:1", 2: "2/0:2:backward,2/0:4:save:1"}
+KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:2", 2: "2/0:2:backward,2/0:4:save:1"}
+# (group 1's second kill in torchrun's attempt 2: attempt 1 ends when group 0's kill tears its transfer)
 SHARDED_KILLS = {0: "0/1:*:send,0/0:6:allreduce:1", 1: "1/1:2:reduce_scatter", 2: "2/0:2:all_gather"}
 
 

@@ -112,12 +112,12 @@ def test_a_new_run_on_a_coordinator_whose_run_finished_is_refused_with_1(two_gro
                                                    "coordinator: this coordinator's run finished at step 6"), lines
 
 
-def test_the_run_id_tells_a_group_of_the_run_from_another_run():
-    """The lighthouse by hand: its first quorum names a new run id, which a group's request carries from then on (its
-    commit log's note, its --checkpoint-dir's replica-run); once the run finished, a request without one is a new
-    run (refused: 1), one with the run's is a group back late (the note: 0), one of another run is refused."""
+def lighthouse_by_hand(new_run=False):
+    """A lighthouse over a store of its own, driven by hand: ``ask(ticket, run, step)`` has group 0 (1 process of 1
+    planned, incarnation ``ticket``, of run ``run``) ask, the lighthouse form, and returns its answer; each asker is
+    gone once answered (not a second claimant). Returns (store, ask)."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    lighthouse = replicas.Lighthouse(store)
+    lighthouse = replicas.Lighthouse(store, new_run=new_run)
 
     def ask(ticket, run, step=0):
         store.set(f"{replicas.PREFIX}hb/0/0", f"{ticket}/0")
@@ -127,12 +127,19 @@ def test_the_run_id_tells_a_group_of_the_run_from_another_run():
         lighthouse._take_requests()
         lighthouse._watch_heartbeats()
         lighthouse._form()
+        lighthouse.alive.clear()
         return json.loads(store.get(f"{replicas.PREFIX}ticket/0/{ticket}/1"))
+    return store, ask
 
+
+def test_the_run_id_tells_a_group_of_the_run_from_another_run():
+    """The lighthouse by hand: its first quorum names a new run id, which a group's request carries from then on (its
+    commit log's note, its --checkpoint-dir's replica-run); once the run finished, a request without one is a new
+    run (refused: 1), one with the run's is a group back late (the note: 0), one of another run is refused."""
+    store, ask = lighthouse_by_hand()
     run = ask("first", None)["run"]
     assert run
     store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 5, "group": 0, "run": run}))
-    lighthouse.alive.clear()  # the first process is gone
     answers = [ask(ticket, which) for ticket, which in (("new", None), ("late", run), ("other", "elsewhere"))]
     assert [answer.get("finished") for answer in answers] == [False, True, False]
     assert "this coordinator's run finished at step 5" in answers[0]["refused"]
@@ -144,19 +151,7 @@ def test_a_coordinator_started_with_new_run_starts_a_new_run_once_the_old_one_fi
     refused but starts a new run, under a new id; a group of the finished run back late is still told it finished,
     and the new run's own end is kept apart from the old one's. Without the flag, the same group is refused (the
     test above)."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    lighthouse = replicas.Lighthouse(store, new_run=True)
-
-    def ask(ticket, run, step=0):
-        store.set(f"{replicas.PREFIX}hb/0/0", f"{ticket}/0")
-        store.queue_push(replicas.PREFIX + "events", json.dumps({
-            "ticket": f"0/{ticket}/1", "group": 0, "step": step, "last_commit": None, "durable": 0,
-            "identity": "same", "run": run, "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))
-        lighthouse._take_requests()
-        lighthouse._watch_heartbeats()
-        lighthouse._form()
-        lighthouse.alive.clear()  # each process gone once answered (not a second claimant)
-        return json.loads(store.get(f"{replicas.PREFIX}ticket/0/{ticket}/1"))
+    store, ask = lighthouse_by_hand(new_run=True)
 
     old = ask("first", None)
     store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 5, "group": 0, "run": old["run"]}))
