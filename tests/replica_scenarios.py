@@ -25,6 +25,10 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   in step 6 group 0's rank 0 SIGKILLed inside the average of a shard across the groups (it recovers from another);
   from step 8, group 2's rank 1 stopped (SIGSTOP) past the fault timeout, its peers inside their collectives with
   it, and woken: the run waits for it (--min-replica-groups 3) and goes on with it.
+- streaming: 2 groups as streaming DiLoCo's replicas (2 fragments meeting in turn every 2 steps, each applied a step
+  late, in bf16), --min-replica-groups 1: group 1 SIGKILLed inside the fragment meeting launched at step 6 (launched,
+  not landed); group 0 goes on alone (paced until group 1 is back), group 1 comes back from its step-4 checkpoint,
+  behind, and heals from group 0 at its next meeting.
 - diloco: 2 groups as DiLoCo's replicas (meeting every 3 steps), --min-replica-groups 2: group 1 SIGKILLed inside a
   window (steps 4 and 7), back from its checkpoint, recovering at the next meeting (6), then again (9), where group
   0 is SIGKILLed while sending it the state (both start again from their checkpoints, at one meeting: group 1's own
@@ -45,7 +49,7 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 14}
+STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 14, "streaming": 40}
 RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
 PROGRESS_TIMEOUT_S = 10.0  # progress: the first quorum waits this long for both groups (a loaded machine's start)
 RESTART_DELAY_S = PROGRESS_TIMEOUT_S + 3  # ... and group 0's restart is slower than it (gone, as a holder)
@@ -199,6 +203,22 @@ def diloco(out: str, data: str) -> dict:
     return finish(run, lambda: None, timeout_s=400)  # transfer torn by group 0's kill: it stops ([Note: a torn transfer])
 
 
+def streaming(out: str, data: str) -> dict:
+    gate = os.path.join(out, "events-over")
+    env = {1: {"DDP_CIFAR100_FAULT": "1/0:6:allreduce"}}
+    run = ReplicaRun(out, 2, flags(data, STEPS["streaming"], "--checkpoint-every", "4", "--grad-sync", "diloco",
+                                   "--local-steps", "4", "--fragments", "2", "--outer-delay", "1",
+                                   "--outer-compress", "bf16"), entry="tests/float64_trainer.py", group_env=env,
+                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"}, min_groups=1,
+                     fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+
+    def act() -> None:
+        run.wait_for(1, "recovery from group 0", lambda entries: any(
+            e.get("recovered", {}).get("group") == 1 for e in entries), 240)
+        open(gate, "w").close()  # the pace off: the run ends at speed
+    return finish(run, act, timeout_s=400)
+
+
 def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
     """Start the run, act on it, wait for every group; what the tests read."""
     started = time.time()
@@ -217,7 +237,7 @@ def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
 
 
 SCENARIOS = {"kills": kills, "sharded": sharded, "alone": alone, "progress": progress, "diloco": diloco,
-             "coordinator": coordinator, "restart": restart}
+             "streaming": streaming, "coordinator": coordinator, "restart": restart}
 
 
 def main(out: str, names: list[str]) -> int:

@@ -19,6 +19,8 @@ a coordinator and a torchrun per group, the trainer in float64), each run compar
   it; the one that sends it the state killed mid-transfer: both start again from their checkpoints; they end equal.
 - progress: the only group that went on alone killed while it sends the state to the other, back from its older
   checkpoint: that group waits for the first's restart from its newer checkpoint, whose state then wins.
+- streaming: streaming DiLoCo's groups (2 fragments, a meeting applied a step late, bf16): one killed inside a
+  fragment's meeting heals from the other and they end equal.
 - coordinator: the coordinator killed for good: each group waits the fault timeout for it, then says so in one line
   (nothing else: no C++ stack) and stops, its checkpoint whole.
 - restart: the coordinator SIGKILLed while 3 groups are inside a step, and restarted on its port: no group restarts
@@ -205,6 +207,18 @@ def test_diloco_replica_groups_recover_at_a_meeting_and_end_equal(outcomes):
     assert max_difference(final_weights(run, 0), final_weights(run, 1)) == 0  # the run ends on a meeting
     recovered = [note["recovered"] for group in ("0", "1") for note in run["logs"][group] if "recovered" in note]
     assert [(note["group"], note["step"]) for note in recovered] == [(1, 6)]  # at the meeting after its death
+
+
+def test_a_streaming_diloco_group_killed_inside_a_fragments_meeting_heals_and_ends_equal(outcomes):
+    """Streaming DiLoCo across 2 groups (2 fragments, --outer-delay 1, bf16): group 1 SIGKILLed inside a fragment's
+    meeting; group 0 goes on alone; group 1 comes back behind, takes group 0's live state (its fragments' state with
+    it) at a meeting, and the two end bit for bit alike."""
+    run = outcomes["streaming"]
+    assert run["codes"] == {"0": 0, "1": 0}, "\n".join(f"group {g}: {c}\n{run['outputs'][g][-2000:]}"
+                                                       for g, c in run["codes"].items() if c != 0)
+    assert run["restarts"] == {"0": 0, "1": 1}
+    assert any("recovered" in note and note["recovered"]["group"] == 1 for note in run["logs"]["1"])
+    assert max_difference(final_weights(run, 0), final_weights(run, 1)) == 0  # the run ends on a meeting
 
 
 def test_the_coordinator_lost_is_one_line_and_the_checkpoints_are_whole(outcomes):

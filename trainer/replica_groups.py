@@ -169,7 +169,8 @@ class ReplicaGroups:
 
         def meet() -> tuple[float, int]:
             total = torch.tensor([weight], dtype=torch.float64)
-            torch.distributed.all_reduce(total, group=pg)
+            pg.allreduce([total]).wait()  # the group's own call: torch.distributed's would, on a peer's loss, fail to
+            # name the group (it is not in torch.distributed's registry) and raise a ValueError in place of the error
             sent_bytes = 0 if flat is None else ring_allreduce_compressed(flat, rank, size, pg, codec=codec,
                                                                           error=error)
             return total.item(), sent_bytes
