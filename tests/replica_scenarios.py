@@ -63,9 +63,11 @@ def corpus(root: str) -> str:
     import random
     rng, folder = random.Random(7), os.path.join(root, "corpus")
     os.makedirs(folder, exist_ok=True)
-    for i in range(10):
-        with open(os.path.join(folder, f"doc{i}.py"), "w") as f:
+    for i in range(10):  # each file whole or not yet there: two batches of scenarios write it at once, alike
+        path = os.path.join(folder, f"doc{i}.py")
+        with open(f"{path}.{os.getpid()}", "w") as f:
             f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160))))
+        os.replace(f"{path}.{os.getpid()}", path)
     return folder
 
 
@@ -238,6 +240,8 @@ def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
 
 SCENARIOS = {"kills": kills, "sharded": sharded, "alone": alone, "progress": progress, "diloco": diloco,
              "streaming": streaming, "coordinator": coordinator, "restart": restart}
+# two batches, each a process of its own (tests/test_replica_faults.py): about as long each, on a loaded machine too
+BATCHES = (("sharded", "diloco", "coordinator"), ("kills", "alone", "progress", "streaming", "restart"))
 
 
 def main(out: str, names: list[str]) -> int:
