@@ -32,7 +32,7 @@ from replicas.commit_log import adopt, append_log, last_commit, lock_log, resume
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused,
                                RunFinished, connect, one_line, reconnect)
 from replicas.liveness import open_link
-from replicas.transfer import SocketTransport, StateTransport, TornTransfer
+from replicas.transfer import Received, SocketTransport, StateTransport, TornTransfer
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,9 @@ class Reconnected(Exception):  # not a RuntimeError: none of the handlers of a f
 
 class Heartbeat:
     """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own, to
-    INCARNATION/COUNT (the lighthouse tells a restarted process from the one it replaced), beside a connection held
-    open to the coordinator's liveness server for the process's life (liveness.py: its death seen at once, its hang
-    by its silence). The coordinator lost, it beats to the next one at the address, if one comes within the fault
-    timeout (else ``lost`` says why)."""
+    INCARNATION/COUNT (a restarted process told from the one it replaced), beside a connection held open to the
+    coordinator for the process's life (liveness.py: its death seen at once). The coordinator lost, it beats to the
+    next one at the address, if one comes within the fault timeout (else ``lost`` says why)."""
 
     def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = "", fault_timeout_s: float = 60.0):
         self.store, self.key, self.incarnation = connect(address, timeout_s), key, incarnation
@@ -133,6 +132,7 @@ class Replica:
         self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives
         alone = not dist.is_initialized()
         self.place, self.size = (0, 1) if alone else (dist.get_rank(group_pg), dist.get_world_size(group_pg))
+        self.group_pg = group_pg
         self.log_path = commit_log if self.place == 0 else None
         self.log_lock: int | None = None
         # every committed step this run knows (a joiner receives the past); an earlier process's, up to ``step``
@@ -232,23 +232,45 @@ class Replica:
     # 1. join
     def join(self, step: int) -> Joined:
         """This step's quorum, and the live state this group received in joining it (loaded already) where it was
-        behind. Every place calls it. A transfer whose other end dies aborts the quorum, and this process asks again
-        (the state it had is intact: a joiner loads only what it received whole); so too once the coordinator is
-        lost and back (Reconnected), asking the new one."""
+        behind. Every place calls it. A transfer whose other end dies before any place's state arrived aborts the
+        quorum and the group asks again; after (a place's own tensors written): [Note: a torn transfer]; so too
+        once the coordinator is lost and back (Reconnected), asking the new one."""
         while True:
             try:
                 quorum = self._ask(step)
                 self._same_step(quorum, step)
+                failed, received = None, None
                 try:
                     if quorum.pg != self.pg_id:
                         self._make_group(quorum)
-                    return Joined(quorum, self._transfer(quorum))
-                except GroupStops:  # a torn transfer: this group's state is not whole, and must not be asked with
-                    raise
+                    received = self._transfer(quorum)
                 except (RuntimeError, dist.DistError) as error:  # a member died before the group was made or the
-                    self._abort(quorum, f"joining quorum {quorum.id} failed ({one_line(error)})")  # state arrived
+                    if isinstance(error, GroupStops):  # state arrived; torn: this place's state is not whole
+                        raise
+                    failed = error
+                failed_anywhere, received_anywhere = self._agree(failed is not None, received is not None)
+                if not failed_anywhere:
+                    return Joined(quorum, self._load(received, quorum) if received is not None else None)
+                if received_anywhere:  # a place's own tensors hold the new state, another's the old: torn
+                    raise self._torn(f"joining quorum {quorum.id} failed at a place of this group after another's "
+                                     f"state had arrived")
+                self._abort(quorum, f"joining quorum {quorum.id} failed "
+                                    f"({one_line(failed) if failed else 'at another place of this group'})")
             except Reconnected:
                 continue
+
+    def _agree(self, failed: bool, received: bool) -> tuple[bool, bool]:
+        """Whether joining failed at any place of this group, and whether any received a state. Each place's transfer
+        is its own: the places go on only together (one alone would wait in the group's collectives for a peer that
+        asks again), and load only together (a sharded stage's load gathers across them)."""
+        flags = torch.tensor([int(failed), int(received)])
+        if self.size > 1:
+            dist.all_reduce(flags, group=self.group_pg)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def _torn(self, why: str) -> GroupStops:
+        return GroupStops(f"replica group {self.group}: the live state's transfer was torn after it began writing "
+                          f"into this group's state ({why}); the group stops, to start again from its checkpoints")
 
     def _same_step(self, quorum: Quorum, step: int) -> None:
         """Every place of a group at its place 0's step (which it asked with). Not so only where the places read a
@@ -332,30 +354,28 @@ class Replica:
                 and not self._call(self.store.check, [f"{PREFIX}ticket/{ticket}"]))
 
     # 2. recovery
-    def _transfer(self, quorum: Quorum) -> Recovery | None:
-        """A member behind receives from its source (what it received); a source sends to each joiner it was given,
-        its state and its commit log."""
+    def _transfer(self, quorum: Quorum) -> tuple[Received, int] | None:
+        """A member behind receives from its source (what it received, and from which rank; loaded by ``_load`` once
+        every place has it); a source sends to each joiner it was given, its state and its commit log."""
         source = quorum.sources.get(self.group)
-        recovery = self._receive_state(quorum.members.index(source), quorum) if source is not None else None
+        received, rank = None, quorum.members.index(source) if source is not None else None
+        if rank is not None:  # into this process's own tensors where it can (transfer.py)
+            try:
+                received = self.transport.receive(rank, into={"state": self.state_dict(), "log": None}), rank
+            except TornTransfer as error:  # [Note: a torn transfer]
+                raise self._torn(one_line(error)) from None
         for joiner, giver in sorted(quorum.sources.items()):
             if giver == self.group:
                 self.transport.send({"state": self.state_dict(), "log": self.log}, quorum.members.index(joiner))
-        return recovery
+        return received
 
-    def _receive_state(self, source: int, quorum: Quorum) -> Recovery:
-        """The state from the quorum's member of rank ``source``, received into this process's own tensors where it
-        can (transfer.py), then loaded. Torn after it had begun writing into them ([Note: a torn transfer]): this
-        group stops, to start again from its checkpoints."""
-        try:
-            received = self.transport.receive(source, into={"state": self.state_dict(), "log": None})
-        except TornTransfer as error:
-            raise GroupStops(f"replica group {self.group}: the live state's transfer was torn after it began "
-                             f"writing into this group's state ({one_line(error)}); the group stops, to start again "
-                             f"from its checkpoints") from None
-        arrived = time.perf_counter()
+    def _load(self, arrived: tuple[Received, int], quorum: Quorum) -> Recovery:
+        """The state a place received, loaded (every place of the group together) with the commit log."""
+        received, source = arrived
+        started = time.perf_counter()
         self.log = adopt(self.log, received.state["log"])
         self.load_state_dict(received.state["state"])
-        recovery = Recovery(quorum.step, quorum.members[source], received.seconds, time.perf_counter() - arrived,
+        recovery = Recovery(quorum.step, quorum.members[source], received.seconds, time.perf_counter() - started,
                             received.bytes)
         self.recovered.append(dataclasses.asdict(recovery))
         if self.log_path:
