@@ -412,13 +412,8 @@ class DiLoCo:
     def _launch_outside(self, f: int, joined: bool = False) -> None:
         """Fragment ``f``'s meeting: a new quorum (``joined``: this replica is in its peers' already), then its
         average launched on the meeting's thread, voted on and applied after inner step t + delay."""
-        if not joined:
-            self.meeting_now = "launch"
-            received = self._meeting().join()
-            self.meeting_now = None if not received else self.meeting_now
-            if received:  # behind: a peer's live state taken, and with it the peer's place in its meeting
-                self._meet_as_joiner()
-                return
+        if not joined and self._join_as("launch"):  # behind: a peer's state and its place in its meeting taken
+            return
         self.launched = self.inner_steps
         local = self._flatten(f)
         sent = self.start[f] - local  # Delta_r, and what earlier roundings lost
@@ -440,11 +435,7 @@ class DiLoCo:
         meeting."""
         while True:
             if item.future is None:  # not launched in a live quorum (aborted, or resumed from a checkpoint)
-                self.meeting_now = "land"
-                received = self._meeting().join()
-                self.meeting_now = None if not received else self.meeting_now
-                if received:
-                    self._meet_as_joiner()
+                if self._join_as("land"):
                     return REPLACED
                 item.future = self.meet.start(item.average, float(item.brings), self.compress)
             committed, average, error, sent = self.meet.finish(item.future)
@@ -460,13 +451,20 @@ class DiLoCo:
         """This process's first quorum (fault-tolerant replica groups): True where it took a peer's live state
         there, and then took part in the peer's meeting as it stood (``_meet_as_joiner``); else every member has
         just started (or resumed) too, and the quorum meets with nothing to average."""
-        self.meeting_now = "first"
-        received = self._meeting().join()
-        if received:
+        if self._join_as("first"):
+            return True
+        self.meet.finish(self.meet.start(None, 0.0, self.compress))  # aborted or not: nothing to apply
+        return False
+
+    def _join_as(self, now: str) -> bool:
+        """A new quorum for this replica's meeting, ``now`` ("first", "launch" or "land") where it stands in it, as
+        its live state says to a joiner; True where this replica was behind and took a peer's live state there (the
+        peer's ``meeting_now`` with it), and then the peer's place in its meeting (``_meet_as_joiner``)."""
+        self.meeting_now = now
+        if self._meeting().join():
             self._meet_as_joiner()
             return True
         self.meeting_now = None
-        self.meet.finish(self.meet.start(None, 0.0, self.compress))  # aborted or not: nothing to apply
         return False
 
     def _meet_as_joiner(self) -> None:

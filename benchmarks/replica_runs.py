@@ -25,6 +25,21 @@ import replicas
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def final_weights(checkpoint_dir: str) -> dict[str, Any] | None:
+    """The weights of a group's current checkpoint (its last.pt, or a DCP folder read whole: --zero 3's), by this
+    process alone; None where it has none."""
+    import torch
+
+    import zero.checkpoint
+    from trainer.checkpoint import folders
+    found = folders.current(checkpoint_dir)
+    if found is None:
+        return None
+    if found.folder:
+        return zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
+    return torch.load(found.path, map_location="cpu", weights_only=True)["model"]
+
+
 class ReplicaRun:
     """R replica groups and their coordinator, as processes (module docstring). ``entry``: the trainer's script
     (a test's float64 one); ``group_env``: extra environment per group (its faults); ``processes``: P."""

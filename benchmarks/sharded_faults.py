@@ -28,7 +28,7 @@ import torch
 
 import utils
 from benchmarks.fault_benchmark import read_json, text_folder
-from benchmarks.replica_runs import ROOT, ReplicaRun
+from benchmarks.replica_runs import ROOT, ReplicaRun, final_weights
 from replicas import MESSAGE_BYTES
 
 PROG = "sharded_faults"
@@ -39,13 +39,6 @@ def recipe(args: argparse.Namespace, text: str) -> list[str]:
     return ["--device", "cpu", "--dataset", "text", "--data-dir", text, "--model", args.model, "--val-fraction",
             "0.01", "--batch-size", "4", "--optimizer", "adamw", "--lr", "1e-3", "--epochs", "1000", "--max-steps",
             str(args.steps), "--seed", "0", "--timeout", "120", "--zero", "3", "--checkpoint-every", "10"]
-
-
-def final_weights(run: ReplicaRun, group: int) -> dict[str, torch.Tensor]:
-    import zero.checkpoint
-    from trainer.checkpoint import folders
-    found = folders.current(run.path(group, "checkpoints"))
-    return zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
 
 
 def measure(args: argparse.Namespace, workdir: str, text: str) -> dict[str, Any]:
@@ -69,7 +62,7 @@ def measure(args: argparse.Namespace, workdir: str, text: str) -> dict[str, Any]
     note = next((n["recovered"] for n in logs[1] if "recovered" in n and n["recovered"]["asked"] > killed_at), {})
     metrics = {g: read_json(run.path(g, "metrics")) or {} for g in range(GROUPS)}
     phases = metrics[1].get("memory_by_phase_mb", {})
-    weights = [final_weights(run, g) for g in range(GROUPS)]
+    weights = [final_weights(run.path(g, "checkpoints")) for g in range(GROUPS)]
     whole_state_bytes = 3 * sum(t.numel() * t.element_size() for t in weights[0].values())  # weights, 2 moments
     return {"codes": {str(g): c for g, c in codes.items()}, "steps": len(steps),
             "survivors_alone": sum(1 for e in after if 1 not in e["participants"]),

@@ -81,7 +81,7 @@ from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, SocketTrans
                                TornTransfer, join_tensors, messages_of, split_tensors)
 
 __all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "RECONNECT_S",
-           "STALE_S", "CoordinatorLost", "GroupStops", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum", "Received",
-           "Recovery", "Replica", "ReplicaRefused", "RunFinished", "SocketTransport", "StateTransport",
-           "TensorPlace", "TornTransfer", "append_log", "connect", "join_tensors", "main", "messages_of", "one_line", "read_log",
-           "reconnect", "serve", "split_tensors", "write_log"]
+           "STALE_S", "CoordinatorLost", "GroupStops", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum",
+           "Received", "Recovery", "Replica", "ReplicaRefused", "RunFinished", "SocketTransport", "StateTransport",
+           "TensorPlace", "TornTransfer", "append_log", "connect", "join_tensors", "main", "messages_of", "one_line",
+           "read_log", "reconnect", "serve", "split_tensors", "write_log"]

@@ -164,7 +164,6 @@ class Replica:
         self.transport: StateTransport | None = None  # the live state's way, made with the quorum's process group
         self.requests = 0
         self.failure: str | None = None  # why the last average failed
-        self.total_weight: float | None = None  # the last weighted average's sum of the groups' weights
         self.run = run or run_of(self.log)  # the run this group took part in (None: a new group, of a new run)
         self.taken = False  # whether the coordinator has taken this process (its log then written back)
         self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
@@ -416,28 +415,20 @@ class Replica:
             return False
         return True
 
-    def average(self, tensors: list[torch.Tensor], weight: float | None = None) -> bool:
+    def average(self, tensors: list[torch.Tensor]) -> bool:
         """Each tensor averaged over the quorum's groups, in place; False (and ``failure`` says why) where a peer
-        died or timed out, or the quorum was already aborted (a transfer in it failed). ``weight`` (every member
-        gives one, or none does): each group's tensors count by their group's weight, sum(w t) / sum(w) (a group
-        with nothing to bring: 0). The coordinator lost before it: False (its quorum is not taken)."""
+        died or timed out, or the quorum was already aborted (a transfer in it failed). The coordinator lost before
+        it: False (its quorum is not taken)."""
         if not self.can_average():
             return False
-        weights = [] if weight is None else [torch.tensor([weight], dtype=torch.float64)]
-        if weights:
-            torch._foreach_mul_(tensors, weight)
         try:
-            pending = [self.comm.all_reduce(t, f"allreduce across replicas {i}")
-                       for i, t in enumerate(tensors + weights)]
+            pending = [self.comm.all_reduce(t, f"allreduce across replicas {i}") for i, t in enumerate(tensors)]
             self.fault("allreduce")
             for work in pending:
                 work.wait()
         except (RuntimeError, dist.DistError) as error:
             self.failure = one_line(error)
             return False
-        self.total_weight = None if weight is None else weights[0].item() * len(self.quorum.members)
-        if weights and weights[0].item() > 0:  # (all 0: the tensors are 0, and stay so)
-            torch._foreach_div_(tensors, weights[0].item())
         return True
 
     # 4. commit

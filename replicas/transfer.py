@@ -113,12 +113,13 @@ class SocketTransport:
     a port the OS hands out and sends ``host:port`` over the quorum's process group (so a quorum's transfer needs no
     key of its own), the source connects and streams a pickled skeleton, then the tensors' bytes straight from their
     storage, message by message (messages_of), each followed by its CRC32: no torch.cat on the sender (a
-    non-contiguous or GPU tensor alone is copied), and the receiver reads each tensor's bytes straight into the
-    joiner's own tensor at its place in ``into`` (``destinations``), or a new one where it has none. A message whose
-    checksum differs is refused (RuntimeError: the member aborts the quorum and asks again; TornTransfer where it had
-    begun writing into ``into``: [Note: a torn transfer]); the checksums run in a thread beside the socket (zlib.crc32 lets the GIL go), so that they cost
-    nothing while the next message moves. Every socket call waits at most the process group's timeout (the quorum's
-    fault timeout): a peer killed or hung mid-transfer is a RuntimeError, never a joiner waiting for ever.
+    non-contiguous or GPU tensor alone is copied), and the receiver reads each tensor's bytes straight into the joiner's
+    own tensor at its place in ``into`` (``destinations``), or a new one where it has none. A message whose checksum
+    differs is refused (RuntimeError: the member aborts the quorum and asks again; TornTransfer where it had begun
+    writing into ``into``: [Note: a torn transfer]); the checksums run in a thread beside the socket (zlib.crc32 lets
+    the GIL go), so that they cost nothing while the next message moves. Every socket call waits at most the process
+    group's timeout (the quorum's fault timeout): a peer killed or hung mid-transfer is a RuntimeError, never a joiner
+    waiting for ever.
     ``host``: the name or address the source reaches this place by (the host's name, as gloo's default device).
     ``fault("send")``: called with half the messages sent, where a test kills the process."""
 

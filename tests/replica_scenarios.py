@@ -3,11 +3,12 @@ torchrun per group, the trainer in float64): ``python tests/replica_scenarios.py
 OUT/NAME,
 its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. Not a test file.
 
-- kills: 3 groups, --min-replica-groups 3 (a step waits for all three), each group SIGKILLed twice at a point of
-  its own (trainer/faults.py), paired so that restarts overlap: groups 1 and 2 in step 2's forward and backward;
-  group 0, their only source, while sending them the live state (group 1's own tensors half written: it stops
-  too; every group lost: all start again from their checkpoints); groups 1 and 2 at the end of step 3, one in its optimizer's step and one saving its checkpoint
-  (group 1 recovers from group 0); group 0 inside step 6's all-reduce across groups (it recovers from another).
+- kills: 3 groups, --min-replica-groups 3 (a step waits for all three), each group SIGKILLed twice at a point of its
+  own (trainer/faults.py), paired so that restarts overlap: groups 1 and 2 in step 2's forward and backward; group 0,
+  their only source, while sending them the live state (group 1's own tensors half written: it stops too; every group
+  lost: all start again from their checkpoints); groups 1 and 2 at the end of step 3, one in its optimizer's step and
+  one saving its checkpoint (group 1 recovers from group 0); group 0 inside step 6's all-reduce across groups (it
+  recovers from another).
 - alone: 3 groups, --min-replica-groups 1: groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
   back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it
   has, every step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
@@ -202,7 +203,7 @@ def diloco(out: str, data: str) -> dict:
     run = ReplicaRun(out, 2, flags(data, STEPS["diloco"], "--checkpoint-every", "3", "--grad-sync", "diloco",
                                    "--local-steps", "3"), entry="tests/float64_trainer.py", group_env=env,
                      min_groups=2, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=3)  # group 1: 2 kills, then its
-    return finish(run, lambda: None, timeout_s=400)  # transfer torn by group 0's kill: it stops ([Note: a torn transfer])
+    return finish(run, lambda: None, timeout_s=400)  # transfer torn by group 0's kill ([Note: a torn transfer])
 
 
 def streaming(out: str, data: str) -> dict:

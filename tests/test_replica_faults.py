@@ -47,8 +47,7 @@ import torch
 
 import processes
 import replica_scenarios
-import zero.checkpoint
-from trainer.checkpoint import folders
+from benchmarks import replica_runs
 from trainer_testing import max_difference, replay_in_group
 
 WAIT_S = 1500  # the scenarios' two batches: about 5 minutes idle, 18 under two busy loops one after the other
@@ -83,11 +82,9 @@ def steps_of(log):
 
 def final_weights(outcome, group):
     """The group's last checkpoint's weights: its last.pt, or (--zero 3) its current DCP folder, read whole."""
-    found = folders.current(outcome["checkpoints"][str(group)])
-    assert found is not None, f"group {group} ended without its checkpoint:\n{outcome['outputs'][str(group)]}"
-    if found.folder:
-        return zero.checkpoint.read_whole(found.path, ("model",), alone=True)["model"]
-    return torch.load(found.path, map_location="cpu", weights_only=True)["model"]
+    weights = replica_runs.final_weights(outcome["checkpoints"][str(group)])
+    assert weights is not None, f"group {group} ended without its checkpoint:\n{outcome['outputs'][str(group)]}"
+    return weights
 
 
 def replayed(local_group, outcome, group, steps):

@@ -7,11 +7,11 @@ or 0 for the first, the default), so that the restarted processes run through.
 
 the second: replica group GROUP's rank RANK (any group's, without GROUP), at POINT, with STEP optimizer steps done
 (*: at any step), in torchrun's attempt ATTEMPT (default 0). POINT is one of POINTS: inside the step's forward or
-backward, inside the group's own reduce-scatter or all-gather of a bucket (--zero 1-3: the step's first one launched
-and not landed, ``watch``), inside the all-reduce across replica groups (its messages launched, not landed), inside the optimizer's
-step (the update applied, the step not yet counted), while this rank sends its live state to a replica group that
-joins (half the tensors sent), in --async-checkpoint's writer thread as it starts writing a save (the loop gone on),
-while it saves a checkpoint (its files written, the save not yet made current), or after the step (the default).
+backward, inside the group's own reduce-scatter or all-gather of a bucket (--zero 1-3: the step's first one launched and
+not landed, ``watch``), inside the all-reduce across replica groups (its messages launched, not landed), inside the
+optimizer's step (the update applied, the step not yet counted), while this rank sends its live state to a replica group
+that joins (half the tensors sent), in --async-checkpoint's writer thread as it starts writing a save (the loop gone
+on), while it saves a checkpoint (its files written, the save not yet made current), or after the step (the default).
 One point kills nothing: "nan" makes this rank's loss non-finite in that step's forward (trainer/finite.py's stop).
 """
 from __future__ import annotations

@@ -181,8 +181,8 @@ class ReplicaGroups:
         return future, flat, error, size
 
     def end_meeting(self, handle: Any) -> tuple[bool, torch.Tensor | None, torch.Tensor | None, int]:
-        """``start_meeting``'s average landed and voted on: (committed, the average or None where every weight was 0, this
-        rank's error feedback, the bytes this rank sent)."""
+        """``start_meeting``'s average landed and voted on: (committed, the average or None where every weight was 0,
+        this rank's error feedback, the bytes this rank sent)."""
         ok, total, sent = handle is not None, 0.0, 0
         if ok:
             try:

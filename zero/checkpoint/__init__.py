@@ -82,17 +82,16 @@ programs that keep the whole model on every rank anyway (DDP, ZeroRedundancyOpti
 of a group together or by one process alone.
 
 Where each part is (DCP's own split): zero/checkpoint/api.py (save, load, read_extra, read_whole),
-zero/checkpoint/background.py (AsyncWriter: the staging buffers and the writer thread),
-zero/checkpoint/state_dict.py (the state dict of one rank: what the sync holds, in get_state_dict's layout; the
-places a load reads into; extra), zero/checkpoint/planner.py (DCP's default planners, with pieces written and read
-as boxes), zero/checkpoint/checks.py (every refusal, in one line, the same on every rank), zero/checkpoint/checksums.py
-(the CRC32s checked before a read), zero/checkpoint/disk.py (the disk's errors of a save, named),
-zero/checkpoint/whole.py (one file of the whole state dicts), zero/checkpoint/held.py (what one rank holds, as it
-holds it, for a peer of the same layout: a replica group's live state), zero/checkpoint/methods.py (the checkpoint methods every
-sync offers, ``Checkpoints``, and a whole-tensor sync's, ``WholeCheckpoints``); the piece arithmetic without DCP is
-zero/pieces.py's. DCP's flattening and its inverse come from its private modules (``_nested_dict.flatten_state_dict``,
-``_traverse.set_element``): the ones DCP's own planners and ``dcp_to_torch_save`` use, so the keys and the rebuilt
-structure are DCP's by construction.
+zero/checkpoint/background.py (AsyncWriter: the staging buffers and the writer thread), zero/checkpoint/state_dict.py
+(the state dict of one rank: what the sync holds, in get_state_dict's layout; the places a load reads into; extra),
+zero/checkpoint/planner.py (DCP's default planners, with pieces written and read as boxes), zero/checkpoint/checks.py
+(every refusal, in one line, the same on every rank), zero/checkpoint/checksums.py (the CRC32s checked before a read),
+zero/checkpoint/disk.py (the disk's errors of a save, named), zero/checkpoint/whole.py (one file of the whole state
+dicts), zero/checkpoint/held.py (what one rank holds, as it holds it, for a peer of the same layout: a replica group's
+live state), zero/checkpoint/methods.py (the checkpoint methods every sync offers, ``Checkpoints``, and a whole-tensor
+sync's, ``WholeCheckpoints``); the piece arithmetic without DCP is zero/pieces.py's. DCP's flattening and its inverse
+come from its private modules (``_nested_dict.flatten_state_dict``, ``_traverse.set_element``): the ones DCP's own
+planners and ``dcp_to_torch_save`` use, so the keys and the rebuilt structure are DCP's by construction.
 
 Everything used from outside zero/ is a name of this module (nothing outside imports its files), imported at its first
 use (``__getattr__``, as zero's own): the stages inherit ``WholeCheckpoints`` without torch.distributed.checkpoint's

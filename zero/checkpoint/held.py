@@ -43,8 +43,9 @@ def held_model(sync: Any) -> dict[str, Any]:
 
 def run_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """An optimizer's own state in torch.optim's packing (its tensors numbered in order, group by group), without
-    the state-dict hooks: for a sharded stage's inner optimizer, the state of this rank's runs as it holds it (its
-    ``state_dict()`` would gather the whole to rank 0). Its tensors are the optimizer's own."""
+    the state-dict hooks: stage 0's plain optimizer's state_dict, and for a sharded stage's inner optimizer the state
+    of this rank's runs as it holds it (its ``state_dict()`` would gather the whole to rank 0). Its tensors are the
+    optimizer's own."""
     numbered, state, groups = 0, {}, []
     for group in optimizer.param_groups:
         indices = list(range(numbered, numbered + len(group["params"])))
@@ -58,9 +59,7 @@ def run_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def held_state(sync: Any, optimizer: Any) -> dict[str, Any]:
     """What this rank holds of the model and of ``optimizer`` (one, several, None), as views (module docstring)."""
-    return {"model": held_model(sync),
-            "optimizers": [run_state(o) if sync.optimizer_view(o).runs is not None else o.state_dict()
-                           for o in as_optimizers(optimizer)]}
+    return {"model": held_model(sync), "optimizers": [run_state(o) for o in as_optimizers(optimizer)]}
 
 
 def load_held_state(sync: Any, optimizer: Any, state: dict[str, Any]) -> None:
