@@ -163,8 +163,9 @@ class Lighthouse:
         self.store.delete_key(PREFIX + "finished")
         for group in list(self.asked):  # the old run's requests, never answered: told it finished
             self._refuse(self.asked.pop(group).request, f"{FINISHED} at step {finished['step']}")
-        self.__init__(self.store, self.new_run)  # membership and the frontier anew
-        self.finished_runs, self.seen = runs, seen
+        liveness = self.liveness  # (its server, while ``run`` runs, serves the new run too)
+        self.__init__(self.store, self.new_run, self.host)  # membership and the frontier anew
+        self.finished_runs, self.seen, self.liveness = runs, seen, liveness
         self._say(f"the run {finished.get('run')} finished at step {finished['step']}: a new run starts (--new-run)")
 
     def _claimed(self, group: int, incarnation: str) -> str | None:
@@ -256,10 +257,11 @@ class Lighthouse:
     def _first_waits(self, alive: dict[int, Asked]) -> bool:
         """Whether the first quorum waits for more groups: every planned one, up to the fault timeout (at least
         FIRST_WAIT_S) since the first asked: a planned group slower to start than the others (a loaded machine: its
-        torch imported seconds later) is no more taken for lost than a quorum's silent member. A coordinator restarted after a loss (a request names a quorum it was in: groups that were training)
-        waits instead for the members of the latest quorum a request names, the lost coordinator's (one of them may
-        hold the last committed step: [Note: lineage]), until they ask, are gone (their heartbeat, back, silent past
-        STALE_S) or the fault timeout has passed; not for the other groups (gone, or restarting: not coming)."""
+        torch imported seconds later) is no more taken for lost than a quorum's silent member. A coordinator restarted
+        after a loss (a request names a quorum it was in: groups that were training) waits instead for the members of
+        the latest quorum a request names, the lost coordinator's (one of them may hold the last committed step: [Note:
+        lineage]), until they ask, are gone (their heartbeat, back, silent past STALE_S) or the fault timeout has
+        passed; not for the other groups (gone, or restarting: not coming)."""
         waited = time.monotonic() - self.first_asked
         patience = max(asked.request["fault_timeout"] for asked in alive.values())
         if self.last_members[0] < 0:

@@ -816,3 +816,15 @@ def test_a_member_killed_is_gone_at_once_and_a_stopped_one_only_once_silent():
     print(f"\na member SIGKILLed: gone for the lighthouse after {gone_after * 1000:.0f} ms (STALE_S: "
           f"{replicas.STALE_S * 1000:.0f} ms)")
     assert gone_after < replicas.STALE_S / 2
+
+
+def test_a_new_run_keeps_the_lighthouses_liveness_server_and_host():
+    """--new-run starts the lighthouse's membership anew (Lighthouse._start_new_run), not the liveness server its
+    ``run`` holds nor the host it listens on: the new run's deaths are seen at once too."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store, new_run=True, host="127.0.0.1")
+    lighthouse.liveness = server = object()  # (run's, while it runs)
+    store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 5, "group": 0, "run": "old"}))
+    lighthouse._start_new_run()
+    assert lighthouse.liveness is server and lighthouse.host == "127.0.0.1"
+    assert lighthouse.finished_runs == {"old": 5}
