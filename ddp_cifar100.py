@@ -47,13 +47,16 @@ import sys
 import time
 from typing import Any, Iterator
 
-from trainer import refusals  # (imports no torch)
+import trainer
+from trainer import refusals, warm_start  # (import no torch)
 
-# replica groups, before torch is imported: a restart of a group the coordinator refused says the same line and stops
-# (trainer/refusals.py), and a lost coordinator is said in one line, not after a C++ stack per failed store call
-# (c10d's client logs each at warning level; the level is read once, as torch is imported)
+# before torch is imported: a restart of a replica group the coordinator refused says the same line and stops
+# (trainer/refusals.py); a restart of a --warm-restarts torchrun is forked by the zygote its first start kept and
+# this process only stands for it (trainer/warm_start.py); a lost coordinator is said in one line, not after a C++
+# stack per failed store call (c10d's client logs each at warning level; the level is read once, as torch is imported)
 if __name__ == "__main__":
     refusals.exit_if_refused(sys.argv[1:])
+    warm_start.serve_restart(sys.argv, trainer.STARTED)
 if "--coordinator" in sys.argv:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch  # noqa: E402
@@ -327,4 +330,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    warm_start.keep_zygote(sys.argv)  # --warm-restarts: the zygote forked here; a restart it forks goes on here
     sys.exit(main())

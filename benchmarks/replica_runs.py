@@ -21,8 +21,16 @@ import time
 from typing import Any
 
 import replicas
+from trainer import warm_start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def local_rank(pid: int) -> int:
+    """A torchrun worker's LOCAL_RANK, from the environment it was started with."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        variables = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(variables.get(b"LOCAL_RANK", b"0"))
 
 
 def final_weights(checkpoint_dir: str) -> dict[str, Any] | None:
@@ -46,9 +54,10 @@ class ReplicaRun:
 
     def __init__(self, workdir: str, groups: int, flags: list[str], *, processes: int = 1, max_restarts: int = 100,
                  entry: str = "ddp_cifar100.py", env: dict[str, str] | None = None,
-                 group_env: dict[int, dict[str, str]] | None = None, min_groups: int = 1, fault_timeout_s: float = 10):
+                 group_env: dict[int, dict[str, str]] | None = None, min_groups: int = 1, fault_timeout_s: float = 10,
+                 warm: bool = True):
         self.workdir, self.groups, self.flags, self.processes = workdir, groups, flags, processes
-        self.max_restarts, self.entry = max_restarts, entry
+        self.max_restarts, self.entry, self.warm = max_restarts, entry, warm
         self.min_groups, self.timeout_s = min_groups, fault_timeout_s
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.group_env = group_env or {}
@@ -87,7 +96,7 @@ class ReplicaRun:
     def start_group(self, group: int) -> None:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                 str(self.processes), "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
-                self.entry, *self.flags, "--replica-group", str(group), "--replica-groups", str(self.groups),
+                self.entry, *self.flags, *(["--warm-restarts"] if self.warm else []), "--replica-group", str(group), "--replica-groups", str(self.groups),
                 "--coordinator", self.address, "--min-replica-groups", str(self.min_groups), "--fault-timeout",
                 str(self.timeout_s), "--commit-log", self.path(group, "log"), "--checkpoint-dir",
                 self.path(group, "checkpoints"), "--metrics-out", self.path(group, "metrics")]
@@ -96,13 +105,14 @@ class ReplicaRun:
                                               stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
 
     def workers(self, group: int) -> list[int]:
-        """The PIDs of group ``group``'s trainer processes now (its torchrun's children)."""
+        """The PIDs of group ``group``'s trainer processes now: its torchrun's children, or, for a restart that a
+        zygote forked (--warm-restarts), the child that such a thin process stands for."""
         agent = self.agents[group].pid
         children: list[int] = []
         for task in os.listdir(f"/proc/{agent}/task") if os.path.exists(f"/proc/{agent}/task") else []:
             with open(f"/proc/{agent}/task/{task}/children") as f:
                 children += [int(pid) for pid in f.read().split()]
-        return children
+        return [warm_start.served(agent, local_rank(pid), pid) or pid for pid in children]
 
     def signal(self, group: int, sig: int) -> list[int]:
         """Send ``sig`` to the group's workers (SIGKILL: torchrun restarts them; SIGSTOP/SIGCONT: a hang)."""

@@ -172,13 +172,17 @@ class Lighthouse:
         """Why a request of ``incarnation`` may not speak for ``group`` (None: it may, and from now on it does): the
         group is claimed by another process that beat within STALE_S (two torchruns started with one
         --replica-group: the newer one would replace the live one, whose steps since would be lost). A restart of
-        a dead (or stopped) process is not refused: its old incarnation has been silent for longer (the heartbeat
-        key now names the new one, so each incarnation's last beat is kept: ``alive``)."""
+        a dead (or stopped) process is not refused: its old incarnation's liveness connection has closed (a process
+        of it died), or it has been silent for longer (the heartbeat key now names the new one, so each incarnation's
+        last beat is kept: ``alive``). A restart forked warm (trainer/warm_start.py) asks within a second of the
+        death, when the last beat may still look recent."""
         claimant = self.claims.get(group)
         if claimant not in (None, incarnation):
             self._watch_heartbeats()
             silent = time.monotonic() - self.alive.get((group, claimant), -float("inf"))
-            if silent <= STALE_S:
+            died = self.liveness is not None and any(self.liveness.closed(f"{PREFIX}hb/{group}/{j}", claimant)
+                                                     for j in range(self.places.get(group, 1)))
+            if silent <= STALE_S and not died:
                 return (f"another process of it is running (its heartbeat {silent:.1f} s old): two torchruns "
                         f"given --replica-group {group}? Give each group its own number")
         self.claims[group] = incarnation

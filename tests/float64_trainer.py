@@ -11,11 +11,15 @@ import signal
 import sys
 import time
 
-if "--coordinator" in sys.argv:  # as ddp_cifar100.py does, before torch is imported
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer import warm_start  # noqa: E402  (imports no torch)
+
+if __name__ == "__main__":  # as ddp_cifar100.py does, before torch is imported: a warm restart is served
+    warm_start.serve_restart(sys.argv, time.time())
+if "--coordinator" in sys.argv:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+import torch  # noqa: E402
+
 torch.set_default_dtype(torch.float64)
 
 import ddp_cifar100  # noqa: E402  (after the default dtype: the model and the data are made in it)
@@ -34,6 +38,7 @@ def paced(at, seconds: float, gate: str):
 
 
 if __name__ == "__main__":
+    warm_start.keep_zygote(sys.argv)  # after the default dtype: the zygote's children have it too
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a run that does not end shows where it waits
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         time.sleep(float(os.environ.get("FLOAT64_TRAINER_RESTART_DELAY", "0")))

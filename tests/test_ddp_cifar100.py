@@ -279,6 +279,8 @@ def training_commands(out):
         "--checkpoint-dir", str(out / "reference"), "--metrics-out", str(out / "metrics.json")] + tensorboard, ENV)}
     commands["restart"] = (TORCHRUN + one_node + ["--max-restarts", "1", SCRIPT] + REFERENCE + [
         "--checkpoint-dir", str(out / "restart")], dict(ENV, DDP_CIFAR100_FAULT="1:7"))
+    commands["warm restart"] = (TORCHRUN + one_node + ["--max-restarts", "1", SCRIPT] + REFERENCE + [
+        "--warm-restarts", "--checkpoint-dir", str(out / "warm-restart")], dict(ENV, DDP_CIFAR100_FAULT="1:7"))
     port = free_port()
     for node in (0, 1):
         commands[f"two nodes/{node}"] = (TORCHRUN + [
@@ -341,12 +343,16 @@ def test_end_to_end_writes_tensorboard_scalars(training_runs):
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_resumes_exactly(training_runs):
-    proc = training_runs["runs"]["restart"]
+@pytest.mark.parametrize("run", ["restart", "warm restart"])
+def test_a_killed_worker_is_restarted_and_resumes_exactly(training_runs, run):
+    """torchrun restarts both workers; with --warm-restarts each is forked by the zygote its rank's first start kept
+    (trainer/warm_start.py), which rank 0 says."""
+    proc = training_runs["runs"][run]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout and "optimizer step 6" in proc.stdout
-    assert_same_weights(training_runs["dir"] / "restart", training_runs["dir"] / "reference",
-                        "killed after step 7 and restarted")
+    assert ("ddp_cifar100.py: note: restart 1 is warm: forked by the zygote" in proc.stderr) == (run == "warm restart")
+    assert_same_weights(training_runs["dir"] / run.replace(" ", "-"), training_runs["dir"] / "reference",
+                        f"killed after step 7 and {run}ed")
 
 
 @pytest.mark.slow

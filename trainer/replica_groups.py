@@ -142,7 +142,7 @@ class ReplicaGroups:
             self.parts.phases.end("recovery")  # the joiner's peak memory while it received and loaded (metrics)
             self.replica.note({"recovered": {"group": self.parts.config.replica_group, "step": quorum.step,
                                              "quorum": quorum.id, "source": received.source,
-                                             "started": trainer.STARTED, "imported": IMPORTED,
+                                             "started": trainer.STARTED, "imported": trainer.FORKED or IMPORTED,
                                              "built": self.ready, "connected": self.connected, "asked": asked,
                                              "quorum_s": time.time() - asked - received.seconds - received.load_s,
                                              "transfer_s": received.seconds, "load_s": received.load_s,
