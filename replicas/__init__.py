@@ -70,18 +70,20 @@ Not back in time: every process says so in one line (CoordinatorLost) and stops;
 The files, one concern each: protocol.py (the store's keys, the timings, the errors, the quorum as published),
 coordinator.py (the lighthouse and ``serve``), member.py (Replica: join, average, commit, finish; its heartbeat),
 transfer.py (the live state's transfer: the StateTransport interface, its implementations over a TCP connection of
-its own and over the process group, the wire format) and commit_log.py (the log that replays the run).
+its own and over the process group, the wire format), commit_log.py (the log that replays the run) and runs_file.py
+(what the coordinator keeps of its runs on disk, ``serve --runs-file``: their ids and ends, for a restart).
 """
 from replicas.commit_log import append_log, read_log, write_log
 from replicas.coordinator import FIRST_WAIT_S, LINEAGE_WAITS, Lighthouse, main, serve
 from replicas.member import Heartbeat, Joined, Recovery, Replica
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STALE_S, CoordinatorLost, GroupStops,
                                Quorum, ReplicaRefused, RunFinished, connect, one_line, reconnect)
+from replicas.runs_file import RunsFile, RunsFileError
 from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, SocketTransport, StateTransport, TensorPlace,
                                TornTransfer, join_tensors, messages_of, split_tensors)
 
 __all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "RECONNECT_S",
            "STALE_S", "CoordinatorLost", "GroupStops", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum",
-           "Received", "Recovery", "Replica", "ReplicaRefused", "RunFinished", "SocketTransport", "StateTransport",
-           "TensorPlace", "TornTransfer", "append_log", "connect", "join_tensors", "main", "messages_of", "one_line",
-           "read_log", "reconnect", "serve", "split_tensors", "write_log"]
+           "Received", "Recovery", "Replica", "ReplicaRefused", "RunFinished", "RunsFile", "RunsFileError",
+           "SocketTransport", "StateTransport", "TensorPlace", "TornTransfer", "append_log", "connect", "join_tensors",
+           "main", "messages_of", "one_line", "read_log", "reconnect", "serve", "split_tensors", "write_log"]

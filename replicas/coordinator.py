@@ -2,7 +2,7 @@
 (the package docstring's step 1). It holds membership, not state: everything the members need is in the store's
 keys (protocol.py), and everything else the members settle among themselves through the store.
 
-    python -m replicas serve --port 29400 [--host 0.0.0.0] [--new-run]
+    python -m replicas serve --port 29400 [--host 0.0.0.0] [--new-run] [--runs-file PATH]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch.distributed import TCPStore
 
 from replicas.liveness import LivenessServer
 from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S, one_line
+from replicas.runs_file import RunsFile, RunsFileError
 
 FIRST_WAIT_S = 5.0  # the least the first quorum waits for every planned group (else the fault timeout)
 LINEAGE_WAITS = 10  # the fault timeouts the lighthouse waits, at most, for the holders of the last committed step
@@ -40,10 +41,12 @@ class Lighthouse:
     quorum whose member went silent. It keeps no state that the members need besides the store's keys: quorum/n
     (the quorum), ticket/T (its answer to request T), decision/n (written by members, or by it on silence).
     ``new_run``: once the run finished, a new run's group (one that keeps no run id) starts a new run instead of
-    being refused ([Note: new run])."""
+    being refused ([Note: new run]). ``runs_file``: where it keeps the run's id and end and the runs before it, and
+    resumes them from (runs_file.py): a coordinator restarted after the groups have gone still knows them."""
 
-    def __init__(self, store: TCPStore, new_run: bool = False, host: str = "0.0.0.0"):
-        self.store, self.new_run, self.host = store, new_run, host
+    def __init__(self, store: TCPStore, new_run: bool = False, host: str = "0.0.0.0",
+                 runs_file: RunsFile | None = None):
+        self.store, self.new_run, self.host, self.runs_file = store, new_run, host, runs_file
         self.liveness: LivenessServer | None = None  # the members' connections, while ``run`` runs (liveness.py)
         self.finished_runs: dict[str, int] = {}  # run id -> its last step: the runs before this one ([Note: new run])
         self.quorum: dict[str, Any] | None = None  # the last one formed
@@ -65,6 +68,8 @@ class Lighthouse:
         self.decided_at: float | None = None
         self.said: str | None = None
         self.run_id: str | None = None  # the run's id: the first quorum's requests' (a restarted coordinator), or new
+        if runs_file is not None and runs_file.kept is not None:
+            self._resume(runs_file.kept)
 
     def run(self, stop: threading.Event | None = None) -> None:
         watched = 0.0
@@ -80,6 +85,7 @@ class Lighthouse:
                         self._form()
                     else:
                         self._abort_if_silent()
+                    self._keep()
                 time.sleep(TICK_S)
         finally:
             self.liveness.close()
@@ -133,6 +139,20 @@ class Lighthouse:
         """This run's end, as a group that finished it wrote it ({"step", "group", "run"}; None: not finished)."""
         return json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
 
+    def _resume(self, kept: dict[str, Any]) -> None:
+        """What the runs file keeps, on a coordinator started anew: the run's id, the runs before it, and the run's
+        end, set again in the store as a group that finished sets it on a new coordinator (Heartbeat.carried)."""
+        self.run_id, self.finished_runs = kept["run"], dict(kept["finished_runs"])
+        if kept["finished"] is not None:
+            self.store.set(PREFIX + "finished", json.dumps(kept["finished"]))
+
+    def _keep(self) -> None:
+        """What a restarted coordinator needs (the run's id, its end, the runs before it) to the runs file, where it
+        changed since it was last written (no file: nothing)."""
+        if self.runs_file is not None:
+            self.runs_file.write({"run": self.run_id, "finished": self._finished(),
+                                  "finished_runs": self.finished_runs})
+
     def _ended(self, request: dict[str, Any]) -> str | None:
         """Why a request may not join for its run's end (None: not so): a new run once this one finished, a group
         behind the end of its run (this one, or one before it on this coordinator: told so, with exit 0)."""
@@ -163,9 +183,10 @@ class Lighthouse:
         self.store.delete_key(PREFIX + "finished")
         for group in list(self.asked):  # the old run's requests, never answered: told it finished
             self._refuse(self.asked.pop(group).request, f"{FINISHED} at step {finished['step']}")
-        liveness = self.liveness  # (its server, while ``run`` runs, serves the new run too)
-        self.__init__(self.store, self.new_run, self.host)  # membership and the frontier anew
-        self.finished_runs, self.seen, self.liveness = runs, seen, liveness
+        liveness, runs_file = self.liveness, self.runs_file  # (the liveness server, while ``run`` runs, serves the
+        self.__init__(self.store, self.new_run, self.host)  # new run too) membership and the frontier anew
+        self.finished_runs, self.seen, self.liveness, self.runs_file = runs, seen, liveness, runs_file
+        self._keep()
         self._say(f"the run {finished.get('run')} finished at step {finished['step']}: a new run starts (--new-run)")
 
     def _claimed(self, group: int, incarnation: str) -> str | None:
@@ -414,11 +435,18 @@ def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str
     return "its fingerprint differs"
 
 
-def serve(port: int, host: str = "0.0.0.0", new_run: bool = False) -> None:
-    """The coordinator: a TCPStore server on HOST:PORT and the lighthouse, until the process is stopped."""
+def serve(port: int, host: str = "0.0.0.0", new_run: bool = False, runs_file: str | None = None) -> None:
+    """The coordinator: a TCPStore server on HOST:PORT and the lighthouse, until the process is stopped; with
+    ``runs_file``, the lighthouse keeps its runs there and resumes them from it (RunsFileError: it cannot)."""
+    kept = RunsFile(runs_file) if runs_file is not None else None  # (read before the port is taken)
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     print(f"replicas serve: coordinator on {host}:{store.port}", flush=True)
-    Lighthouse(store, new_run, host).run()
+    if kept is not None and kept.kept is not None:
+        end = kept.kept["finished"]
+        print(f"replicas serve: resumed from {runs_file}: run {kept.kept['run']}, "
+              f"{'not finished' if end is None else 'finished at step %d' % end['step']}, "
+              f"{len(kept.kept['finished_runs'])} run(s) before it", flush=True)
+    Lighthouse(store, new_run, host, kept).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,15 +458,23 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--host", default="0.0.0.0", help="the address to listen on")
     serving.add_argument("--new-run", action="store_true", help="once the run finished, start a new run's groups "
                          "afresh (its late groups still told it finished) instead of refusing them")
+    serving.add_argument("--runs-file", metavar="PATH", help="a JSON file where the coordinator keeps the run's id, "
+                         "whether and at which step it finished, and the runs before it, and which it reads again "
+                         "when restarted (a missing file: a fresh coordinator). Pass it to a coordinator that may be "
+                         "restarted after the groups have gone: it still tells a late group of a finished run that "
+                         "the run finished, and still refuses a new run (or, with --new-run, starts it)")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:  # (a TypeError from the store's constructor else)
         print(f"{SERVE}: error: --port must be between 0 (one the OS picks) and 65535, got {args.port}",
               file=sys.stderr, flush=True)
         return 2
     try:
-        serve(args.port, args.host, args.new_run)
+        serve(args.port, args.host, args.new_run, runs_file=args.runs_file)
     except KeyboardInterrupt:
         return 0
+    except RunsFileError as error:
+        print(f"{SERVE}: error: {error}", file=sys.stderr, flush=True)
+        return 2
     except RuntimeError as error:
         print(f"replicas serve: {one_line(error)}", file=sys.stderr, flush=True)
         return 1

@@ -112,12 +112,14 @@ def test_a_new_run_on_a_coordinator_whose_run_finished_is_refused_with_1(two_gro
                                                    "coordinator: this coordinator's run finished at step 6"), lines
 
 
-def lighthouse_by_hand(new_run=False):
+def lighthouse_by_hand(new_run=False, runs_file=None):
     """A lighthouse over a store of its own, driven by hand: ``ask(ticket, run, step)`` has group 0 (1 process of 1
-    planned, incarnation ``ticket``, of run ``run``) ask, the lighthouse form, and returns its answer; each asker is
-    gone once answered (not a second claimant). Returns (store, ask)."""
+    planned, incarnation ``ticket``, of run ``run``) ask, the lighthouse form (and write its runs file, if given a
+    path), and returns its answer; each asker is gone once answered (not a second claimant). Returns (store, ask);
+    ``ask.lighthouse`` is the lighthouse."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    lighthouse = replicas.Lighthouse(store, new_run=new_run)
+    lighthouse = replicas.Lighthouse(store, new_run=new_run,
+                                     runs_file=replicas.RunsFile(str(runs_file)) if runs_file else None)
 
     def ask(ticket, run, step=0):
         store.set(f"{replicas.PREFIX}hb/0/0", f"{ticket}/0")
@@ -127,8 +129,10 @@ def lighthouse_by_hand(new_run=False):
         lighthouse._take_requests()
         lighthouse._watch_heartbeats()
         lighthouse._form()
+        lighthouse._keep()  # (as the run loop, after it forms)
         lighthouse.alive.clear()
         return json.loads(store.get(f"{replicas.PREFIX}ticket/0/{ticket}/1"))
+    ask.lighthouse = lighthouse
     return store, ask
 
 
@@ -163,6 +167,96 @@ def test_a_coordinator_started_with_new_run_starts_a_new_run_once_the_old_one_fi
     assert late.get("finished") and "the run finished at step 5" in late["refused"]
     store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 9, "group": 0, "run": new["run"]}))
     assert ask("late-new", new["run"], step=3).get("finished")  # the new run's late group: its end, step 9
+
+
+def test_a_coordinator_restarted_on_its_runs_file_knows_the_runs_end_once_the_groups_have_gone(tmp_path):
+    """--runs-file: a lighthouse that saw its run finish, stopped (every group gone, so none carries the end to the
+    next one), and a new lighthouse on a new store and the same file: a late group of the run is told it finished,
+    a new run is refused; started with --new-run, the new run starts afresh and the file names both runs; and the
+    next restart still tells the old run's late group."""
+    path = tmp_path / "runs.json"
+    store, ask = lighthouse_by_hand(runs_file=path)  # (no file yet: a fresh coordinator)
+    old = ask("first", None)["run"]
+    store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 5, "group": 0, "run": old}))
+    ask.lighthouse._keep()  # (the run loop's next look)
+    assert json.loads(path.read_text()) == {"run": old, "finished": {"step": 5, "group": 0, "run": old},
+                                            "finished_runs": {}}
+
+    _, ask = lighthouse_by_hand(runs_file=path)  # restarted: an empty store
+    late = ask("late", old, step=2)
+    assert late.get("finished") and "the run finished at step 5 while this group was away" in late["refused"]
+    new = ask("new", None)
+    assert not new.get("finished") and "this coordinator's run finished at step 5" in new["refused"]
+
+    _, ask = lighthouse_by_hand(new_run=True, runs_file=path)
+    new = ask("new", None)
+    assert "refused" not in new and new["run"] not in (None, old)
+    assert json.loads(path.read_text()) == {"run": new["run"], "finished": None, "finished_runs": {old: 5}}
+    assert ask("late", old, step=2).get("finished")
+
+    _, ask = lighthouse_by_hand(runs_file=path)
+    assert ask("late", old, step=2).get("finished")
+    assert "refused" not in ask("again", new["run"], step=3)  # the new run, not finished, goes on
+
+
+def test_the_runs_file_is_replaced_whole_never_written_in_place(tmp_path, monkeypatch, capsys):
+    """Each change of the runs file is a new file renamed over the old one (a reader, or a restart after a crash
+    mid-write, sees the old content or the new, never half), no temporary file left behind; a write that fails (a
+    full disk) leaves the old content whole, is said in one line, and is tried again at the next look."""
+    path = tmp_path / "runs.json"
+    store, ask = lighthouse_by_hand(runs_file=path)
+    seen = []
+
+    def look():
+        assert os.listdir(tmp_path) == ["runs.json"]  # (no temporary file left)
+        seen.append((os.stat(path).st_ino, json.loads(path.read_text())))
+
+    run = ask("first", None)["run"]
+    look()
+    store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 5, "group": 0, "run": run}))
+    ask.lighthouse._keep()
+    look()
+    assert seen[0][1]["run"] == run and seen[1][1]["finished"]["step"] == 5
+    assert seen[0][0] != seen[1][0]  # another file in its place, not the same one rewritten
+
+    def full(descriptor):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    ask.lighthouse.finished_runs["earlier"] = 2
+    ask.lighthouse._keep()
+    ask.lighthouse._keep()  # (said once)
+    look()
+    assert seen[2] == seen[1]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"python -m replicas serve: warning: --runs-file {path} not "
+                                               f"written (OSError: [Errno 28] No space left on device)"), err
+    monkeypatch.undo()
+    ask.lighthouse._keep()
+    look()
+    assert seen[3][1]["finished_runs"] == {"earlier": 2}
+
+
+@pytest.mark.timeout(60)
+def test_serve_refuses_a_runs_file_it_cannot_use_in_one_line(tmp_path, capsys):
+    """A runs file that is not one (half a JSON object, another shape), a folder, or a path whose folder does not
+    exist: one line at the start, exit 2, the port never taken, no traceback (the real command, and main)."""
+    bad = tmp_path / "runs.json"
+    bad.write_text('{"run": "abc", "finished": ')
+    done = subprocess.run([sys.executable, "-m", "replicas", "serve", "--port", "0", "--runs-file", str(bad)],
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"python -m replicas serve: error: --runs-file {bad}: not JSON "
+                                                   f"(Expecting value"), lines
+    (tmp_path / "list.json").write_text("[]")
+    for path, why in ((tmp_path / "list.json", "not a runs file (a JSON object with exactly the keys"),
+                      (tmp_path, "a file's path expected"),
+                      (tmp_path / "nowhere" / "runs.json", f"its folder {tmp_path / 'nowhere'} does not exist")):
+        assert replicas.main(["serve", "--port", "0", "--runs-file", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"python -m replicas serve: error: --runs-file {path}: "), err
+        assert why in err[0], err
 
 
 def test_serve_passes_new_run_to_the_lighthouse():
