@@ -781,6 +781,25 @@ def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_on
     lighthouse._decided()
     lighthouse.alive[0, "first"] -= replicas.STALE_S + 1  # the first one killed: silent since
     assert ask("restarted").get("members") == [0]
+    # killed, and restarted warm within a second (trainer/warm_start.py): its last beat still looks recent, but its
+    # liveness connection closed (liveness.py), so the restart is taken, not refused as a second claimant
+    store.set(f"{replicas.PREFIX}decision/1", "abort")
+    lighthouse._decided()
+    store.set(f"{replicas.PREFIX}hb/0/0", "restarted/1")
+    lighthouse._watch_heartbeats()
+    lighthouse.liveness = GoneProcesses({(f"{replicas.PREFIX}hb/0/0", "restarted")})
+    assert ask("warm").get("members") == [0]
+
+
+class GoneProcesses:
+    """A liveness server's answer (replicas.LivenessServer.closed): these (key, incarnation) closed their
+    connection."""
+
+    def __init__(self, closed):
+        self.ended = closed
+
+    def closed(self, key, incarnation):
+        return (key, incarnation) in self.ended
 
 
 class CountingLighthouse(replicas.Lighthouse):
