@@ -3,7 +3,8 @@ of a random replica every --kill-every seconds (30) during the first --seconds (
 ways:
 
 - ours: the fault-tolerant replica groups of replicas/ (3 torchruns of 1 process, a coordinator): the survivors go on,
-  a restarted group takes the live state from one of them (benchmarks/replica_runs.py);
+  a restarted group, forked warm by its zygote (--warm-restarts), takes the live state from one of them
+  (benchmarks/replica_runs.py); ``ours-cold``, run only when named, is the same without --warm-restarts;
 - elastic: one torchrun of 3 processes with --max-restarts and --checkpoint-every 25, as the trainer is run today:
   every fault restarts every process, which resume from the last checkpoint and redo the steps since it;
 - torchft: torchft 0.2.0 itself (its Manager, its Lighthouse, its ProcessGroupGloo, its HTTP checkpoint transport),
@@ -39,7 +40,7 @@ from replicas import STALE_S
 
 PROG = "fault_benchmark"
 TORCHFT = ["torchft==0.2.0", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"]
-WAYS = ("ours", "elastic", "torchft")
+WAYS = ("ours", "elastic", "torchft", "ours-cold")  # ours-cold (not run unless named): ours without --warm-restarts
 
 
 def recipe(steps: int, text: str) -> list[str]:
@@ -88,8 +89,10 @@ def killing(faults: list[tuple[float, int]], kill: Any, done: Any, started: floa
 # ----------------------------------------------------------------------------------------------------------
 # ours
 # ----------------------------------------------------------------------------------------------------------
-def run_ours(args: argparse.Namespace, workdir: str, faults: list[tuple[float, int]]) -> dict[str, Any]:
-    run = ReplicaRun(workdir, args.groups, recipe(args.steps, args.text), fault_timeout_s=10, max_restarts=100)
+def run_ours(args: argparse.Namespace, workdir: str, faults: list[tuple[float, int]], warm: bool = True
+             ) -> dict[str, Any]:
+    run = ReplicaRun(workdir, args.groups, recipe(args.steps, args.text), fault_timeout_s=10, max_restarts=100,
+                     warm=warm)
     started = time.time()
     try:
         run.start()
@@ -102,7 +105,7 @@ def run_ours(args: argparse.Namespace, workdir: str, faults: list[tuple[float, i
     logs = {g: run.committed(g, steps_only=False) for g in range(args.groups)}
     committed = union_of_steps([e for e in logs[g] if "step" in e] for g in logs)
     metrics = read_json(run.path(0, "metrics"))
-    return {"wall_s": wall, "codes": codes, "steps": len(committed),
+    return {"wall_s": wall, "codes": codes, "steps": len(committed), "warm_restarts": warm,
             "samples": sum(len(e["participants"]) for e in committed) * 8,
             "final_val_loss": metrics.get("val_loss") if metrics else None,
             "faults": [fault_figures(k, committed, logs, started) for k in kills]}
@@ -456,7 +459,7 @@ def summarize(way: str, clean: dict[str, Any], faulty: dict[str, Any]) -> dict[s
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'way':8} {'clean s':>8} {'faulty s':>9} {'goodput':>8} {'kills':>6} {'stall s (median)':>17} "
+    lines = [f"{'way':9} {'clean s':>8} {'faulty s':>9} {'goodput':>8} {'kills':>6} {'stall s (median)':>17} "
              f"{'rejoin s (median)':>18} {'final val loss':>15}"]
     for row in rows:
         faults = row["faulty"]["faults"]
@@ -464,7 +467,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         rejoins = [f.get("rejoined_s") or f.get("restart_s") for f in faults]
         rejoins = [r for r in rejoins if r is not None]
         loss = row["faulty"].get("final_val_loss")
-        lines.append(f"{row['way']:8} {row['clean']['wall_s']:8.1f} {row['faulty']['wall_s']:9.1f} "
+        lines.append(f"{row['way']:9} {row['clean']['wall_s']:8.1f} {row['faulty']['wall_s']:9.1f} "
                      f"{row['goodput']:8.3f} {row['kills']:6d} "
                      f"{(utils.median(stalls) if stalls else float('nan')):17.2f} "
                      f"{(utils.median(rejoins) if rejoins else float('nan')):18.2f} "
@@ -485,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=3, help="replicas (processes, for elastic)")
     parser.add_argument("--steps", type=int, default=420,
                         help="optimizer steps every run takes (420: every way's run here outlasts the kills)")
-    parser.add_argument("--ways", default=",".join(WAYS), help=f"which of {', '.join(WAYS)}")
+    parser.add_argument("--ways", default=",".join(WAYS[:3]), help=f"which of {', '.join(WAYS)}")
     parser.add_argument("--seed", type=int, default=0, help="the fault schedule's")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     parser.add_argument("--torchft-dir", default=os.path.expanduser("~/.cache/dataparallel/torchft-0.2.0"),
@@ -519,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ways: {unknown[0]!r} is not one of {', '.join(WAYS)}")
     faults = schedule(args)
     rows, skipped = [], {}
-    runners = {"ours": run_ours, "elastic": run_elastic, "torchft": run_torchft}
+    runners = {"ours": run_ours, "elastic": run_elastic, "torchft": run_torchft,
+               "ours-cold": lambda *a: run_ours(*a, warm=False)}
     with tempfile.TemporaryDirectory(prefix="faultbench-") as tmp:
         args.text = text_folder(tmp)
         for way in ways:

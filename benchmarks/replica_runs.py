@@ -50,7 +50,8 @@ def final_weights(checkpoint_dir: str) -> dict[str, Any] | None:
 
 class ReplicaRun:
     """R replica groups and their coordinator, as processes (module docstring). ``entry``: the trainer's script
-    (a test's float64 one); ``group_env``: extra environment per group (its faults); ``processes``: P."""
+    (a test's float64 one); ``group_env``: extra environment per group (its faults); ``processes``: P; ``warm``:
+    --warm-restarts (a restart forked by its rank's zygote: trainer/warm_start.py)."""
 
     def __init__(self, workdir: str, groups: int, flags: list[str], *, processes: int = 1, max_restarts: int = 100,
                  entry: str = "ddp_cifar100.py", env: dict[str, str] | None = None,
