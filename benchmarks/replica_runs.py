@@ -26,13 +26,6 @@ from trainer import warm_start
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def local_rank(pid: int) -> int:
-    """A torchrun worker's LOCAL_RANK, from the environment it was started with."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        variables = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    return int(variables.get(b"LOCAL_RANK", b"0"))
-
-
 def final_weights(checkpoint_dir: str) -> dict[str, Any] | None:
     """The weights of a group's current checkpoint (its last.pt, or a DCP folder read whole: --zero 3's), by this
     process alone; None where it has none."""
@@ -113,7 +106,21 @@ class ReplicaRun:
         for task in os.listdir(f"/proc/{agent}/task") if os.path.exists(f"/proc/{agent}/task") else []:
             with open(f"/proc/{agent}/task/{task}/children") as f:
                 children += [int(pid) for pid in f.read().split()]
-        return [warm_start.served(agent, local_rank(pid), pid) or pid for pid in children]
+        return [self._trainer(agent, pid) for pid in children]
+
+    def _trainer(self, agent: int, pid: int) -> int:
+        """The trainer a torchrun child is: itself, or the child a zygote forked for it (a warm restart, served in
+        a fraction of a second after torchrun starts it: asked again for up to 10 s)."""
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            variables = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        if not self.warm or variables.get(b"TORCHELASTIC_RESTART_COUNT", b"0") == b"0":
+            return pid  # the first start: the trainer itself
+        deadline = time.monotonic() + 10
+        while True:
+            served = warm_start.served(agent, int(variables.get(b"LOCAL_RANK", b"0")), pid)
+            if served is not None or time.monotonic() > deadline or not os.path.exists(f"/proc/{pid}"):
+                return served or pid  # (none: a restart that started cold)
+            time.sleep(0.05)
 
     def signal(self, group: int, sig: int) -> list[int]:
         """Send ``sig`` to the group's workers (SIGKILL: torchrun restarts them; SIGSTOP/SIGCONT: a hang)."""
