@@ -4,7 +4,9 @@ thread's stack (ReplicaRun.close, for a run past its deadline). With FLOAT64_TRA
 optimizer step ends with SECONDS of sleep while FILE does not exist: a scenario whose events take a while on a slow
 machine keeps the run from ending before they are over, and opens the gate (writes FILE) when they are. With
 FLOAT64_TRAINER_RESTART_DELAY=SECONDS, a process torchrun restarted waits SECONDS before it starts: a restart slower
-than the fault timeout (a machine that takes long to come back). Not a test file."""
+than the fault timeout (a machine that takes long to come back); with FLOAT64_TRAINER_RESTART_GATE=FILE, it waits until
+FILE exists (a restart that comes back only once a scenario's events are over: a warm one is back in a fraction of a
+second). Not a test file."""
 import faulthandler
 import os
 import signal
@@ -42,6 +44,8 @@ if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a run that does not end shows where it waits
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         time.sleep(float(os.environ.get("FLOAT64_TRAINER_RESTART_DELAY", "0")))
+        while not os.path.exists(os.environ.get("FLOAT64_TRAINER_RESTART_GATE", os.sep)):
+            time.sleep(0.05)
     if os.environ.get(PACE):
         seconds, gate = os.environ[PACE].split(":", 1)
         faults.at = paced(faults.at, float(seconds), gate)  # the trainer calls faults.at by its module

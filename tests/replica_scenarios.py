@@ -144,14 +144,18 @@ def progress(out: str, data: str) -> dict:
     SIGKILLed while it sends the state to group 1, back: its checkpoint holds a later step than group 1's state, so
     group 1 waits for group 0's restart instead of going on from step 2 alone ([Note: progress]). Paced (as alone)
     until group 1 has received group 0's state, so that group 0 cannot finish alone before group 1 is back."""
-    gate = os.path.join(out, "events-over")
+    gate, back = os.path.join(out, "events-over"), os.path.join(out, "group-1-back")
     env = {0: {"DDP_CIFAR100_FAULT": "0/0:*:send", "FLOAT64_TRAINER_RESTART_DELAY": str(RESTART_DELAY_S)},
-           1: {"DDP_CIFAR100_FAULT": "1/0:3:after"}}
+           1: {"DDP_CIFAR100_FAULT": "1/0:3:after", "FLOAT64_TRAINER_RESTART_GATE": back}}
     run = ReplicaRun(out, 2, flags(data, STEPS["progress"], "--checkpoint-every", "2"),
                      entry="tests/float64_trainer.py", env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"},
                      group_env=env, min_groups=1, fault_timeout_s=PROGRESS_TIMEOUT_S, max_restarts=2)
 
     def act() -> None:
+        # group 1 back once group 0 alone has checkpointed a later step than group 1's (its restart is warm: back
+        # in a fraction of a second, before group 0 took a step alone, were it not held)
+        run.wait_for_step(0, 6, 240)
+        open(back, "w").close()
         run.wait_for(1, "recovery from group 0", lambda entries: any(
             e.get("recovered", {}).get("group") == 1 and e["recovered"]["source"] == 0 for e in entries), 240)
         open(gate, "w").close()  # the pace off: the run ends at speed
