@@ -10,11 +10,11 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   one saving its checkpoint (group 1 recovers from group 0); group 0 inside step 6's all-reduce across groups (it
   recovers from another).
 - alone: 3 groups, --min-replica-groups 1: groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
-  back; then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it
+  back (their restarts held until it has taken two steps alone: a warm restart is back before the next step); then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it
   has, every step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
   step first however fast the machine steps and however slowly it restarts the others; then the run ends at speed.
-- progress: 2 groups, --min-replica-groups 1: group 1 SIGKILLed, group 0 goes on alone, then SIGKILLed while it
-  sends group 1 the state: group 1 waits for group 0's restart from its checkpoint, whose step is past its own.
+- progress: 2 groups, --min-replica-groups 1: group 1 SIGKILLed, group 0 goes on alone (group 1's restart held until
+  group 0 has checkpointed step 6), then SIGKILLed while it sends group 1 the state: group 1 waits for group 0's restart from its checkpoint, whose step is past its own.
 - coordinator: 2 groups, --max-restarts 0, and the coordinator killed for good: each group waits the fault timeout
   for it, then says so in one line and stops.
 - restart: 3 groups, the coordinator SIGKILLed while they are inside step 6 and a new one started on its port: the
@@ -107,10 +107,10 @@ def sharded(out: str, data: str) -> dict:
 
 
 def alone(out: str, data: str) -> dict:
-    gate = os.path.join(out, "events-over")
+    gate, held = os.path.join(out, "events-over"), os.path.join(out, "groups-back")
     run = ReplicaRun(out, 3, flags(data, STEPS["alone"], "--checkpoint-every", "50"), entry="tests/float64_trainer.py",
-                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"}, min_groups=1,
-                     fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}", "FLOAT64_TRAINER_RESTART_GATE": held},
+                     min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
     events = {}
 
     def rejoined(quorum: int):
@@ -121,6 +121,10 @@ def alone(out: str, data: str) -> dict:
         run.wait_for_step(0, 5, 120)
         events["killed"] = run.signal(1, signal.SIGKILL) + run.signal(2, signal.SIGKILL)
         events["killed_at"] = time.time()
+        # group 0 alone for two steps, then the others back (held until then: a warm restart is back at once)
+        run.wait_for(0, "two steps alone", lambda entries: sum(
+            1 for e in entries if e.get("participants") == [0] and e["time"] > events["killed_at"]) >= 2, 120)
+        open(held, "w").close()
         run.wait_for(2, "recovery", rejoined(-1), 120)  # group 2 back
         back = max(entry["step"] for entry in run.committed(2))
         run.wait_for_step(2, back + 3, 120)  # ... and stepping

@@ -36,7 +36,8 @@ if __name__ == "__main__":
 """
 
 # the agent: torchrun's part, one attempt after the other; with "signal", it sends that signal to the process it
-# started once the worker runs, and notes whether the child a zygote forked for it outlives it
+# started (with "child": to the child a zygote forked for it) once the worker runs, and notes whether that child
+# outlives it
 AGENT = f"""
 import json, os, subprocess, sys, time
 sys.path.insert(0, {ROOT!r})
@@ -55,7 +56,7 @@ for attempt, step in enumerate(json.load(open(plan_file))):
     if "signal" in step:
         first = process.stdout.readline()
         served = warm_start.served(os.getpid(), 0, process.pid)
-        os.kill(process.pid, step["signal"])
+        os.kill(served if step.get("child") else process.pid, step["signal"])
     out, err = process.communicate(timeout=60)
     if "signal" in step:
         out = first + out
@@ -103,11 +104,12 @@ def test_a_restart_is_forked_by_the_zygote_and_its_thin_process_ends_as_it_does(
         {"action": "term"},  # a restart killed by SIGTERM
         {"action": "wait", "signal": 15},  # the agent stops it: SIGTERM, passed on
         {"action": "wait", "signal": 9},  # the thin process SIGKILLed
+        {"action": "wait", "signal": 9, "child": True},  # the child SIGKILLed (a fault injector's kill)
         {"action": "0", "env": {"WARM_TEST_OTHER": "1"}},  # another environment: cold
         {"action": "0", "shell": True},  # not the agent's child: cold
         {"action": "0"},  # served again
     ])
-    first, served, cold = attempts[0], [attempts[i] for i in (1, 2, 3, 4, 7)], attempts[5:7]
+    first, served, cold = attempts[0], [attempts[i] for i in (1, 2, 3, 4, 5, 8)], attempts[6:8]
     assert first["code"] == 1 and first["where"]["ppid"] == agent and first["where"]["forked"] is None
     zygote = served[0]["where"]["ppid"]
     for attempt in served:
@@ -119,7 +121,8 @@ def test_a_restart_is_forked_by_the_zygote_and_its_thin_process_ends_as_it_does(
     assert served[1]["code"] == -15  # killed by SIGTERM, as its thin process then is
     assert served[2]["code"] == 5 and served[2]["out"] == ["terminated"]  # SIGTERM passed on, the child's exit
     assert served[3]["code"] == -9 and served[3]["served"] == served[3]["where"]["pid"] and not served[3]["outlived"]
-    assert served[4]["code"] == 0
+    assert served[4]["code"] == -9  # the child SIGKILLed: its thin process ends by SIGKILL too
+    assert served[5]["code"] == 0
     for attempt, said in zip(cold, ("worker.py: note: --warm-restarts: this restart starts cold: another "
                                     "environment", "")):  # (a process whose parent is not the agent asks none)
         assert attempt["code"] == 0 and attempt["where"]["forked"] is None

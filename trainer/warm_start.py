@@ -124,8 +124,10 @@ def serve_restart(argv: list[str], started: float) -> None:
         os._exit(1)
     code = status["code"]
     if code < 0:  # killed: by the same signal, so that torchrun sees the same failure
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # (their handlers cannot be set: they are the default)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
+        code = 128 - code  # a signal whose default is to go on (SIGCHLD, SIGWINCH): the shell's code for it
     os._exit(code)
 
 
