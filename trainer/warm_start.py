@@ -143,6 +143,10 @@ def keep_zygote(argv: list[str], preload: tuple[str, ...] = PRELOAD) -> dict[str
         return None
     for name in preload:
         __import__(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child of such a process cannot use CUDA
+        _note(argv, f"{FLAG} is off: CUDA was initialized before the zygote could be forked")
+        return None
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         _note(argv, f"{FLAG} is off: this process runs {threads} threads after its imports, and only one thread "
