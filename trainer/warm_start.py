@@ -118,9 +118,10 @@ def serve_restart(argv: list[str], started: float) -> None:
     for sig in FORWARDED:  # torchrun's stop of the group (SIGTERM to this process's group), a user's ^C
         signal.signal(sig, lambda number, _: os.kill(child, number))
     status, _ = _receive(sock)  # (a signal's handler runs, and the wait goes on: PEP 475)
-    if status is None:  # the zygote is gone (killed): the child's end is unknown
+    if status is None:  # the zygote is gone (killed): the child's end is unknown, and none may outlive this process
         print(f"{os.path.basename(argv[0])}: error: {FLAG}: the zygote that forked this worker is gone",
               file=sys.stderr, flush=True)
+        os.kill(child, signal.SIGKILL)
         os._exit(1)
     code = status["code"]
     if code < 0:  # killed: by the same signal, so that torchrun sees the same failure
