@@ -25,10 +25,11 @@ if __name__ == "__main__":
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
     warm_start.keep_zygote(sys.argv, preload=())
     action = json.load(open(sys.argv[1]))[int(os.environ["TORCHELASTIC_RESTART_COUNT"])]["action"]
+    if action == "wait":  # (before it says where it runs: the agent's signal may follow at once)
+        signal.signal(signal.SIGTERM, lambda *_: (os.write(1, b"terminated\\n"), os._exit(5)))
     print(json.dumps({{"pid": os.getpid(), "ppid": os.getppid(), "loaded": LOADED, "forked": trainer.FORKED,
                       "argv": sys.argv[1:], "cwd": os.getcwd()}}), flush=True)
     if action == "wait":
-        signal.signal(signal.SIGTERM, lambda *_: (print("terminated", flush=True), sys.exit(5)))
         time.sleep(60)
     elif action == "term":
         os.kill(os.getpid(), signal.SIGTERM)
@@ -36,8 +37,8 @@ if __name__ == "__main__":
 """
 
 # the agent: torchrun's part, one attempt after the other; with "signal", it sends that signal to the process it
-# started (with "child": to the child a zygote forked for it) once the worker runs, and notes whether that child
-# outlives it
+# started (or to the child a zygote forked for it, or to that zygote) once the worker runs, and notes whether the
+# child outlives it
 AGENT = f"""
 import json, os, subprocess, sys, time
 sys.path.insert(0, {ROOT!r})
@@ -56,7 +57,8 @@ for attempt, step in enumerate(json.load(open(plan_file))):
     if "signal" in step:
         first = process.stdout.readline()
         served = warm_start.served(os.getpid(), 0, process.pid)
-        os.kill(served if step.get("child") else process.pid, step["signal"])
+        target = {{"child": served, "zygote": int(open(f"/proc/{{served}}/stat").read().rsplit(")", 1)[1].split()[1])}}
+        os.kill(target.get(step.get("to"), process.pid), step["signal"])
     out, err = process.communicate(timeout=60)
     if "signal" in step:
         out = first + out
@@ -104,7 +106,7 @@ def test_a_restart_is_forked_by_the_zygote_and_its_thin_process_ends_as_it_does(
         {"action": "term"},  # a restart killed by SIGTERM
         {"action": "wait", "signal": 15},  # the agent stops it: SIGTERM, passed on
         {"action": "wait", "signal": 9},  # the thin process SIGKILLed
-        {"action": "wait", "signal": 9, "child": True},  # the child SIGKILLed (a fault injector's kill)
+        {"action": "wait", "signal": 9, "to": "child"},  # the child SIGKILLed (a fault injector's kill)
         {"action": "0", "env": {"WARM_TEST_OTHER": "1"}},  # another environment: cold
         {"action": "0", "shell": True},  # not the agent's child: cold
         {"action": "0"},  # served again
@@ -138,3 +140,13 @@ def test_a_worker_of_more_than_one_thread_keeps_no_zygote_and_says_so(tmp_path):
     assert first["err"].strip().startswith("worker.py: note: --warm-restarts is off: this process runs 2 threads")
     assert restart["code"] == 0 and restart["where"]["ppid"] == agent and restart["where"]["forked"] is None
 
+
+
+def test_a_restart_whose_zygote_is_killed_ends_and_takes_its_child_with_it(tmp_path):
+    """The zygote SIGKILLed while it serves a restart: the thin process cannot learn how its child ends, so it says
+    so in one line, kills the child (none may outlive it: torchrun's next restart would meet it as a second claimant
+    of its replica group) and fails."""
+    _, (first, restart) = run_agent(tmp_path, [{"action": "1"}, {"action": "wait", "signal": 9, "to": "zygote"}])
+    assert restart["code"] == 1 and restart["served"] == restart["where"]["pid"] and not restart["outlived"]
+    assert restart["err"].splitlines()[-1] == ("worker.py: error: --warm-restarts: the zygote that forked this worker "
+                                               "is gone")

@@ -16,7 +16,8 @@ fresh start would from there: into ``main()``, nothing of a run done yet (the zy
 
 The thin process stays what torchrun watches: it passes torchrun's signals on to the child and ends as the child did
 (its exit code, or killed by the same signal), so torchrun's restarts, --max-restarts and its stop of a failed group
-are as they were; if the thin process is killed, the child kills itself (it watches their connection). A restart is
+are as they were; if the thin process is killed, the child kills itself (it watches it through a pidfd), and if the
+zygote is killed, the thin process kills the child and fails (it can no longer learn how the child ends). A restart is
 served only if it is the same command with the same environment as the first start's but for the variables torchrun
 sets per attempt (PER_ATTEMPT): a variable read while torch is imported (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY,
 TORCH_CPP_LOG_LEVEL) could otherwise differ from what the child has. A restart not served (no zygote: the agent's
@@ -31,9 +32,11 @@ torch's generators are seeded by the trainer. Only this torchrun agent's own pro
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -103,6 +106,7 @@ def serve_restart(argv: list[str], started: float) -> None:
     if not _requested(argv) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         return
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # held until they can be passed on to the child
     try:
         sock.connect(address(os.getppid(), os.environ.get("LOCAL_RANK", "0")))
         _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "started": started}, (0, 1, 2))
@@ -111,17 +115,20 @@ def serve_restart(argv: list[str], started: float) -> None:
         answer = None
     if answer is None or "pid" not in answer:
         sock.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # (one that came meanwhile acts now, as on a cold start)
         if answer is not None:
             _note(argv, f"{FLAG}: this restart starts cold: {answer['refused']}")
         return
     child = answer["pid"]
     for sig in FORWARDED:  # torchrun's stop of the group (SIGTERM to this process's group), a user's ^C
         signal.signal(sig, lambda number, _: os.kill(child, number))
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     status, _ = _receive(sock)  # (a signal's handler runs, and the wait goes on: PEP 475)
     if status is None:  # the zygote is gone (killed): the child's end is unknown, and none may outlive this process
         print(f"{os.path.basename(argv[0])}: error: {FLAG}: the zygote that forked this worker is gone",
               file=sys.stderr, flush=True)
-        os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
         os._exit(1)
     code = status["code"]
     if code < 0:  # killed: by the same signal, so that torchrun sees the same failure
@@ -187,7 +194,8 @@ class _Zygote:
     def __init__(self, worker: int, expected: dict[str, Any], changed: dict[str, str]):
         self.agent = int(open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[1])  # the worker's parent
         self.expected, self.changed = expected, changed
-        self.children: dict[int, tuple[int, socket.socket, int]] = {}  # pidfd -> child, its connection, thin PID
+        self.children: dict[int, tuple[int, socket.socket, int]] = {}  # pidfd -> child, its thin process's
+        # connection (only the zygote holds it: the thin process sees its end if the zygote dies) and PID
         self.selector = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(address(self.agent, os.environ.get("LOCAL_RANK", "0")))  # taken: another zygote
@@ -236,7 +244,8 @@ class _Zygote:
                 child = os.fork()
                 if child == 0:
                     try:
-                        return self._become(message, fds, conn.detach())
+                        conn.close()  # the zygote's alone: the thin process sees its end if the zygote dies
+                        return self._become(message, fds, pid)
                     except BaseException:  # noqa: BLE001 - a child that cannot become the restart fails as one
                         traceback.print_exc()  # on the restart's stderr, once it has it
                         sys.stderr.flush()
@@ -276,7 +285,7 @@ class _Zygote:
             pass
         conn.close()
 
-    def _become(self, request: dict[str, Any], fds: list[int], conn_fd: int) -> dict[str, Any]:
+    def _become(self, request: dict[str, Any], fds: list[int], thin: int) -> dict[str, Any]:
         """In the forked child: leave the zygote's sockets, take on the restart's streams, environment, folder and
         command line; die with the thin process."""
         self.selector.close()
@@ -297,19 +306,17 @@ class _Zygote:
         os.environ.update({**request["env"], **self.changed})
         sys.argv = list(request["argv"])
         trainer.STARTED, trainer.FORKED = request["started"], time.time()  # its clock: its thin process's start
-        conn = socket.socket(fileno=conn_fd)
-        conn.settimeout(None)
-        threading.Thread(target=_die_with, args=(conn,), name="warm-start: the thin process", daemon=True).start()
+        try:
+            watched = os.pidfd_open(thin)
+        except ProcessLookupError:  # gone already
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=_die_with, args=(watched,), name="warm-start: the thin process", daemon=True).start()
         return request
 
 
-def _die_with(conn: socket.socket) -> None:
-    """The child's watch on its thin process: the connection's end (the thin process killed) kills the child."""
-    try:
-        while conn.recv(1 << 10):
-            pass
-    except OSError:
-        pass
+def _die_with(pidfd: int) -> None:
+    """The child's watch on its thin process: its end (the thin process killed) kills the child."""
+    select.select([pidfd], [], [])
     os.kill(os.getpid(), signal.SIGKILL)
 
 
