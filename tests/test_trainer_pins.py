@@ -118,8 +118,8 @@ FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--async-checkpoi
          "--profile-steps", "--prompt", "--reduce-dtype", "--replica-group", "--replica-groups", "--replicas",
          "--scheduler", "--seed", "--sync-mode",
          "--temperature", "--timeout", "--top-k",
-         "--train-size", "--val-fraction", "--val-size", "--warmup-steps", "--weight-decay", "--workers", "--zero",
-         "--zero3-accumulate"]
+         "--train-size", "--val-fraction", "--val-size", "--warm-restarts", "--warmup-steps", "--weight-decay",
+         "--workers", "--zero", "--zero3-accumulate"]
 
 DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "dataset": "cifar100", "data_dir": "data", "train_size": 10000, "val_size": 2000, "image_size": 32,
@@ -138,7 +138,7 @@ DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "async_checkpoint": False,
     "replica_group": None,
     "replica_groups": None, "coordinator": None, "min_replica_groups": 1, "fault_timeout": 60.0, "commit_log": None,
-    "eval_only": False, "generate": None,
+    "warm_restarts": False, "eval_only": False, "generate": None,
     "prompt": "", "temperature": 0.8, "top_k": None, "log_dir": None, "log_every": 10, "profile": None,
     "profile_steps": (3, 6), "metrics_out": None, "eval_every": 0, "eval_batch_size": 128, "timeout": 1800.0,
     "malloc_mmap_threshold": 128}

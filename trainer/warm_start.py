@@ -78,7 +78,8 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = (
     data = json.dumps(message).encode()
     data = struct.pack("!I", len(data)) + data
     sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
-    sock.sendall(data[sent:])
+    if sent < len(data):  # (not an empty send: the peer may have answered and closed already, EPIPE)
+        sock.sendall(data[sent:])
 
 
 def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
