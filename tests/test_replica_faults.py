@@ -111,8 +111,8 @@ def test_every_step_is_taken_once_by_all_three_groups_through_six_kills(outcomes
 def test_a_sharded_group_loses_ranks_inside_each_collective_and_every_step_is_taken_once(outcomes):
     """The sharded scenario (--zero 3, 2 processes a group): ranks SIGKILLed inside the group's reduce-scatter and
     all-gather, while sending a place's shards, and inside the average of a shard across the groups, and one stopped
-    past the fault timeout; every step is taken once by all three groups; a joiner whose own tensors were half
-    written stops its group (the torn line)."""
+    past the fault timeout; every step is taken once by all three groups; the joiners see their source lost (a
+    joiner whose own tensors were half written stops its group: the torn line)."""
     sharded = outcomes["sharded"]
     assert sharded["codes"] == {"0": 0, "1": 0, "2": 0}
     assert sharded["restarts"]["0"] == 2, sharded["outputs"]["0"][-2000:]  # while sending; inside the average
@@ -120,9 +120,16 @@ def test_a_sharded_group_loses_ranks_inside_each_collective_and_every_step_is_ta
         log = steps_of(sharded["logs"][group])
         assert [entry["step"] for entry in log] == list(range(replica_scenarios.STEPS["sharded"]))
         assert all(entry["participants"] == [0, 1, 2] for entry in log)
-    torn = [g for g in ("1", "2") if "was torn after it began writing" in sharded["outputs"][g]]
-    assert torn, "no joiner's transfer was torn"
-    for group in torn:  # stopped, and restarted by torchrun: its kill, then the torn transfer
+    # group 0's rank 1 killed while sending its place's shards: the joiners see it by the path the timing gives
+    # (a restart warm or cold, a place's transfer ahead of its peer's): half written (torn: the group stops), or
+    # before anything was written (the join fails and is asked again, or the group's own collective fails and
+    # torchrun restarts it); every step once all the same (above). test_transfer.py has the torn path alone.
+    marks = {"torn": "was torn after it began writing", "join failed": "joining quorum", "stopped":
+             "failed (exitcode: 1)"}
+    seen = {g: [way for way, mark in marks.items() if mark in sharded["outputs"][g]] for g in ("1", "2")}
+    print(f"\nsharded: the joiners saw their source lost as {seen}")
+    assert any(seen.values()), "no joiner saw its source lost"
+    for group in (g for g, ways in seen.items() if "torn" in ways):  # stopped, and restarted by torchrun
         assert sharded["restarts"][group] + sharded["outputs"][group].count("failed (exitcode: 1)") >= 2
     assert any("recovered" in note for note in sharded["logs"]["0"])  # after the kill inside the average
     events = sharded["events"]
