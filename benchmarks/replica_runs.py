@@ -90,8 +90,8 @@ class ReplicaRun:
     def start_group(self, group: int) -> None:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                 str(self.processes), "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
-                self.entry, *self.flags, *(["--warm-restarts"] if self.warm else []), "--replica-group", str(group), "--replica-groups", str(self.groups),
-                "--coordinator", self.address, "--min-replica-groups", str(self.min_groups), "--fault-timeout",
+                self.entry, *self.flags, *(["--warm-restarts"] if self.warm else []), "--replica-group", str(group),
+                "--replica-groups", str(self.groups), "--coordinator", self.address, "--min-replica-groups", str(self.min_groups), "--fault-timeout",
                 str(self.timeout_s), "--commit-log", self.path(group, "log"), "--checkpoint-dir",
                 self.path(group, "checkpoints"), "--metrics-out", self.path(group, "metrics")]
         output = open(self.path(group, "output"), "a")

@@ -10,11 +10,13 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   one saving its checkpoint (group 1 recovers from group 0); group 0 inside step 6's all-reduce across groups (it
   recovers from another).
 - alone: 3 groups, --min-replica-groups 1: groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
-  back (their restarts held until it has taken two steps alone: a warm restart is back before the next step); then group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it
-  has, every step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
+  back (their restarts held until it has taken two steps alone: a warm restart is back before the next step); then
+  group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it has, every
+  step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
   step first however fast the machine steps and however slowly it restarts the others; then the run ends at speed.
 - progress: 2 groups, --min-replica-groups 1: group 1 SIGKILLed, group 0 goes on alone (group 1's restart held until
-  group 0 has checkpointed step 6), then SIGKILLed while it sends group 1 the state: group 1 waits for group 0's restart from its checkpoint, whose step is past its own.
+  group 0 has checkpointed step 6), then SIGKILLed while it sends group 1 the state: group 1 waits for group 0's
+  restart from its checkpoint, whose step is past its own.
 - coordinator: 2 groups, --max-restarts 0, and the coordinator killed for good: each group waits the fault timeout
   for it, then says so in one line and stops.
 - restart: 3 groups, the coordinator SIGKILLed while they are inside step 6 and a new one started on its port: the

@@ -269,10 +269,10 @@ class Config:
                                   help="fault tolerance: every committed step, its replica groups and the samples "
                                        "each used (JSON lines, this group's rank 0), from which one process can "
                                        "replay the run")
-    warm_restarts: bool = flag(False, help="under torchrun --max-restarts: a restarted worker is forked from a "
-                                           "process that imported torch and the trainer at the first start (one "
-                                           "per local rank, kept by it), not started afresh: with replica groups "
-                                           "it asks to rejoin about 3 s sooner on 2 CPU cores "
+    warm_restarts: bool = flag(False, help="under a torchrun that restarts failed workers: a restarted worker is "
+                                           "forked from a process that imported torch and the trainer at the first "
+                                           "start (one per local rank, kept by it), not started afresh: with "
+                                           "replica groups it asks to rejoin about 3 s sooner on 2 CPU cores "
                                            "(trainer/warm_start.py; needs OMP_NUM_THREADS=1)")
     eval_only: bool = flag(False, help="evaluate --checkpoint-dir's checkpoint (or the fresh model) and exit")
     generate: int | None = flag(None, type=int, metavar="N",
