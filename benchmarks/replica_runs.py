@@ -92,8 +92,8 @@ class ReplicaRun:
                 str(self.processes), "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
                 self.entry, *self.flags, *(["--warm-restarts"] if self.warm else []), "--replica-group", str(group),
                 "--replica-groups", str(self.groups), "--coordinator", self.address, "--min-replica-groups",
-                str(self.min_groups), "--fault-timeout", str(self.timeout_s), "--commit-log", self.path(group, "log"), "--checkpoint-dir",
-                self.path(group, "checkpoints"), "--metrics-out", self.path(group, "metrics")]
+                str(self.min_groups), "--fault-timeout", str(self.timeout_s), "--commit-log", self.path(group, "log"),
+                "--checkpoint-dir", self.path(group, "checkpoints"), "--metrics-out", self.path(group, "metrics")]
         output = open(self.path(group, "output"), "a")
         self.agents[group] = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **self.group_env.get(group, {})},
                                               stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
