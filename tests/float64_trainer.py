@@ -6,7 +6,8 @@ machine keeps the run from ending before they are over, and opens the gate (writ
 FLOAT64_TRAINER_RESTART_DELAY=SECONDS, a process torchrun restarted waits SECONDS before it starts: a restart slower
 than the fault timeout (a machine that takes long to come back); with FLOAT64_TRAINER_RESTART_GATE=FILE, it waits until
 FILE exists (a restart that comes back only once a scenario's events are over: a warm one is back in a fraction of a
-second). Not a test file."""
+second); with FLOAT64_TRAINER_START_GATE=FILE, every start waits so (a group held until another has started). Not a
+test file."""
 import faulthandler
 import os
 import signal
@@ -46,6 +47,8 @@ if __name__ == "__main__":
         time.sleep(float(os.environ.get("FLOAT64_TRAINER_RESTART_DELAY", "0")))
         while not os.path.exists(os.environ.get("FLOAT64_TRAINER_RESTART_GATE", os.sep)):
             time.sleep(0.05)
+    while not os.path.exists(os.environ.get("FLOAT64_TRAINER_START_GATE", os.sep)):  # (every start)
+        time.sleep(0.05)
     if os.environ.get(PACE):
         seconds, gate = os.environ[PACE].split(":", 1)
         faults.at = paced(faults.at, float(seconds), gate)  # the trainer calls faults.at by its module

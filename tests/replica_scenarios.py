@@ -217,8 +217,8 @@ def diloco(out: str, data: str) -> dict:
 
 
 def streaming(out: str, data: str) -> dict:
-    gate = os.path.join(out, "events-over")
-    env = {1: {"DDP_CIFAR100_FAULT": "1/0:6:allreduce"}}
+    gate, started = os.path.join(out, "events-over"), os.path.join(out, "group-0-built")
+    env = {1: {"DDP_CIFAR100_FAULT": "1/0:6:allreduce", "FLOAT64_TRAINER_START_GATE": started}}
     run = ReplicaRun(out, 2, flags(data, STEPS["streaming"], "--checkpoint-every", "4", "--grad-sync", "diloco",
                                    "--local-steps", "4", "--fragments", "2", "--outer-delay", "1",
                                    "--outer-compress", "bf16"), entry="tests/float64_trainer.py", group_env=env,
@@ -226,6 +226,13 @@ def streaming(out: str, data: str) -> dict:
                      fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
 
     def act() -> None:
+        # group 1 starts once group 0 is built (under two busy loops group 0's start once took 17 s, past the first
+        # quorum's wait: group 1 trained alone, was killed alone, and the run rightly went back to its checkpoint)
+        deadline = time.monotonic() + 240
+        while "as replica group 0 of 2" not in run.output(0):
+            assert time.monotonic() < deadline, "group 0 did not start"
+            time.sleep(0.05)
+        open(started, "w").close()
         run.wait_for(1, "recovery from group 0", lambda entries: any(
             e.get("recovered", {}).get("group") == 1 for e in entries), 240)
         open(gate, "w").close()  # the pace off: the run ends at speed
