@@ -193,7 +193,7 @@ class _Zygote:
     the child's PID, then how it ended. Ends when its agent has ended and no child of its own runs."""
 
     def __init__(self, worker: int, expected: dict[str, Any], changed: dict[str, str]):
-        self.agent = int(open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[1])  # the worker's parent
+        self.agent = _parent(worker)
         self.expected, self.changed = expected, changed
         self.children: dict[int, tuple[int, socket.socket, int]] = {}  # pidfd -> child, its thin process's
         # connection (only the zygote holds it: the thin process sees its end if the zygote dies) and PID
@@ -264,8 +264,7 @@ class _Zygote:
                 fds.clear()
 
     def _refusal(self, pid: int, message: dict[str, Any], fds: list[int]) -> str | None:
-        parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        if parent != self.agent:
+        if _parent(pid) != self.agent:
             return "not a worker of this torchrun agent"
         if len(fds) != 3:
             return "no standard streams"
@@ -313,6 +312,12 @@ class _Zygote:
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Thread(target=_die_with, args=(watched,), name="warm-start: the thin process", daemon=True).start()
         return request
+
+
+def _parent(pid: int) -> int:
+    """A process's parent's PID (/proc/PID/stat: the field after the state, past the command's parenthesis)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _die_with(pidfd: int) -> None:
