@@ -6,8 +6,9 @@ machine keeps the run from ending before they are over, and opens the gate (writ
 FLOAT64_TRAINER_RESTART_DELAY=SECONDS, a process torchrun restarted waits SECONDS before it starts: a restart slower
 than the fault timeout (a machine that takes long to come back); with FLOAT64_TRAINER_RESTART_GATE=FILE, it waits until
 FILE exists (a restart that comes back only once a scenario's events are over: a warm one is back in a fraction of a
-second); with FLOAT64_TRAINER_START_GATE=FILE, every start waits so (a group held until another has started). Not a
-test file."""
+second); with FLOAT64_TRAINER_JOIN_BARRIER=FOLDER, each group's first start, built and its checkpoint read, waits
+there until every group of --replica-groups is (FOLDER/built-GROUP): its first quorum then finds them all, however
+long a loaded machine takes to start one. Not a test file."""
 import faulthandler
 import os
 import signal
@@ -40,6 +41,19 @@ def paced(at, seconds: float, gate: str):
     return at_then_wait
 
 
+def after_every_group(replica_groups, folder: str):
+    """ddp_cifar100's ReplicaGroups, made once this group has said it is built (folder/built-GROUP) and every group
+    of the run has (FLOAT64_TRAINER_JOIN_BARRIER): before it connects and asks its first quorum."""
+    def made_after_every_group(parts, *args):
+        config = parts.config
+        if parts.ctx.rank == 0:
+            open(os.path.join(folder, f"built-{config.replica_group}"), "w").close()
+        while not all(os.path.exists(os.path.join(folder, f"built-{group}")) for group in range(config.replica_groups)):
+            time.sleep(0.05)
+        return replica_groups(parts, *args)
+    return made_after_every_group
+
+
 if __name__ == "__main__":
     warm_start.keep_zygote(sys.argv)  # after the default dtype: the zygote's children have it too
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a run that does not end shows where it waits
@@ -47,8 +61,9 @@ if __name__ == "__main__":
         time.sleep(float(os.environ.get("FLOAT64_TRAINER_RESTART_DELAY", "0")))
         while not os.path.exists(os.environ.get("FLOAT64_TRAINER_RESTART_GATE", os.sep)):
             time.sleep(0.05)
-    while not os.path.exists(os.environ.get("FLOAT64_TRAINER_START_GATE", os.sep)):  # (every start)
-        time.sleep(0.05)
+    if os.environ.get("FLOAT64_TRAINER_JOIN_BARRIER") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        ddp_cifar100.ReplicaGroups = after_every_group(ddp_cifar100.ReplicaGroups,
+                                                       os.environ["FLOAT64_TRAINER_JOIN_BARRIER"])
     if os.environ.get(PACE):
         seconds, gate = os.environ[PACE].split(":", 1)
         faults.at = paced(faults.at, float(seconds), gate)  # the trainer calls faults.at by its module

@@ -14,9 +14,10 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it has, every
   step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
   step first however fast the machine steps and however slowly it restarts the others; then the run ends at speed.
-- progress: 2 groups, --min-replica-groups 1: group 1 SIGKILLed, group 0 goes on alone (group 1's restart held until
-  group 0 has checkpointed step 6), then SIGKILLed while it sends group 1 the state: group 1 waits for group 0's
-  restart from its checkpoint, whose step is past its own.
+- progress: 2 groups, --min-replica-groups 1, built before either asks its first quorum (under two busy loops one
+  once started 38 s after the other, which then trained alone): group 1 SIGKILLed, group 0 goes on alone (group 1's
+  restart held until group 0 has checkpointed step 6), then SIGKILLed while it sends group 1 the state: group 1 waits
+  for group 0's restart from its checkpoint, whose step is past its own.
 - coordinator: 2 groups, --max-restarts 0, and the coordinator killed for good: each group waits the fault timeout
   for it, then says so in one line and stops.
 - restart: 3 groups, the coordinator SIGKILLed while they are inside step 6 and a new one started on its port: the
@@ -29,9 +30,9 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   from step 8, group 2's rank 1 stopped (SIGSTOP) past the fault timeout, its peers inside their collectives with
   it, and woken: the run waits for it (--min-replica-groups 3) and goes on with it.
 - streaming: 2 groups as streaming DiLoCo's replicas (2 fragments meeting in turn every 2 steps, each applied a step
-  late, in bf16), --min-replica-groups 1: group 1 SIGKILLed inside the fragment meeting launched at step 6 (launched,
-  not landed); group 0 goes on alone (paced until group 1 is back), group 1 comes back from its step-4 checkpoint,
-  behind, and heals from group 0 at its next meeting.
+  late, in bf16), --min-replica-groups 1, built before either asks its first quorum (as progress): group 1 SIGKILLed
+  inside the fragment meeting launched at step 6 (launched, not landed); group 0 goes on alone (paced until group 1
+  is back), group 1 comes back from its step-4 checkpoint, behind, and heals from group 0 at its next meeting.
 - diloco: 2 groups as DiLoCo's replicas (meeting every 3 steps), --min-replica-groups 2: group 1 SIGKILLed inside a
   window (steps 4 and 7), back from its checkpoint, recovering at the next meeting (6), then again (9), where group
   0 is SIGKILLed while sending it the state (both start again from their checkpoints, at one meeting: group 1's own
@@ -54,7 +55,10 @@ WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", 
 FAULT_TIMEOUT_S = 3.0
 STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 14, "streaming": 40}
 RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
-PROGRESS_TIMEOUT_S = 10.0  # progress: the first quorum waits this long for both groups (a loaded machine's start)
+# progress: a step waits this long for a group before it goes on without it, and group 1 must be in every step up to
+# its kill (under two busy loops and the other batch, a step once waited past 10 s: group 1 left out of step 2 asked
+# for group 0's state there, and group 0's fault fired in that transfer instead of the one the scenario is about)
+PROGRESS_TIMEOUT_S = 20.0
 RESTART_DELAY_S = PROGRESS_TIMEOUT_S + 3  # ... and group 0's restart is slower than it (gone, as a holder)
 PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them before group 0 could finish alone
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:2", 2: "2/0:2:backward,2/0:4:save:1"}
@@ -154,7 +158,8 @@ def progress(out: str, data: str) -> dict:
     env = {0: {"DDP_CIFAR100_FAULT": "0/0:*:send", "FLOAT64_TRAINER_RESTART_DELAY": str(RESTART_DELAY_S)},
            1: {"DDP_CIFAR100_FAULT": "1/0:3:after", "FLOAT64_TRAINER_RESTART_GATE": back}}
     run = ReplicaRun(out, 2, flags(data, STEPS["progress"], "--checkpoint-every", "2"),
-                     entry="tests/float64_trainer.py", env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"},
+                     entry="tests/float64_trainer.py", env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}",
+                                                            "FLOAT64_TRAINER_JOIN_BARRIER": out},
                      group_env=env, min_groups=1, fault_timeout_s=PROGRESS_TIMEOUT_S, max_restarts=2)
 
     def act() -> None:
@@ -217,22 +222,15 @@ def diloco(out: str, data: str) -> dict:
 
 
 def streaming(out: str, data: str) -> dict:
-    gate, started = os.path.join(out, "events-over"), os.path.join(out, "group-0-built")
-    env = {1: {"DDP_CIFAR100_FAULT": "1/0:6:allreduce", "FLOAT64_TRAINER_START_GATE": started}}
+    gate = os.path.join(out, "events-over")
+    env = {1: {"DDP_CIFAR100_FAULT": "1/0:6:allreduce"}}
     run = ReplicaRun(out, 2, flags(data, STEPS["streaming"], "--checkpoint-every", "4", "--grad-sync", "diloco",
                                    "--local-steps", "4", "--fragments", "2", "--outer-delay", "1",
                                    "--outer-compress", "bf16"), entry="tests/float64_trainer.py", group_env=env,
-                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}"}, min_groups=1,
-                     fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}", "FLOAT64_TRAINER_JOIN_BARRIER": out},
+                     min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
 
     def act() -> None:
-        # group 1 starts once group 0 is built (under two busy loops group 0's start once took 17 s, past the first
-        # quorum's wait: group 1 trained alone, was killed alone, and the run rightly went back to its checkpoint)
-        deadline = time.monotonic() + 240
-        while "as replica group 0 of 2" not in run.output(0):
-            assert time.monotonic() < deadline, "group 0 did not start"
-            time.sleep(0.05)
-        open(started, "w").close()
         run.wait_for(1, "recovery from group 0", lambda entries: any(
             e.get("recovered", {}).get("group") == 1 for e in entries), 240)
         open(gate, "w").close()  # the pace off: the run ends at speed
