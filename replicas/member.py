@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ from replicas.commit_log import adopt, append_log, last_commit, lock_log, resume
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused,
                                RunFinished, connect, one_line, reconnect)
 from replicas.liveness import open_link
-from replicas.transfer import Received, SocketTransport, StateTransport, TornTransfer
+from replicas.transfer import Received, SocketTransport, StateTransport, TornTransfer, advertised_host
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Replica:
     ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed) and inside a state
     transfer ("send": half the tensors sent), where a test kills the process. ``transport(pg, fault)``: the live
     state's StateTransport for a quorum's process group (transfer.py; SocketTransport: a TCP connection of its own,
-    its address sent over that group; PGTransport: over that group). ``record``: the settings ``identity`` is the
+    its address sent over that group, the default; PGTransport: over that group). ``record``: the settings ``identity`` is the
     fingerprint of ({name: value}, in the order a refusal compares them), sent with every request so that a group of
     another identity is told which setting differs. ``run``: the id of the run this group took part in, where the
     caller kept it (else its commit log's note; None: a new group, which takes the run's at its first quorum): a
@@ -124,12 +125,16 @@ class Replica:
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,
                  fault_timeout_s: float = 60.0, collectives: str = "torch", group_pg: Any = None,
                  commit_log: str | None = None, fault: Callable[[str], None] | None = None, step: int = 0,
-                 transport: Callable[[Any, Callable[[str], None]], StateTransport] = SocketTransport,
+                 transport: Callable[[Any, Callable[[str], None]], StateTransport] | None = None,
                  record: dict[str, Any] | None = None, run: str | None = None):
         self.address, self.group, self.planned, self.identity = coordinator, group, planned, identity
         self.record = record  # what ``identity`` is the fingerprint of, for a refusal to name what differs
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.min_groups, self.timeout_s, self.kind = min_groups, fault_timeout_s, collectives
+        try:  # (SocketTransport: a joiner's address for its sources, the one it reaches the coordinator from)
+            host = advertised_host(coordinator) if transport is None else None
+        except ValueError as error:
+            raise ReplicaRefused(f"replica group {group}: {error}") from None
         alone = not dist.is_initialized()
         self.place, self.size = (0, 1) if alone else (dist.get_rank(group_pg), dist.get_world_size(group_pg))
         self.group_pg = group_pg
@@ -160,7 +165,7 @@ class Replica:
         self.pg_id: int | None = None
         self.pg: Any = None
         self.comm: Collectives | None = None
-        self.transports = transport
+        self.transports = transport or functools.partial(SocketTransport, host=host)
         self.transport: StateTransport | None = None  # the live state's way, made with the quorum's process group
         self.requests = 0
         self.failure: str | None = None  # why the last average failed

@@ -23,7 +23,9 @@ rather than let a state that is half one step and half another ever be a source.
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import math
+import os
 import pickle
 import socket
 import struct
@@ -108,6 +110,32 @@ class PGTransport:
         return Received(state, int(sum(t.numel() * t.element_size() for t in tensors)), seconds)
 
 
+def advertised_host(coordinator: str) -> str:
+    """The address a joiner gives its sources to connect to: where GLOO_SOCKET_IFNAME names interfaces (the quorums'
+    process groups then use them), the first one's IPv4 address; else this host's address on its route to the
+    coordinator (``HOST:PORT``), which the groups on other hosts reach it by as the coordinator does (read from a UDP
+    socket connected there: nothing is sent). Not the host's name: a host whose name resolves to a loopback address
+    (many do, in /etc/hosts) would send its peers to their own machine."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if interface:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # Linux's SIOCGIFADDR: the interface's address, at offset 20 of the struct ifreq it fills
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))
+            except OSError as error:
+                raise ValueError(f"GLOO_SOCKET_IFNAME={interface}: no IPv4 address on that interface "
+                                 f"({error.strerror})") from None
+        return socket.inet_ntoa(packed[20:24])
+    host, _, port = coordinator.rpartition(":")
+    try:
+        family, _, _, _, where = socket.getaddrinfo(host.strip("[]") or "127.0.0.1", int(port),
+                                                    type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(where)
+            return probe.getsockname()[0]
+    except (OSError, ValueError):  # no route there: the host's name, as gloo's default device takes it
+        return socket.gethostname()
+
+
 class SocketTransport:
     """StateTransport over a plain TCP connection between the two places, at the wire's speed: the joiner listens on
     a port the OS hands out and sends ``host:port`` over the quorum's process group (so a quorum's transfer needs no
@@ -120,8 +148,9 @@ class SocketTransport:
     the GIL go), so that they cost nothing while the next message moves. Every socket call waits at most the process
     group's timeout (the quorum's fault timeout): a peer killed or hung mid-transfer is a RuntimeError, never a joiner
     waiting for ever.
-    ``host``: the name or address the source reaches this place by (the host's name, as gloo's default device).
-    ``fault("send")``: called with half the messages sent, where a test kills the process."""
+    ``host``: the name or address the source reaches this place by (the member passes advertised_host's; by default
+    the host's name, as gloo's default device). ``fault("send")``: called with half the messages sent, where a test
+    kills the process."""
 
     ADDRESS_BYTES = 320  # a padded ``host:port`` (a host name is at most 253 characters)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
+import replicas
 from replicas import transfer
 from replicas.transfer import PGTransport, SocketTransport
 
@@ -174,3 +175,33 @@ def test_a_transfer_lost_after_writing_into_the_joiners_state_is_torn(into):
     assert isinstance(received, RuntimeError), received
     assert isinstance(received, transfer.TornTransfer) == into, received
     assert own["t0"].eq(0).all() != into  # the first message had landed in the joiner's own tensor
+
+
+def this_hosts_address() -> str | None:
+    """This host's address on its default route (a UDP socket's, connected: nothing is sent), or None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # (TEST-NET-1: any address off this host)
+        except OSError:
+            return None
+        return probe.getsockname()[0]
+
+
+def test_a_joiner_gives_its_sources_the_address_it_reaches_the_coordinator_from(monkeypatch):
+    """advertised_host: the joiner's address on its route to the coordinator, not its host's name (which here
+    resolves to a loopback address: a source on another host would connect to itself); GLOO_SOCKET_IFNAME's
+    interface where set; an interface without an address refused in one line, by the member too, before it
+    connects."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert transfer.advertised_host("127.0.0.1:29500") == "127.0.0.1"
+    assert transfer.advertised_host("[::1]:29500") in ("::1", socket.gethostname())  # (a host without IPv6)
+    address = this_hosts_address()
+    if address is not None and not address.startswith("127."):
+        assert transfer.advertised_host(f"{address}:29500") == address
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        assert transfer.advertised_host(f"{address}:29500") == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0,lo")
+    with pytest.raises(ValueError, match="^GLOO_SOCKET_IFNAME=nosuch0: no IPv4 address on that interface"):
+        transfer.advertised_host("127.0.0.1:29500")
+    with pytest.raises(replicas.ReplicaRefused, match="^replica group 1: GLOO_SOCKET_IFNAME=nosuch0"):
+        replicas.Replica("127.0.0.1:1", 1, 2, "identity", dict, lambda state: None)
