@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import glob
 import json
 import math
 import os
@@ -240,6 +241,31 @@ def proc_status_mb(key: str) -> float | None:
     except OSError:
         pass
     return None
+
+
+def process_memory_mib(pid: int) -> dict[str, float]:
+    """RSS, PSS and private memory (USS: what the process's end would free) of one process, in MiB, from Linux's
+    /proc/PID/smaps_rollup. PSS shares each page among the processes that map it: a forked process's pages still
+    shared copy-on-write count in part."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) / 1024
+    return {"rss": fields["Rss"], "pss": fields["Pss"], "private": fields["Private_Clean"] + fields["Private_Dirty"]}
+
+
+def child_pids(pid: int) -> list[int]:
+    """The PIDs of a process's children now (Linux: /proc/PID/task/*/children), sorted; none where it is gone."""
+    found = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as f:
+                found += [int(p) for p in f.read().split()]
+        except OSError:  # the task ended while it was read
+            pass
+    return sorted(found)
 
 
 def machine_ticks() -> tuple[int, int] | None:

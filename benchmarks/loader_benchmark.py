@@ -19,7 +19,6 @@ processes. The machine is shared: every ratio is taken within one run, and the l
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -40,30 +39,10 @@ from trainer.config import WARMUP_STEPS
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
 
-def memory_mb(pid: int) -> dict[str, float]:
-    """RSS, PSS and private memory of one process, from /proc/PID/smaps_rollup (Linux), in MiB."""
-    fields = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                fields[parts[0].rstrip(":")] = int(parts[1]) / 1024
-    return {"rss": fields["Rss"], "pss": fields["Pss"],
-            "private": fields["Private_Clean"] + fields["Private_Dirty"]}
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        with open(path) as f:
-            found += [int(p) for p in f.read().split()]
-    return sorted(found)
-
-
 def process_memory() -> dict[str, dict[str, float]]:
     """This process and its children (the loader workers), each with its RSS, PSS and private MiB."""
-    pids = [os.getpid()] + children(os.getpid())
-    return {("main" if pid == os.getpid() else f"worker {i}"): memory_mb(pid) for i, pid in enumerate(pids)}
+    pids = [os.getpid()] + utils.child_pids(os.getpid())
+    return {("main" if pid == os.getpid() else f"worker {i}"): utils.process_memory_mib(pid) for i, pid in enumerate(pids)}
 
 
 def folder_data(root: str, size: int, workers: int, batch_size: int) -> FolderData:

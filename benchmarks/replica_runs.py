@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import replicas
+import utils
 from trainer import warm_start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,11 +103,13 @@ class ReplicaRun:
         """The PIDs of group ``group``'s trainer processes now: its torchrun's children, or, for a restart that a
         zygote forked (--warm-restarts), the child that such a thin process stands for."""
         agent = self.agents[group].pid
-        children: list[int] = []
-        for task in os.listdir(f"/proc/{agent}/task") if os.path.exists(f"/proc/{agent}/task") else []:
-            with open(f"/proc/{agent}/task/{task}/children") as f:
-                children += [int(pid) for pid in f.read().split()]
-        return [self._trainer(agent, pid) for pid in children]
+        return [self._trainer(agent, pid) for pid in utils.child_pids(agent)]
+
+    def zygotes(self, group: int) -> list[int]:
+        """The PIDs of group ``group``'s zygotes (--warm-restarts: one per local rank, once its first start forked
+        it)."""
+        found = (warm_start.zygote(self.agents[group].pid, rank) for rank in range(self.processes))
+        return [pid for pid in found if pid is not None]
 
     def _trainer(self, agent: int, pid: int) -> int:
         """The trainer a torchrun child is: itself, or the child a zygote forked for it (a warm restart, served in

@@ -10,7 +10,9 @@ What it measures, from the commit logs, the metrics and the checkpoints:
   places received (its own shards: the weights' and AdamW's two moments' 1/P each) against the whole state's;
 - per rank, the peak resident memory above the process's start while it received and loaded its shards (the
   "recovery" phase) against its steady state (the steps' phase), in MB (VmHWM, reset per phase: utils.PhasePeaks);
-- whether every group ends with the same weights, bit for bit (each group's last checkpoint, read whole).
+- whether every group ends with the same weights, bit for bit (each group's last checkpoint, read whole);
+- once the killed group is back, every trainer's and every zygote's memory (--warm-restarts: a zygote per local rank,
+  forked from its first start, which the restart is forked from in turn): RSS, PSS and private memory in MiB.
 
     python3 -m benchmarks.sharded_faults [--steps 60] [--kill-at 20] [--model gpt]
 """
@@ -41,6 +43,19 @@ def recipe(args: argparse.Namespace, text: str) -> list[str]:
             str(args.steps), "--seed", "0", "--timeout", "120", "--zero", "3", "--checkpoint-every", "10"]
 
 
+def processes_memory(run: ReplicaRun) -> dict[str, Any]:
+    """Every group's trainers and zygotes (--warm-restarts), RSS, PSS and private memory in MiB (utils.
+    process_memory_mib), once the killed group is back: group 1's zygotes then serve a trainer forked from them, the
+    others' still share their pages with the first start they were forked from."""
+    per_group = {str(g): {"trainers": [utils.process_memory_mib(pid) for pid in run.workers(g)],
+                          "zygotes": [utils.process_memory_mib(pid) for pid in run.zygotes(g)]}
+                 for g in range(GROUPS)}
+    every = [(kind, m) for group in per_group.values() for kind, ms in group.items() for m in ms]
+    return {"memory_mib": per_group, "zygotes": sum(1 for kind, _ in every if kind == "zygotes"),
+            **{f"{kind[:-1]}_{field}_mib_max": max((m[field] for k, m in every if k == kind), default=None)
+               for kind in ("trainers", "zygotes") for field in ("rss", "pss", "private")}}
+
+
 def measure(args: argparse.Namespace, workdir: str, text: str) -> dict[str, Any]:
     run = ReplicaRun(workdir, GROUPS, recipe(args, text), processes=PROCESSES, min_groups=1, fault_timeout_s=10,
                      max_restarts=10)
@@ -51,6 +66,9 @@ def measure(args: argparse.Namespace, workdir: str, text: str) -> dict[str, Any]
         victim = max(run.workers(1))  # the newer worker: local rank 1, say
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
+        run.wait_for(1, "its recovery", lambda entries: any(
+            e.get("recovered", {}).get("asked", 0) > killed_at for e in entries), args.timeout)
+        memory = processes_memory(run)
         codes = run.wait(args.timeout)
     finally:
         run.close()
@@ -74,7 +92,7 @@ def measure(args: argparse.Namespace, workdir: str, text: str) -> dict[str, Any]
             "rejoined_s": back["time"] - killed_at if back else None,
             "received_bytes_place0": note.get("bytes"), "whole_state_bytes": whole_state_bytes,
             "recovery_peak_mb": phases.get("recovery"), "steps_peak_mb": phases.get("steps"),
-            "message_mb": MESSAGE_BYTES / 2**20,
+            "message_mb": MESSAGE_BYTES / 2**20, **memory,
             "same_weights": all(all(torch.equal(w[k], weights[0][k]) for k in w) for w in weights[1:])}
 
 

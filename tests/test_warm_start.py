@@ -53,11 +53,12 @@ for attempt, step in enumerate(json.load(open(plan_file))):
         command = ["sh", "-c", " ".join(command) + "; exit $?"]
     process = subprocess.Popen(command, env=env, cwd=step.get("cwd"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
-    served, outlived = None, None
+    served, outlived, zygote = None, None, None
     if "signal" in step:
         first = process.stdout.readline()
         served = warm_start.served(os.getpid(), 0, process.pid)
-        target = {{"child": served, "zygote": int(open(f"/proc/{{served}}/stat").read().rsplit(")", 1)[1].split()[1])}}
+        zygote = warm_start.zygote(os.getpid(), 0)
+        target = {{"child": served, "zygote": zygote}}
         os.kill(target.get(step.get("to"), process.pid), step["signal"])
     out, err = process.communicate(timeout=60)
     if "signal" in step:
@@ -68,7 +69,8 @@ for attempt, step in enumerate(json.load(open(plan_file))):
         outlived = served is not None and os.path.exists(f"/proc/{{served}}")
     lines = out.splitlines()
     results.append({{"code": process.returncode, "where": json.loads(lines[0]) if lines else None,
-                    "out": lines[1:], "err": err, "served": served, "outlived": outlived}})
+                    "out": lines[1:], "err": err, "served": served, "outlived": outlived,
+                    "zygote": zygote}})
 print(json.dumps({{"agent": os.getpid(), "attempts": results}}))
 """
 
@@ -123,6 +125,7 @@ def test_a_restart_is_forked_by_the_zygote_and_its_thin_process_ends_as_it_does(
     assert served[1]["code"] == -15  # killed by SIGTERM, as its thin process then is
     assert served[2]["code"] == 5 and served[2]["out"] == ["terminated"]  # SIGTERM passed on, the child's exit
     assert served[3]["code"] == -9 and served[3]["served"] == served[3]["where"]["pid"] and not served[3]["outlived"]
+    assert served[3]["zygote"] == zygote  # the zygote found by its socket (warm_start.zygote)
     assert served[4]["code"] == -9  # the child SIGKILLed: its thin process ends by SIGKILL too
     assert served[5]["code"] == 0
     for attempt, said in zip(cold, ("worker.py: note: --warm-restarts: this restart starts cold: another "

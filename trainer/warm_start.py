@@ -67,6 +67,11 @@ def _requested(argv: list[str]) -> bool:
     return FLAG in argv[1:] and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
 
 
+def _attempt() -> int:
+    """torchrun's attempt of this worker: 0 for the first start, N for its Nth restart."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def _comparable(environment: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in environment.items() if k not in PER_ATTEMPT and not k.startswith("TORCHELASTIC_")}
 
@@ -104,7 +109,7 @@ def serve_restart(argv: list[str], started: float) -> None:
     """At the script's start, before torch is imported: a restart of a --warm-restarts torchrun is forked by its
     zygote, and this process waits for that child and ends as it did (never returns). Returns at once otherwise
     (not asked, the first attempt, no zygote, a zygote that refuses): this process starts cold."""
-    if not _requested(argv) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if not _requested(argv) or _attempt() == 0:
         return
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # held until they can be passed on to the child
@@ -148,7 +153,7 @@ def keep_zygote(argv: list[str], preload: tuple[str, ...] = PRELOAD) -> dict[str
     fork the zygote, and return None here (the worker goes on with its run). In a child the zygote forked for a
     restart, return the request it was forked for, the process now that restart's (streams, environment, command
     line, folder), after a line on rank 0's stderr."""
-    if not _requested(argv) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != 0:
+    if not _requested(argv) or _attempt() != 0:
         return None
     for name in preload:
         __import__(name)
@@ -178,7 +183,7 @@ def keep_zygote(argv: list[str], preload: tuple[str, ...] = PRELOAD) -> dict[str
         os._exit(0)
     if request is None:
         os._exit(0)
-    _note(argv, f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')} is warm: forked by the zygote "
+    _note(argv, f"restart {_attempt()} is warm: forked by the zygote "
                 f"{trainer.FORKED - trainer.STARTED:.2f} s after its start")
     return request
 
@@ -351,3 +356,17 @@ def served(agent: int, local_rank: int, thin: int) -> int | None:
     finally:
         sock.close()
     return None if answer is None else answer.get("pid")
+
+
+def zygote(agent: int, local_rank: int) -> int | None:
+    """The PID of the zygote of local rank ``local_rank`` of torchrun agent ``agent`` (the peer of its socket), or None
+    where there is none (a benchmark reads its memory)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address(agent, local_rank))
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    return pid
