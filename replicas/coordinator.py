@@ -68,6 +68,7 @@ class Lighthouse:
         self.decided_at: float | None = None
         self.said: str | None = None
         self.run_id: str | None = None  # the run's id: the first quorum's requests' (a restarted coordinator), or new
+        self.acknowledged: dict[str, Any] | None = None  # the run's end as finished_kept last said it
         if runs_file is not None and runs_file.kept is not None:
             self._resume(runs_file.kept)
 
@@ -148,10 +149,16 @@ class Lighthouse:
 
     def _keep(self) -> None:
         """What a restarted coordinator needs (the run's id, its end, the runs before it) to the runs file, where it
-        changed since it was last written (no file: nothing)."""
+        changed since it was last written (no file: nothing); then the run's end acknowledged (finished_kept) once it
+        is where this coordinator's restart finds it, the file or, without one, the store: the group that finished
+        waits for it before it exits, which would take the only other copy with it."""
+        finished, kept = self._finished(), True
         if self.runs_file is not None:
-            self.runs_file.write({"run": self.run_id, "finished": self._finished(),
-                                  "finished_runs": self.finished_runs})
+            self.runs_file.write({"run": self.run_id, "finished": finished, "finished_runs": self.finished_runs})
+            kept = self.runs_file.kept is not None and self.runs_file.kept["finished"] == finished
+        if finished is not None and kept and finished != self.acknowledged:
+            self.store.set(PREFIX + "finished_kept", json.dumps(finished))
+            self.acknowledged = finished
 
     def _ended(self, request: dict[str, Any]) -> str | None:
         """Why a request may not join for its run's end (None: not so): a new run once this one finished, a group
@@ -181,6 +188,7 @@ class Lighthouse:
         runs = {**self.finished_runs, (finished.get("run") or self.run_id): finished["step"]}
         seen = max(self.seen, self.quorum["id"] if self.quorum is not None else -1)
         self.store.delete_key(PREFIX + "finished")
+        self.store.delete_key(PREFIX + "finished_kept")
         for group in list(self.asked):  # the old run's requests, never answered: told it finished
             self._refuse(self.asked.pop(group).request, f"{FINISHED} at step {finished['step']}")
         liveness, runs_file = self.liveness, self.runs_file  # (the liveness server, while ``run`` runs, serves the

@@ -472,14 +472,24 @@ class Replica:
         every new one."""
         end = json.dumps({"step": step, "group": self.group, "run": self.run})
         self.heartbeat.carried = (PREFIX + "finished", end) if self.place == 0 else None
+        if self.place == 0 and self.log_path:  # not continued by a new run (resume_log)
+            self.note({"finished": step})
         while self.place == 0:
             try:
                 self._call(self.store.compare_set, PREFIX + "finished", "", end)
-                if self.log_path:  # not continued by a new run (resume_log)
-                    self.note({"finished": step})
+                # until the coordinator has it where a restart of it finds it (its runs file): this process's exit
+                # would otherwise take the only other copy with it; at most the fault timeout
+                if self._wait_for(PREFIX + "finished_kept", gone=lambda: True) is None:
+                    print(f"replicas: group {self.group}: the coordinator {self.address} did not say within the fault "
+                          f"timeout that it keeps the run's end (its --runs-file unwritable?): restarted, it may not "
+                          f"know the run finished", file=sys.stderr, flush=True)
                 return
             except Reconnected:  # said to the new coordinator
                 continue
+            except CoordinatorLost as lost:  # the run is done all the same: this group's commit log says where
+                print(f"replicas: group {self.group}: {lost}; the run's end is kept in this group's commit log only",
+                      file=sys.stderr, flush=True)
+                return
 
     def note(self, entry: dict[str, Any]) -> None:
         """Something else worth keeping beside the committed steps (a recovery's timings), in the commit log."""

@@ -4,7 +4,8 @@ connection to the coordinator's store, and the quorum as the lighthouse publishe
 The store's keys, all under PREFIX: events (the queue of join requests), ticket/T (the lighthouse's answer to
 request T: a quorum, or a refusal), answered/G (group G's last answered ticket), quorum/n, votes/n and decision/n
 (quorum n, its commit votes, its first decision: "commit" or "abort"), forgotten (the last quorum whose keys were
-deleted), finished (the step where a group finished the run, and the run's id), hb/G/J (place J of group G's heartbeat:
+deleted), finished (the step where a group finished the run, and the run's id), finished_kept (the same, once the
+coordinator has it where its restart finds it), hb/G/J (place J of group G's heartbeat:
 INCARNATION/COUNT) and pg/N/J/... (the process groups of quorum N's place J)."""
 from __future__ import annotations
 

@@ -34,11 +34,13 @@ WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", 
 
 
 @contextlib.contextmanager
-def coordinator():
-    """A coordinator in this process: a TCPStore on a port the OS hands out, and the lighthouse on a thread."""
+def coordinator(runs_file=None):
+    """A coordinator in this process: a TCPStore on a port the OS hands out, and the lighthouse on a thread (keeping
+    ``runs_file``, a path, if given)."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     stop = threading.Event()
-    lighthouse = threading.Thread(target=replicas.Lighthouse(store).run, args=(stop,), daemon=True)
+    kept = replicas.RunsFile(str(runs_file)) if runs_file else None
+    lighthouse = threading.Thread(target=replicas.Lighthouse(store, runs_file=kept).run, args=(stop,), daemon=True)
     lighthouse.start()
     try:
         yield f"127.0.0.1:{store.port}"
@@ -197,6 +199,50 @@ def test_a_coordinator_restarted_on_its_runs_file_knows_the_runs_end_once_the_gr
     _, ask = lighthouse_by_hand(runs_file=path)
     assert ask("late", old, step=2).get("finished")
     assert "refused" not in ask("again", new["run"], step=3)  # the new run, not finished, goes on
+
+
+@pytest.mark.timeout(60)
+def test_a_group_that_finished_returns_only_once_the_coordinator_keeps_the_end(tmp_path, monkeypatch):
+    """The run's end is the coordinator's store's until its lighthouse writes the runs file, at its next look: a
+    group that finished and exited before that, the coordinator lost too, would leave a restarted coordinator knowing
+    nothing of the end (a late group would train alone). Replica.finish returns only once the lighthouse says the end
+    is kept (finished_kept): the file holds it by then, however slow its write (0.5 s here)."""
+    path, write = tmp_path / "runs.json", replicas.RunsFile.write
+
+    def slow(self, kept):
+        if kept["finished"] is not None:
+            time.sleep(0.5)
+        write(self, kept)
+    monkeypatch.setattr(replicas.RunsFile, "write", slow)
+    with coordinator(runs_file=path) as address:
+        member = replicas.Replica(address, 0, 1, "same", lambda: {}, lambda state: None, fault_timeout_s=30.0)
+        try:
+            member.join(0)
+            member.finish(5)
+            assert json.loads(path.read_text())["finished"] == {"step": 5, "group": 0, "run": member.run}
+        finally:
+            member.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_cannot_keep_the_end_holds_a_finished_group_a_fault_timeout_and_says_so(
+        tmp_path, monkeypatch, capsys):
+    """Its runs file unwritable (a full disk), the coordinator never says the end is kept: the group that finished
+    waits the fault timeout, no longer, and says in one line what that leaves."""
+    def full(descriptor):
+        raise OSError(28, "No space left on device")
+    with coordinator(runs_file=tmp_path / "runs.json") as address:
+        member = replicas.Replica(address, 0, 1, "same", lambda: {}, lambda state: None, fault_timeout_s=2.0)
+        try:
+            member.join(0)
+            monkeypatch.setattr(os, "fsync", full)
+            member.finish(5)  # (after the fault timeout, 2 s: the test's timeout is the bound on a hang)
+        finally:
+            member.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("replicas: group 0:")]
+    assert lines == [f"replicas: group 0: the coordinator {address} did not say within the fault timeout that it "
+                     f"keeps the run's end (its --runs-file unwritable?): restarted, it may not know the run "
+                     f"finished"], lines
 
 
 def test_the_runs_file_is_replaced_whole_never_written_in_place(tmp_path, monkeypatch, capsys):
