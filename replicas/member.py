@@ -487,7 +487,7 @@ class Replica:
             except Reconnected:  # said to the new coordinator
                 continue
             except CoordinatorLost as lost:  # the run is done all the same: this group's commit log says where
-                print(f"replicas: group {self.group}: {lost}; the run's end is kept in this group's commit log only",
+                print(f"replicas: {lost}; the run's end is kept in this group's commit log only",
                       file=sys.stderr, flush=True)
                 return
 

@@ -245,6 +245,30 @@ def test_a_coordinator_that_cannot_keep_the_end_holds_a_finished_group_a_fault_t
                      f"finished"], lines
 
 
+@pytest.mark.timeout(120)
+def test_a_run_that_finished_as_its_coordinator_was_lost_ends_well(tmp_path, capsys):
+    """The coordinator lost for good just as a group finishes: the run is done all the same (the group returns, the
+    trainer exits 0), and the group says in one line that its commit log alone keeps the end."""
+    from benchmarks.replica_runs import ReplicaRun
+    run = ReplicaRun(str(tmp_path), 0, [])
+    run.start_coordinator()
+    try:
+        member = replicas.Replica(run.address, 0, 1, "same", lambda: {}, lambda state: None, fault_timeout_s=2.0,
+                                  commit_log=str(tmp_path / "commits.jsonl"))
+        try:
+            member.join(0)
+            run.kill_coordinator()
+            member.finish(5)
+        finally:
+            member.close()
+    finally:
+        run.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("replicas: ")]
+    assert lines[-1].startswith("replicas: replica group 0: the coordinator ") and lines[-1].endswith(
+        "the run's end is kept in this group's commit log only"), lines
+    assert replicas.read_log(str(tmp_path / "commits.jsonl"), False)[-1] == {"finished": 5}
+
+
 def test_the_runs_file_is_replaced_whole_never_written_in_place(tmp_path, monkeypatch, capsys):
     """Each change of the runs file is a new file renamed over the old one (a reader, or a restart after a crash
     mid-write, sees the old content or the new, never half), no temporary file left behind; a write that fails (a
