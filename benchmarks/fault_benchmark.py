@@ -106,6 +106,7 @@ def run_ours(args: argparse.Namespace, workdir: str, faults: list[tuple[float, i
     committed = union_of_steps([e for e in logs[g] if "step" in e] for g in logs)
     metrics = read_json(run.path(0, "metrics"))
     return {"wall_s": wall, "codes": codes, "steps": len(committed), "warm_restarts": warm,
+            "failed_outputs": {str(g): run.output(g)[-4000:] for g, code in codes.items() if code != 0},
             "samples": sum(len(e["participants"]) for e in committed) * 8,
             "final_val_loss": metrics.get("val_loss") if metrics else None,
             "faults": [fault_figures(k, committed, logs, started) for k in kills]}
