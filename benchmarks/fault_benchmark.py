@@ -168,7 +168,7 @@ def run_elastic(args: argparse.Namespace, workdir: str, faults: list[tuple[float
     started = time.time()
 
     def kill(rank: int) -> list[int]:
-        workers = children(agent.pid)
+        workers = utils.child_pids(agent.pid)
         if rank < len(workers):
             os.kill(sorted(workers)[rank], signal.SIGKILL)
             return [sorted(workers)[rank]]
@@ -190,14 +190,6 @@ def run_elastic(args: argparse.Namespace, workdir: str, faults: list[tuple[float
             "samples": args.steps * 8 * args.groups, "restarts": len(resumed),
             "final_val_loss": figures.get("val_loss") if figures else None,
             "faults": [{k: v for k, v in f.items() if k != "pids"} for f in kills]}
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(p) for p in f.read().split()]
-    return found
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -236,7 +228,7 @@ def run_torchft(args: argparse.Namespace, workdir: str, faults: list[tuple[float
                  args.text],
                 cwd=ROOT, env=dict(env, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}"), stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True)
-        kills = killing(faults, lambda g: kill_all(children(agents[g].pid)),
+        kills = killing(faults, lambda g: kill_all(utils.child_pids(agents[g].pid)),
                         lambda: all(a.poll() is not None for a in agents.values()), started)
         for agent in agents.values():
             agent.wait(timeout=args.timeout)
