@@ -249,10 +249,14 @@ class Replica:
                         self._make_group(quorum)
                     received = self._transfer(quorum)
                 except (RuntimeError, dist.DistError) as error:  # a member died before the group was made or the
-                    if isinstance(error, GroupStops):  # state arrived; torn: this place's state is not whole
-                        raise
-                    failed = error
-                failed_anywhere, received_anywhere = self._agree(failed is not None, received is not None)
+                    failed = error  # state arrived (GroupStops: torn, this place's own tensors half written)
+                # every place learns a torn place's fault here before any raises: one that stopped alone would leave
+                # its peers in this collective while it gathers --zero 3's units on its way out, each waiting for
+                # the other until the group's --timeout (120 s in every sharded fault scenario, before)
+                torn = isinstance(failed, GroupStops)
+                failed_anywhere, received_anywhere = self._agree(failed is not None, received is not None or torn)
+                if torn:
+                    raise failed
                 if not failed_anywhere:
                     return Joined(quorum, self._load(received, quorum) if received is not None else None)
                 if received_anywhere:  # a place's own tensors hold the new state, another's the old: torn
