@@ -75,7 +75,8 @@ its own and over the process group, the wire format), commit_log.py (the log tha
 """
 from replicas.commit_log import append_log, read_log, write_log
 from replicas.coordinator import FIRST_WAIT_S, LINEAGE_WAITS, Lighthouse, main, serve
-from replicas.member import Heartbeat, Joined, Recovery, Replica
+from replicas.liveness import Heartbeat
+from replicas.member import Joined, Recovery, Replica
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STALE_S, CoordinatorLost, GroupStops,
                                Quorum, ReplicaRefused, RunFinished, connect, one_line, reconnect)
 from replicas.runs_file import RunsFile, RunsFileError

@@ -1,5 +1,7 @@
-"""A process's death, known at once: each member holds a TCP connection to the coordinator for its life, and the
-lighthouse takes a connection closed as the process gone, without waiting STALE_S for its heartbeat to go silent.
+"""A member's liveness, as the coordinator sees it: its heartbeat (Heartbeat: a key set every HEARTBEAT_S, which a
+hung process stops setting) and its death, known at once: each member holds a TCP connection to the coordinator for
+its life, and the lighthouse takes a connection closed as the process gone, without waiting STALE_S for its
+heartbeat to go silent.
 
     server = LivenessServer(store, host)     # the coordinator's (Lighthouse): a thread, its port in the store
     link = open_link(store, address, key, incarnation)   # a member's (Heartbeat): one connection, open until it dies
@@ -14,16 +16,17 @@ coordinator without one, a firewall) is watched by its heartbeat alone.
 
 The wire: the member sends one line, ``KEY INCARNATION\\n`` (its heartbeat's key and incarnation), then nothing; the
 server reads until the end of the stream. A coordinator restarted on its address has a new server, which the
-members' heartbeats reach again as they reconnect (member.py's Heartbeat)."""
+members' heartbeats reach again as they reconnect (Heartbeat, below)."""
 from __future__ import annotations
 
+import contextlib
 import selectors
 import socket
 import threading
 import time
 from typing import Any
 
-from replicas.protocol import PREFIX
+from replicas.protocol import HEARTBEAT_S, PREFIX, connect, one_line, reconnect
 
 KEY = PREFIX + "liveness"  # the server's port, in the store
 
@@ -112,3 +115,48 @@ def open_link(store: Any, address: str, key: str, incarnation: str, timeout_s: f
         return link
     except (OSError, RuntimeError, ValueError):
         return None
+
+
+class Heartbeat:
+    """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own, to
+    INCARNATION/COUNT (a restarted process told from the one it replaced), beside a connection held open to the
+    coordinator for the process's life (liveness.py: its death seen at once). The coordinator lost, it beats to the
+    next one at the address, if one comes within the fault timeout (else ``lost`` says why)."""
+
+    def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = "", fault_timeout_s: float = 60.0):
+        self.store, self.key, self.incarnation = connect(address, timeout_s), key, incarnation
+        self.address, self.fault_timeout_s = address, fault_timeout_s
+        self.stop, self.lost = threading.Event(), None
+        self.carried: tuple[str, str] | None = None  # a key set again on every new coordinator (the run's end)
+        self.store.set(key, f"{incarnation}/0")
+        self.link = open_link(self.store, address, key, incarnation)
+        self.thread = threading.Thread(target=self._beat, name="replica-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        beats = 0
+        while not self.stop.wait(HEARTBEAT_S):
+            beats += 1
+            try:
+                self.store.set(self.key, f"{self.incarnation}/{beats}")
+            except RuntimeError as error:  # the coordinator is gone: wait for the next one
+                self.store = reconnect(self.address, self.fault_timeout_s)
+                if self.store is None:  # not back in time: the main thread says so at its next call
+                    self.lost = one_line(error)
+                    return
+                self._relink()
+                if self.carried is not None:  # the new coordinator's store knows nothing of it (lost again at
+                    with contextlib.suppress(RuntimeError):  # once: the next beat fails and reconnects)
+                        self.store.compare_set(self.carried[0], "", self.carried[1])
+
+    def _relink(self) -> None:
+        """The liveness connection to a new coordinator (the lost one's closed with it)."""
+        if self.link is not None:
+            self.link.close()
+        self.link = open_link(self.store, self.address, self.key, self.incarnation)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        if self.link is not None:
+            self.link.close()

@@ -11,13 +11,11 @@ quorum's process groups (made over the store, per quorum) for the average, and a
 the live state."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import os
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,9 +28,9 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from collectives import Collectives
 from replicas.commit_log import adopt, append_log, last_commit, lock_log, resume_log, run_of, write_log
-from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused,
+from replicas.protocol import (CONNECT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused,
                                RunFinished, connect, one_line, reconnect)
-from replicas.liveness import open_link
+from replicas.liveness import Heartbeat
 from replicas.transfer import Received, SocketTransport, StateTransport, TornTransfer, advertised_host
 
 
@@ -57,51 +55,6 @@ class Joined:
 
 class Reconnected(Exception):  # not a RuntimeError: none of the handlers of a failed collective takes it
     """The coordinator was lost and a new one answers at its address: the quorum in flight is not taken."""
-
-
-class Heartbeat:
-    """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own, to
-    INCARNATION/COUNT (a restarted process told from the one it replaced), beside a connection held open to the
-    coordinator for the process's life (liveness.py: its death seen at once). The coordinator lost, it beats to the
-    next one at the address, if one comes within the fault timeout (else ``lost`` says why)."""
-
-    def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = "", fault_timeout_s: float = 60.0):
-        self.store, self.key, self.incarnation = connect(address, timeout_s), key, incarnation
-        self.address, self.fault_timeout_s = address, fault_timeout_s
-        self.stop, self.lost = threading.Event(), None
-        self.carried: tuple[str, str] | None = None  # a key set again on every new coordinator (the run's end)
-        self.store.set(key, f"{incarnation}/0")
-        self.link = open_link(self.store, address, key, incarnation)
-        self.thread = threading.Thread(target=self._beat, name="replica-heartbeat", daemon=True)
-        self.thread.start()
-
-    def _beat(self) -> None:
-        beats = 0
-        while not self.stop.wait(HEARTBEAT_S):
-            beats += 1
-            try:
-                self.store.set(self.key, f"{self.incarnation}/{beats}")
-            except RuntimeError as error:  # the coordinator is gone: wait for the next one
-                self.store = reconnect(self.address, self.fault_timeout_s)
-                if self.store is None:  # not back in time: the main thread says so at its next call
-                    self.lost = one_line(error)
-                    return
-                self._relink()
-                if self.carried is not None:  # the new coordinator's store knows nothing of it (lost again at
-                    with contextlib.suppress(RuntimeError):  # once: the next beat fails and reconnects)
-                        self.store.compare_set(self.carried[0], "", self.carried[1])
-
-    def _relink(self) -> None:
-        """The liveness connection to a new coordinator (the lost one's closed with it)."""
-        if self.link is not None:
-            self.link.close()
-        self.link = open_link(self.store, self.address, self.key, self.incarnation)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        if self.link is not None:
-            self.link.close()
 
 
 class Replica:

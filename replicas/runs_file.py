@@ -2,7 +2,7 @@
 restarted after every group that could tell it has gone: the run's id, its end (the finished mark a group that
 finished wrote: {"step", "group", "run"}, or null) and the ends of the runs before it on this coordinator
 ({run id: last step}, from --new-run). The store's keys die with the coordinator; the groups still connected carry
-the run's id and its end to a new one (member.py, Heartbeat.carried), but a group that finished and exited carries
+the run's id and its end to a new one (liveness.py, Heartbeat.carried), but a group that finished and exited carries
 nothing, and a new coordinator that knew nothing would let a late group of the finished run train alone.
 
 One JSON object, written whole to a temporary file in the same folder, flushed to disk and renamed over the old one
