@@ -42,7 +42,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 def process_memory() -> dict[str, dict[str, float]]:
     """This process and its children (the loader workers), each with its RSS, PSS and private MiB."""
     pids = [os.getpid()] + utils.child_pids(os.getpid())
-    return {("main" if pid == os.getpid() else f"worker {i}"): utils.process_memory_mib(pid) for i, pid in enumerate(pids)}
+    return {("main" if pid == os.getpid() else f"worker {i}"): utils.process_memory_mib(pid)
+            for i, pid in enumerate(pids)}
 
 
 def folder_data(root: str, size: int, workers: int, batch_size: int) -> FolderData:

@@ -120,7 +120,7 @@ def open_link(store: Any, address: str, key: str, incarnation: str, timeout_s: f
 class Heartbeat:
     """A thread that sets this process's heartbeat key every HEARTBEAT_S, on a store client of its own, to
     INCARNATION/COUNT (a restarted process told from the one it replaced), beside a connection held open to the
-    coordinator for the process's life (liveness.py: its death seen at once). The coordinator lost, it beats to the
+    coordinator for the process's life (open_link: its death seen at once). The coordinator lost, it beats to the
     next one at the address, if one comes within the fault timeout (else ``lost`` says why)."""
 
     def __init__(self, address: str, key: str, timeout_s: float, incarnation: str = "", fault_timeout_s: float = 60.0):

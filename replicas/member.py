@@ -68,11 +68,11 @@ class Replica:
     ``fault(point)``: called inside the average ("allreduce": its messages launched, not landed) and inside a state
     transfer ("send": half the tensors sent), where a test kills the process. ``transport(pg, fault)``: the live
     state's StateTransport for a quorum's process group (transfer.py; SocketTransport: a TCP connection of its own,
-    its address sent over that group, the default; PGTransport: over that group). ``record``: the settings ``identity`` is the
-    fingerprint of ({name: value}, in the order a refusal compares them), sent with every request so that a group of
-    another identity is told which setting differs. ``run``: the id of the run this group took part in, where the
-    caller kept it (else its commit log's note; None: a new group, which takes the run's at its first quorum): a
-    coordinator whose run finished tells a group of it back late from a new run."""
+    its address sent over that group, the default; PGTransport: over that group). ``record``: the settings
+    ``identity`` is the fingerprint of ({name: value}, in the order a refusal compares them), sent with every request
+    so that a group of another identity is told which setting differs. ``run``: the id of the run this group took
+    part in, where the caller kept it (else its commit log's note; None: a new group, which takes the run's at its
+    first quorum): a coordinator whose run finished tells a group of it back late from a new run."""
 
     def __init__(self, coordinator: str, group: int, planned: int, identity: str,
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *, min_groups: int = 1,

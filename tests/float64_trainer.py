@@ -61,7 +61,7 @@ if __name__ == "__main__":
         time.sleep(float(os.environ.get("FLOAT64_TRAINER_RESTART_DELAY", "0")))
         while not os.path.exists(os.environ.get("FLOAT64_TRAINER_RESTART_GATE", os.sep)):
             time.sleep(0.05)
-    if os.environ.get("FLOAT64_TRAINER_JOIN_BARRIER") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    elif os.environ.get("FLOAT64_TRAINER_JOIN_BARRIER"):  # (the first start only)
         ddp_cifar100.ReplicaGroups = after_every_group(ddp_cifar100.ReplicaGroups,
                                                        os.environ["FLOAT64_TRAINER_JOIN_BARRIER"])
     if os.environ.get(PACE):
