@@ -28,7 +28,8 @@ process that decides who is in each quorum; everything else the members settle a
 One step, quorum n, members M:
 1. join: each group's place 0 asks to join (its step, identity and size, in the store's event queue); the
    lighthouse forms quorum n once every member of n-1 has asked, is gone (its process dead: its liveness
-   connection closed, liveness.py; or its heartbeat older than STALE_S) or is
+   connection closed, liveness.py; or silent: its heartbeat older than the fault timeout while its connection is
+   open, a stopped or starved process, or than STALE_S where it holds none: [Note: hung or gone]) or is
    late (the fault timeout since n-1's decision; but where no group that asked holds the last committed step, the
    processes that committed it are waited for until they ask, are gone, or LINEAGE_WAITS fault timeouts have
    passed: [Note: lineage]), with every new group that asked, if at least ``min_groups`` did (else it waits), and
@@ -68,13 +69,15 @@ step the state of those that did ([Note: lineage]): one step lost at most, none 
 Not back in time: every process says so in one line (CoordinatorLost) and stops; checkpoints are as they were.
 
 The files, one concern each: protocol.py (the store's keys, the timings, the errors, the quorum as published),
-coordinator.py (the lighthouse and ``serve``), member.py (Replica: join, average, commit, finish; its heartbeat),
-transfer.py (the live state's transfer: the StateTransport interface, its implementations over a TCP connection of
-its own and over the process group, the wire format), commit_log.py (the log that replays the run) and runs_file.py
+coordinator.py (the lighthouse), cli.py (``python -m replicas serve``: the store and the lighthouse), member.py
+(Replica: join, average, commit, finish), liveness.py (its heartbeat and its connection), transfer.py (the live
+state's transfer: the StateTransport interface, its implementations over a TCP connection of its own and over the
+process group, the wire format), commit_log.py (the log that replays the run) and runs_file.py
 (what the coordinator keeps of its runs on disk, ``serve --runs-file``: their ids and ends, for a restart).
 """
+from replicas.cli import main, serve
 from replicas.commit_log import append_log, read_log, write_log
-from replicas.coordinator import FIRST_WAIT_S, LINEAGE_WAITS, Lighthouse, main, serve
+from replicas.coordinator import FIRST_WAIT_S, LINEAGE_WAITS, Lighthouse
 from replicas.liveness import Heartbeat
 from replicas.member import Joined, Recovery, Replica
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STALE_S, CoordinatorLost, GroupStops,

@@ -1,6 +1,6 @@
-"""``python -m replicas serve --port PORT [--host HOST]``: the coordinator (coordinator.py)."""
+"""``python -m replicas serve --port PORT [--host HOST]``: the coordinator (cli.py)."""
 import sys
 
-from replicas.coordinator import main
+from replicas.cli import main
 
 sys.exit(main())

@@ -1,26 +1,20 @@
-"""The coordinator: a TCPStore and, beside it, the lighthouse, the one process that decides who is in each quorum
-(the package docstring's step 1). It holds membership, not state: everything the members need is in the store's
-keys (protocol.py), and everything else the members settle among themselves through the store.
-
-    python -m replicas serve --port 29400 [--host 0.0.0.0] [--new-run] [--runs-file PATH]
-"""
+"""The lighthouse, the one process that decides who is in each quorum (the package docstring's step 1), beside the
+coordinator's TCPStore (cli.py starts both). It holds membership, not state: everything the members need is in the
+store's keys (protocol.py), and everything else the members settle among themselves through the store."""
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from torch.distributed import TCPStore
 
 from replicas.liveness import LivenessServer
-from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S, one_line
-from replicas.runs_file import RunsFile, RunsFileError
+from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S
+from replicas.runs_file import RunsFile
 
 FIRST_WAIT_S = 5.0  # the least the first quorum waits for every planned group (else the fault timeout)
 LINEAGE_WAITS = 10  # the fault timeouts the lighthouse waits, at most, for the holders of the last committed step
@@ -199,19 +193,20 @@ class Lighthouse:
 
     def _claimed(self, group: int, incarnation: str) -> str | None:
         """Why a request of ``incarnation`` may not speak for ``group`` (None: it may, and from now on it does): the
-        group is claimed by another process that beat within STALE_S (two torchruns started with one
-        --replica-group: the newer one would replace the live one, whose steps since would be lost). A restart of
-        a dead (or stopped) process is not refused: its old incarnation's liveness connection has closed (a process
-        of it died), or it has been silent for longer (the heartbeat key now names the new one, so each incarnation's
-        last beat is kept: ``alive``). A restart forked warm (trainer/warm_start.py) asks within a second of the
+        group is claimed by another process that is not gone (two torchruns started with one --replica-group: the
+        newer one would replace the live one, whose steps since would be lost): it beat within STALE_S, or within the
+        fault timeout while it holds its liveness connection open (``_gone``). A restart of a dead process is not
+        refused: its old incarnation's liveness connection has closed (a process of it died), or it has been silent
+        for longer (the heartbeat key now names the new one, so each incarnation's last beat is kept: ``alive``). A restart forked warm (trainer/warm_start.py) asks within a second of the
         death, when the last beat may still look recent."""
         claimant = self.claims.get(group)
         if claimant not in (None, incarnation):
             self._watch_heartbeats()
             silent = time.monotonic() - self.alive.get((group, claimant), -float("inf"))
-            died = self.liveness is not None and any(self.liveness.closed(f"{PREFIX}hb/{group}/{j}", claimant)
-                                                     for j in range(self.places.get(group, 1)))
-            if silent <= STALE_S and not died:
+            keys = [f"{PREFIX}hb/{group}/{j}" for j in range(self.places.get(group, 1))]
+            died = self.liveness is not None and any(self.liveness.closed(key, claimant) for key in keys)
+            connected = self.liveness is not None and any(self.liveness.connected(key, claimant) for key in keys)
+            if not died and silent <= (self._patience() if connected else STALE_S):
                 return (f"another process of it is running (its heartbeat {silent:.1f} s old): two torchruns "
                         f"given --replica-group {group}? Give each group its own number")
         self.claims[group] = incarnation
@@ -246,6 +241,34 @@ class Lighthouse:
             silent = max(silent, now - seen)
         return silent
 
+    def _gone(self, group: int, unseen: bool = True) -> bool:
+        """Whether the group's process is gone for forming the next quorum ([Note: hung or gone]): a place's liveness
+        connection closed (dead), or its heartbeat silent past the time a silence is given: the fault timeout while
+        the place holds its connection open (alive: stopped, or starved of CPU), STALE_S where it holds none (its
+        death would go unseen otherwise: a coordinator whose liveness server it cannot reach, or one restarted that
+        it has not reconnected to yet). ``unseen``: the answer for a place never seen beating."""
+        now = time.monotonic()
+        for j in range(self.places.get(group, 1)):
+            key = f"{PREFIX}hb/{group}/{j}"
+            value, seen = self.beats.get(key, (None, None))
+            if value is None:
+                if unseen:
+                    return True
+                continue
+            incarnation = value.split(b"/")[0].decode()
+            connected = self.liveness is not None and self.liveness.connected(key, incarnation)
+            if self.liveness is not None and self.liveness.closed(key, incarnation):
+                return True
+            if now - seen > (self._patience() if connected else STALE_S):
+                return True
+        return False
+
+    def _patience(self) -> float:
+        """The fault timeout: the open quorum's, else the longest a request asked with (STALE_S before any)."""
+        if self.quorum is not None:
+            return self.quorum["fault_timeout"]
+        return max((asked.request["fault_timeout"] for asked in self.asked.values()), default=STALE_S)
+
     def _may_hold(self, group: int, incarnation: str) -> bool:
         """Whether that incarnation of the group may still hold the state it committed: every place's last heartbeat
         says that incarnation (a heartbeat's value is INCARNATION/COUNT: a restarted process no longer holds it), and
@@ -272,7 +295,7 @@ class Lighthouse:
 
     def _form(self) -> None:
         """The next quorum, when its conditions hold (the package docstring, step 1)."""
-        alive = {g: asked for g, asked in self.asked.items() if self._silent_for(g) <= STALE_S}
+        alive = {g: asked for g, asked in self.asked.items() if not self._gone(g)}
         if not alive:
             return
         if self.quorum is None:
@@ -299,10 +322,8 @@ class Lighthouse:
         patience = max(asked.request["fault_timeout"] for asked in alive.values())
         if self.last_members[0] < 0:
             return len(alive) < self.planned and waited < max(FIRST_WAIT_S, patience)
-        now = time.monotonic()
-        coming = [g for g in self.last_members[1] if g not in alive and all(
-            now - self.beats.get(f"{PREFIX}hb/{g}/{j}", (None, now))[1] <= STALE_S
-            for j in range(self.places.get(g, 1)))]  # (not seen beating yet: still reconnecting)
+        coming = [g for g in self.last_members[1]  # (a place not seen beating yet: still reconnecting)
+                  if g not in alive and not self._gone(g, unseen=False)]
         return bool(coming) and waited < patience
 
     def _waiting_for_newer_state(self, alive: dict[int, Asked]) -> bool:
@@ -313,7 +334,7 @@ class Lighthouse:
         LINEAGE_WAITS fault timeouts since the last decision; then the others go on, which is said in one line."""
         waited = time.monotonic() - self.decided_at
         late = waited > self.quorum["fault_timeout"]
-        if not late and any(g not in alive and self._silent_for(g) <= STALE_S for g in self.quorum["members"]):
+        if not late and any(g not in alive and not self._gone(g) for g in self.quorum["members"]):
             return True
         states = {(a.request["step"], a.request.get("last_commit")) for a in alive.values()}
         best = max(step for step, _ in states)
@@ -418,6 +439,17 @@ class Lighthouse:
     # decision. A group that does not come back by then is waited for no more (until it asks again), the others go
     # on from their older state, and every member is told from which step to which the run goes back.
 
+    # [Note: hung or gone] A process is dead or hung; the lighthouse tells them apart by its liveness connection
+    # (liveness.py), which the kernel closes when the process dies, however it dies, and which a stopped or starved
+    # process keeps open. Dead: the next quorum forms without it at once. Alive but silent: it is given the fault
+    # timeout, the time a quorum's member silent in the middle of a step is given too, so a hang costs the same
+    # wherever it lands. Its heartbeat alone (1 s, STALE_S) once judged both, and under two busy loops on a 2-core
+    # machine a heartbeat thread starved for a second took a healthy group for hung: the next quorum went on without
+    # it, and near the end of a run it was told the run had finished, its last steps never taken (seen in
+    # tests/test_replica_faults.py's progress scenario). A process without a connection (a liveness server it cannot
+    # reach, or a restarted coordinator's that it has not reached yet) is still judged by STALE_S: its death would go
+    # unseen for a fault timeout otherwise.
+
     def _forget(self, n: int) -> None:
         """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step); ``forgotten``
         says so first, for a member that was stopped while waiting for them (Replica._decision; a ticket's member
@@ -432,8 +464,6 @@ class Lighthouse:
             self.said = text
 
 
-
-
 def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str:
     """The first setting, in the record's order, where a group's identity record differs from the run's: "--lr
     0.02, where the run's is 0.05" (the fingerprints alone where a request carries no record)."""
@@ -441,49 +471,3 @@ def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str
         if record is not None and run is not None and record.get(key) != run.get(key):
             return f"{key} {record.get(key)}, where the run's is {run.get(key)}"
     return "its fingerprint differs"
-
-
-def serve(port: int, host: str = "0.0.0.0", new_run: bool = False, runs_file: str | None = None) -> None:
-    """The coordinator: a TCPStore server on HOST:PORT and the lighthouse, until the process is stopped; with
-    ``runs_file``, the lighthouse keeps its runs there and resumes them from it (RunsFileError: it cannot)."""
-    kept = RunsFile(runs_file) if runs_file is not None else None  # (read before the port is taken)
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    print(f"replicas serve: coordinator on {host}:{store.port}", flush=True)
-    if kept is not None and kept.kept is not None:
-        end = kept.kept["finished"]
-        print(f"replicas serve: resumed from {runs_file}: run {kept.kept['run']}, "
-              f"{'not finished' if end is None else 'finished at step %d' % end['step']}, "
-              f"{len(kept.kept['finished_runs'])} run(s) before it", flush=True)
-    Lighthouse(store, new_run, host, kept).run()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m replicas", description="the coordinator of fault-tolerant "
-                                     "replica groups (see the package docstring)")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serving = commands.add_parser("serve", help="a TCPStore and the lighthouse that forms the quorums")
-    serving.add_argument("--port", type=int, required=True, help="the port to listen on (0: one the OS picks)")
-    serving.add_argument("--host", default="0.0.0.0", help="the address to listen on")
-    serving.add_argument("--new-run", action="store_true", help="once the run finished, start a new run's groups "
-                         "afresh (its late groups still told it finished) instead of refusing them")
-    serving.add_argument("--runs-file", metavar="PATH", help="a JSON file where the coordinator keeps the run's id, "
-                         "whether and at which step it finished, and the runs before it, and which it reads again "
-                         "when restarted (a missing file: a fresh coordinator). Pass it to a coordinator that may be "
-                         "restarted after the groups have gone: it still tells a late group of a finished run that "
-                         "the run finished, and still refuses a new run (or, with --new-run, starts it)")
-    args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:  # (a TypeError from the store's constructor else)
-        print(f"{SERVE}: error: --port must be between 0 (one the OS picks) and 65535, got {args.port}",
-              file=sys.stderr, flush=True)
-        return 2
-    try:
-        serve(args.port, args.host, args.new_run, runs_file=args.runs_file)
-    except KeyboardInterrupt:
-        return 0
-    except RunsFileError as error:
-        print(f"{SERVE}: error: {error}", file=sys.stderr, flush=True)
-        return 2
-    except RuntimeError as error:
-        print(f"replicas serve: {one_line(error)}", file=sys.stderr, flush=True)
-        return 1
-    return 0

@@ -10,8 +10,9 @@ heartbeat to go silent.
 Why: a member SIGKILLed mid-step makes the survivors' average fail at once (their connections to it reset), but the
 next quorum waited until the dead process's heartbeat had been silent for STALE_S (1 s): most of the survivors'
 stall per kill. The kernel closes every socket of a process that dies, however it dies, so the coordinator sees the
-end of the stream within a round trip. A hung process (SIGSTOP, starved) keeps its connection open: it is still
-found by its silence, as before (STALE_S, then the fault timeout). A member that cannot reach the server (a
+end of the stream within a round trip. A hung process (SIGSTOP, starved) keeps its connection open: it is found by
+its silence, given the fault timeout, as a quorum's member silent mid-step is ([Note: hung or gone] in
+coordinator.py). A member that cannot reach the server (a
 coordinator without one, a firewall) is watched by its heartbeat alone.
 
 The wire: the member sends one line, ``KEY INCARNATION\\n`` (its heartbeat's key and incarnation), then nothing; the
@@ -42,6 +43,7 @@ class LivenessServer:
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.lock = threading.Lock()
         self.ended: dict[tuple[str, str], float] = {}  # (key, incarnation) -> when its connection closed
+        self.open: set[tuple[str, str]] = set()  # (key, incarnation) whose connection is open now
         self.pending: dict[socket.socket, bytes] = {}  # a connection whose line has not all arrived -> its bytes
         self.named: dict[socket.socket, tuple[str, str]] = {}
         self.stop = threading.Event()
@@ -53,6 +55,12 @@ class LivenessServer:
         """Whether the process of that heartbeat key and incarnation has closed its connection (it is gone)."""
         with self.lock:
             return (key, incarnation) in self.ended
+
+    def connected(self, key: str, incarnation: str) -> bool:
+        """Whether that process holds its connection open now: alive, however long its heartbeat has been silent (a
+        process stopped or starved of CPU keeps it; one that died cannot)."""
+        with self.lock:
+            return (key, incarnation) in self.open
 
     def _serve(self) -> None:
         while not self.stop.is_set():
@@ -81,6 +89,8 @@ class LivenessServer:
                 line = self.pending.pop(conn).split(b"\n", 1)[0].decode(errors="replace").split()
                 if len(line) == 2:
                     self.named[conn] = (line[0], line[1])
+                    with self.lock:
+                        self.open.add(self.named[conn])
             return
         if data:  # nothing more is expected of a member
             return
@@ -91,6 +101,7 @@ class LivenessServer:
         if name is not None:
             with self.lock:
                 self.ended[name] = time.monotonic()
+                self.open.discard(name)
 
     def close(self) -> None:
         self.stop.set()

@@ -331,7 +331,7 @@ def test_serve_refuses_a_runs_file_it_cannot_use_in_one_line(tmp_path, capsys):
 
 def test_serve_passes_new_run_to_the_lighthouse():
     from unittest import mock
-    with mock.patch("replicas.coordinator.serve") as serve:
+    with mock.patch("replicas.cli.serve") as serve:
         assert replicas.main(["serve", "--port", "0", "--new-run"]) == 0
         assert replicas.main(["serve", "--port", "0"]) == 0
     assert [call.args for call in serve.call_args_list] == [(0, "0.0.0.0", True), (0, "0.0.0.0", False)]
@@ -570,6 +570,7 @@ def lighthouse_replay(fault_timeout):
         store.set(f"{replicas.PREFIX}decision/{quorum['id']}", decision)
         return quorum
 
+    formed.lighthouse = lighthouse
     return ask, formed
 
 
@@ -609,6 +610,32 @@ def test_a_group_at_the_step_by_another_branch_receives_the_state(holder, capsys
     third = formed("commit")
     assert third["members"] == [1, 2] and third["step"] == 2
     assert third["sources"] == {"1": 2}  # the last committed branch is group 2's: group 1 receives it
+
+
+@pytest.mark.parametrize("liveness", ["connected", "closed", "none"])
+def test_a_silent_member_is_given_the_fault_timeout_while_its_connection_is_open(liveness):
+    """[Note: hung or gone], replayed on the lighthouse alone: group 1's heartbeat is 2 s old (past STALE_S, within
+    the fault timeout of 3 s). Holding its liveness connection open, it is alive (a process starved of CPU, as two
+    busy loops on 2 cores once starved one for a second): the next quorum waits for it to ask, and takes it once it
+    asked while still silent. Its connection closed (dead), or none held (its heartbeat alone tells), it is gone:
+    group 2 goes on alone at once."""
+    ask, formed = lighthouse_replay(FAULT_TIMEOUT_S)
+    key = f"{replicas.PREFIX}hb/1/0"
+    formed.lighthouse.liveness = processes = GoneProcesses((), {(key, "start")} if liveness != "none" else ())
+    ask(1, 0, None), ask(2, 0, None)
+    first = formed("commit")
+    if liveness == "closed":  # group 1's process died after quorum 0
+        processes.open.discard((key, "start")), processes.ended.add((key, "start"))
+    ask(2, 1, first["id"])
+    silent = {"silent": {1: 2.0}, "decided_ago": 0.5}
+    second = formed("commit", **silent)
+    if liveness != "connected":
+        assert (second["members"], second["step"]) == ([2], 1)
+        return
+    assert second is None  # waited for: alive, not yet late
+    ask(1, 1, first["id"])
+    second = formed("commit", **silent)
+    assert (second["members"], second["step"]) == ([1, 2], 1)
 
 
 @pytest.mark.parametrize("restarted", ["back", "gone"])
@@ -825,7 +852,8 @@ def test_serve_refuses_a_port_out_of_range_in_one_line(port, capsys):
 def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_one_is_not():
     """Two torchruns started with one --replica-group: the newer is refused while the first one's heartbeat beats
     (it replaced the live one, whose steps since were later thrown away); once the first has been silent past
-    STALE_S (dead: torchrun restarts it), a new process of the group is taken."""
+    STALE_S without a liveness connection, or closed its connection (dead: torchrun restarts it), a new process of
+    the group is taken; holding its connection open, it is alive until the fault timeout."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     lighthouse = replicas.Lighthouse(store)
 
@@ -859,17 +887,27 @@ def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_on
     lighthouse._watch_heartbeats()
     lighthouse.liveness = GoneProcesses({(f"{replicas.PREFIX}hb/0/0", "restarted")})
     assert ask("warm").get("members") == [0]
+    # the warm one holds its connection open and its heartbeat is 2 s old (starved of CPU, past STALE_S, within the
+    # fault timeout): alive ([Note: hung or gone]), so a third claimant is refused still
+    store.set(f"{replicas.PREFIX}decision/2", "abort")
+    lighthouse._decided()
+    lighthouse.liveness.open.add((f"{replicas.PREFIX}hb/0/0", "warm"))
+    lighthouse.alive[0, "warm"] -= 2.0
+    assert ask("third").get("refused", "").startswith("replica group 0 refused by the coordinator: another process")
 
 
 class GoneProcesses:
-    """A liveness server's answer (replicas.LivenessServer.closed): these (key, incarnation) closed their
-    connection."""
+    """A liveness server's answers (replicas.LivenessServer): these (key, incarnation) closed their connection, those
+    hold it open (the others never opened one)."""
 
-    def __init__(self, closed):
-        self.ended = closed
+    def __init__(self, closed, connected=()):
+        self.ended, self.open = set(closed), set(connected)
 
     def closed(self, key, incarnation):
         return (key, incarnation) in self.ended
+
+    def connected(self, key, incarnation):
+        return (key, incarnation) in self.open
 
 
 class CountingLighthouse(replicas.Lighthouse):
@@ -963,7 +1001,7 @@ def test_a_coordinator_absent_at_the_start_is_said_within_the_fault_timeout():
 def test_a_member_killed_is_gone_at_once_and_a_stopped_one_only_once_silent():
     """replicas/liveness.py: a member's process SIGKILLed is taken for gone (silent for ever) within a fraction of a
     second, where its heartbeat alone would take STALE_S; one stopped (SIGSTOP: hung, its connection open) is found
-    by its silence only, as before."""
+    by its silence only, and the lighthouse knows it still holds its connection."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     lighthouse, stop = replicas.Lighthouse(store, host="127.0.0.1"), threading.Event()
     lighthouse.planned = 1  # (else from the requests: this member asks nothing)
@@ -981,6 +1019,7 @@ def test_a_member_killed_is_gone_at_once_and_a_stopped_one_only_once_silent():
         member.send_signal(signal.SIGSTOP)
         time.sleep(replicas.STALE_S + 0.5)
         hung = lighthouse._silent_for(0)
+        connected_while_stopped = lighthouse.liveness.connected(replicas.PREFIX + "hb/0/0", "one")
         member.send_signal(signal.SIGCONT)
         while lighthouse._silent_for(0) > replicas.STALE_S / 2:  # beating again
             assert time.monotonic() < deadline, "the member did not beat again"
@@ -991,12 +1030,14 @@ def test_a_member_killed_is_gone_at_once_and_a_stopped_one_only_once_silent():
             time.sleep(0.005)
         gone_after = time.monotonic() - killed
         gone = lighthouse._silent_for(0) == float("inf")
+        connected_once_killed = lighthouse.liveness.connected(replicas.PREFIX + "hb/0/0", "one")
     finally:
         member.kill()
         member.wait()
         stop.set()
         thread.join()
     assert replicas.STALE_S < hung < float("inf")  # silent, not gone: a hang is the fault timeout's to judge
+    assert connected_while_stopped and not connected_once_killed  # what tells the two apart ([Note: hung or gone])
     print(f"\na member SIGKILLed: gone for the lighthouse after {gone_after * 1000:.0f} ms (STALE_S: "
           f"{replicas.STALE_S * 1000:.0f} ms)")
     # gone for good (silent for ever), which only its closed connection says: a heartbeat's silence is finite. How
