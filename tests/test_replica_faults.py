@@ -131,8 +131,11 @@ def test_a_sharded_group_loses_ranks_inside_each_collective_and_every_step_is_ta
     assert any(seen.values()), "no joiner saw its source lost"
     for group in ("0", "1", "2"):  # no place waited for a peer until the group's --timeout: a torn place's group
         # learns it in one collective and stops at once (before: 120 s in every run, one place gathering --zero 3's
-        # units on its way out while the other waited in the join's agreement)
-        assert "Application timeout" not in sharded["outputs"][group], sharded["outputs"][group][-2000:]
+        # units on its way out while the other waited in the join's agreement). A quorum's average may time out
+        # (its timeout is the fault timeout): group 2's rank 1 is stopped past it, maybe inside the average
+        waited = [line for line in sharded["outputs"][group].splitlines()
+                  if "Application timeout" in line and "not taken by quorum" not in line]
+        assert not waited, waited
     for group in (g for g, ways in seen.items() if "torn" in ways):  # stopped, and restarted by torchrun
         assert sharded["restarts"][group] + sharded["outputs"][group].count("failed (exitcode: 1)") >= 2
     assert any("recovered" in note for note in sharded["logs"]["0"])  # after the kill inside the average
