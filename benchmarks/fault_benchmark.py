@@ -80,10 +80,10 @@ def killing(faults: list[tuple[float, int]], kill: Any, done: Any, started: floa
     that trains nothing (the group is told the run finished), counted in the run's wall time."""
     record = []
     for at, target in faults:
-        while time.time() - started < at:
-            if done():
-                return record
+        while not done() and time.time() - started < at:
             time.sleep(0.05)
+        if done():
+            return record
         pids = kill(target)
         record.append({"at_s": time.time() - started, "at": time.time(), "replica": target, "pids": pids})
     return record
