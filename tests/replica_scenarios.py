@@ -9,7 +9,9 @@ its outcome in OUT/NAME/outcome.json for tests/test_replica_faults.py to read. N
   lost: all start again from their checkpoints); groups 1 and 2 at the end of step 3, one in its optimizer's step and
   one saving its checkpoint (group 1 recovers from group 0); group 0 inside step 6's all-reduce across groups (it
   recovers from another).
-- alone: 3 groups, --min-replica-groups 1: groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
+- alone: 3 groups, --min-replica-groups 1, built before any asks its first quorum (as progress: under two busy loops
+  group 1 once started so late that the others went on without it, and, killed before it had joined, it came back
+  after the run's end with nothing of it): groups 1 and 2 SIGKILLed at once, group 0 goes on alone until they are
   back (their restarts held until it has taken two steps alone: a warm restart is back before the next step); then
   group 2 stopped (SIGSTOP) past the fault timeout and woken (SIGCONT), rejoining by recovery. Until it has, every
   step ends with a pause (tests/float64_trainer.py's pace), so that group 0 cannot reach the run's last
@@ -115,7 +117,8 @@ def sharded(out: str, data: str) -> dict:
 def alone(out: str, data: str) -> dict:
     gate, held = os.path.join(out, "events-over"), os.path.join(out, "groups-back")
     run = ReplicaRun(out, 3, flags(data, STEPS["alone"], "--checkpoint-every", "50"), entry="tests/float64_trainer.py",
-                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}", "FLOAT64_TRAINER_RESTART_GATE": held},
+                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}", "FLOAT64_TRAINER_RESTART_GATE": held,
+                          "FLOAT64_TRAINER_JOIN_BARRIER": out},
                      min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
     events = {}
 
