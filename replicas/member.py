@@ -171,11 +171,18 @@ class Replica:
                     return None
                 continue
             try:
-                return self.store.get(key)
+                value = self.store.get(key)
             except RuntimeError as error:
                 if gone is not None and gone():  # deleted between the wait and the get: stopped there (SIGSTOP)
                     return None
                 self._reconnect(error)
+                continue
+            if value:
+                return value
+            # b"": deleted inside the get, between the client's own wait and its read (the store's libuv server
+            # answers a missing key so; a woken process under load, once: its ticket's answer parsed as b"")
+            if gone is not None and gone():
+                return None
 
     def _decision(self, quorum_id: int) -> bytes:
         """decision/n once set, b"commit" or b"abort". A process stopped long enough finds quorum n forgotten (the
