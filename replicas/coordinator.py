@@ -194,19 +194,17 @@ class Lighthouse:
     def _claimed(self, group: int, incarnation: str) -> str | None:
         """Why a request of ``incarnation`` may not speak for ``group`` (None: it may, and from now on it does): the
         group is claimed by another process that is not gone (two torchruns started with one --replica-group: the
-        newer one would replace the live one, whose steps since would be lost): it beat within STALE_S, or within the
-        fault timeout while it holds its liveness connection open (``_gone``). A restart of a dead process is not
-        refused: its old incarnation's liveness connection has closed (a process of it died), or it has been silent
-        for longer (the heartbeat key now names the new one, so each incarnation's last beat is kept: ``alive``). A restart forked warm (trainer/warm_start.py) asks within a second of the
-        death, when the last beat may still look recent."""
+        newer one would replace the live one, whose steps since would be lost): it beat within the silence it is
+        given (``_silence_given``). A restart of a dead process is not refused: its old incarnation's liveness
+        connection has closed (a process of it died), or it has been silent for longer (the heartbeat key now names
+        the new one, so each incarnation's last beat is kept: ``alive``). A restart forked warm
+        (trainer/warm_start.py) asks within a second of the death, when the last beat may still look recent."""
         claimant = self.claims.get(group)
         if claimant not in (None, incarnation):
             self._watch_heartbeats()
             silent = time.monotonic() - self.alive.get((group, claimant), -float("inf"))
             keys = [f"{PREFIX}hb/{group}/{j}" for j in range(self.places.get(group, 1))]
-            died = self.liveness is not None and any(self.liveness.closed(key, claimant) for key in keys)
-            connected = self.liveness is not None and any(self.liveness.connected(key, claimant) for key in keys)
-            if not died and silent <= (self._patience() if connected else STALE_S):
+            if silent <= self._silence_given(keys, claimant):
                 return (f"another process of it is running (its heartbeat {silent:.1f} s old): two torchruns "
                         f"given --replica-group {group}? Give each group its own number")
         self.claims[group] = incarnation
@@ -242,11 +240,8 @@ class Lighthouse:
         return silent
 
     def _gone(self, group: int, unseen: bool = True) -> bool:
-        """Whether the group's process is gone for forming the next quorum ([Note: hung or gone]): a place's liveness
-        connection closed (dead), or its heartbeat silent past the time a silence is given: the fault timeout while
-        the place holds its connection open (alive: stopped, or starved of CPU), STALE_S where it holds none (its
-        death would go unseen otherwise: a coordinator whose liveness server it cannot reach, or one restarted that
-        it has not reconnected to yet). ``unseen``: the answer for a place never seen beating."""
+        """Whether the group's process is gone for forming the next quorum: a place's heartbeat silent past the
+        silence it is given (``_silence_given``). ``unseen``: the answer for a place never seen beating."""
         now = time.monotonic()
         for j in range(self.places.get(group, 1)):
             key = f"{PREFIX}hb/{group}/{j}"
@@ -255,13 +250,20 @@ class Lighthouse:
                 if unseen:
                     return True
                 continue
-            incarnation = value.split(b"/")[0].decode()
-            connected = self.liveness is not None and self.liveness.connected(key, incarnation)
-            if self.liveness is not None and self.liveness.closed(key, incarnation):
-                return True
-            if now - seen > (self._patience() if connected else STALE_S):
+            if now - seen > self._silence_given([key], value.split(b"/")[0].decode()):
                 return True
         return False
+
+    def _silence_given(self, keys: list[str], incarnation: str) -> float:
+        """How long the heartbeat of that incarnation at those places may be silent before its process is taken for
+        gone ([Note: hung or gone]): not at all once a place's liveness connection closed (dead); the fault timeout
+        while one holds it open (alive: stopped, or starved of CPU); STALE_S where none holds one (its death would go
+        unseen otherwise: a liveness server it cannot reach, or a restarted coordinator's it has not reached yet)."""
+        if self.liveness is None:
+            return STALE_S
+        if any(self.liveness.closed(key, incarnation) for key in keys):
+            return -float("inf")
+        return self._patience() if any(self.liveness.connected(key, incarnation) for key in keys) else STALE_S
 
     def _patience(self) -> float:
         """The fault timeout: the open quorum's, else the longest a request asked with (STALE_S before any)."""

@@ -12,8 +12,8 @@ next quorum waited until the dead process's heartbeat had been silent for STALE_
 stall per kill. The kernel closes every socket of a process that dies, however it dies, so the coordinator sees the
 end of the stream within a round trip. A hung process (SIGSTOP, starved) keeps its connection open: it is found by
 its silence, given the fault timeout, as a quorum's member silent mid-step is ([Note: hung or gone] in
-coordinator.py). A member that cannot reach the server (a
-coordinator without one, a firewall) is watched by its heartbeat alone.
+coordinator.py). A member that cannot reach the server (a coordinator without one, a firewall) is watched by its
+heartbeat alone.
 
 The wire: the member sends one line, ``KEY INCARNATION\\n`` (its heartbeat's key and incarnation), then nothing; the
 server reads until the end of the stream. A coordinator restarted on its address has a new server, which the

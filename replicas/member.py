@@ -170,19 +170,20 @@ class Replica:
                 if gone is not None and gone():
                     return None
                 continue
+            failure = None
             try:
                 value = self.store.get(key)
             except RuntimeError as error:
-                if gone is not None and gone():  # deleted between the wait and the get: stopped there (SIGSTOP)
-                    return None
-                self._reconnect(error)
-                continue
+                value, failure = b"", error
             if value:
                 return value
-            # b"": deleted inside the get, between the client's own wait and its read (the store's libuv server
-            # answers a missing key so; a woken process under load, once: its ticket's answer parsed as b"")
+            # deleted between the wait and the get (stopped there: SIGSTOP): the get fails, or, deleted inside it
+            # (between the client's own wait and its read), reads b"", as the store's libuv server answers a missing
+            # key (a woken process under load, once: its ticket's answer parsed as b"")
             if gone is not None and gone():
                 return None
+            if failure is not None:
+                self._reconnect(failure)
 
     def _decision(self, quorum_id: int) -> bytes:
         """decision/n once set, b"commit" or b"abort". A process stopped long enough finds quorum n forgotten (the
