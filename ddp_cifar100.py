@@ -240,7 +240,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
         optimizer.zero_grad()
         return False
     epoch.sums.merge(window_sums)
-    meter.add_loss(window_sums.loss)
+    meter.add_loss(window_sums.loss, window_samples)
     # the gradients are averaged now (the last backward waited for it): clip, update, schedule
     lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler sets the next one's below
     with utils.profiled("optimizer step"):

@@ -28,12 +28,14 @@ from utils import UsageError
 TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 # Byte-level GPTs (vocabulary 256): a small one that learns in minutes on 2 CPU cores, a tiny one whose gradient
 # crosses a 100 Mbit/s link in a fraction of a second (the slow-link benchmark), and GPT-2's shapes (small, medium,
-# large: the model ZeRO-3 is for, at the scale of a machine's memory)
+# large: the model ZeRO-3 is for, at the scale of a machine's memory; xl: 1.48 billion parameters, whose AdamW state
+# is larger than a 24 GB machine's memory: what offload is for)
 GPT_SIZES = {"gpt": dict(layers=4, width=160, heads=5, context=128),
              "gpt-tiny": dict(layers=2, width=64, heads=4, context=64),
              "gpt2": dict(layers=12, width=768, heads=12, context=1024),
              "gpt2-medium": dict(layers=24, width=1024, heads=16, context=1024),
-             "gpt2-large": dict(layers=36, width=1280, heads=20, context=1024)}
+             "gpt2-large": dict(layers=36, width=1280, heads=20, context=1024),
+             "gpt2-xl": dict(layers=48, width=1600, heads=25, context=1024)}
 LANGUAGE_MODELS = tuple(GPT_SIZES)
 TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")  # patch size after the last _
 MODELS = ("net", "resnet", "vit") + TORCHVISION_RESNETS + TORCHVISION_VITS + LANGUAGE_MODELS

@@ -383,11 +383,12 @@ def test_gpt_sizes_and_blocks():
     shapes: tied embedding V x W, positions C x W, final LayerNorm 2W, and per block the attention's 4 W x W and the
     MLP's 2 x 4 W x W matrices, plus at most 13 W of biases and LayerNorm parameters (nanoGPT's full set: qkv 3W,
     projections W and W, MLP 4W, two LayerNorms 4W). With V = 50257 the upper end is nanoGPT's 124,439,808."""
-    assert models.LANGUAGE_MODELS == ("gpt", "gpt-tiny", "gpt2", "gpt2-medium", "gpt2-large")
+    assert models.LANGUAGE_MODELS == ("gpt", "gpt-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
     assert set(models.LANGUAGE_MODELS) <= set(models.MODELS)
     assert models.GPT_SIZES["gpt2"] == {"layers": 12, "width": 768, "heads": 12, "context": 1024}
     assert models.GPT_SIZES["gpt2-medium"] == {"layers": 24, "width": 1024, "heads": 16, "context": 1024}  # GPT-2's
     assert models.GPT_SIZES["gpt2-large"] == {"layers": 36, "width": 1280, "heads": 20, "context": 1024}  # paper
+    assert models.GPT_SIZES["gpt2-xl"] == {"layers": 48, "width": 1600, "heads": 25, "context": 1024}
     small = models.build_model("gpt", 0.0, "custom", 256, context=CONTEXT)
     size = models.GPT_SIZES["gpt"]
     assert isinstance(small, models.GPT) and 1_000_000 <= sum(p.numel() for p in small.parameters()) <= 3_000_000

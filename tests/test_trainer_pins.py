@@ -113,7 +113,8 @@ FLAGS = ["--activation-checkpointing", "--allreduce", "--amp", "--async-checkpoi
          "--local-steps",
          "--log-dir", "--log-every", "--lr", "--malloc-mmap-threshold", "--max-steps", "--metrics-out", "--min-lr",
          "--min-replica-groups", "--model", "--momentum", "--muon-lr",
-         "--muon-momentum", "--muon-weight-decay", "--norm", "--norm-weight-decay", "--optimizer", "--outer-compress",
+         "--muon-momentum", "--muon-weight-decay", "--norm", "--norm-weight-decay", "--offload", "--offload-dir",
+         "--optimizer", "--outer-compress",
          "--outer-delay", "--outer-lr", "--outer-momentum", "--outer-optimizer", "--param-dtype", "--profile",
          "--profile-steps", "--prompt", "--reduce-dtype", "--replica-group", "--replica-groups", "--replicas",
          "--scheduler", "--seed", "--sync-mode",
@@ -127,7 +128,8 @@ DEFAULTS = {  # vars(parse_args([])): also the metrics JSON's "config"
     "activation_checkpointing": False, "compile": None, "compile_backend": "inductor", "dropout": 0.5,
     "grad_sync": "custom", "replicas": None,
     "local_steps": None, "outer_optimizer": None, "outer_lr": None, "outer_momentum": None, "outer_compress": None,
-    "fragments": None, "outer_delay": None, "zero": 0, "zero3_accumulate": "sharded", "param_dtype": None,
+    "fragments": None, "outer_delay": None, "zero": 0, "zero3_accumulate": "sharded", "offload": None,
+    "offload_dir": None, "param_dtype": None,
     "reduce_dtype": None, "optimizer": "sgd",
     "allreduce": "torch", "sync_mode": "overlap", "bucket_mb": 25.0, "norm": "custom", "grad_accum": 1,
     "batch_size": 128, "epochs": 10, "max_steps": 0, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0005,
@@ -284,6 +286,21 @@ ERRORS = [
      "compiled graph at DDP's buckets and requires the first (1 MB) to be no larger than the others"),
     (["--zero3-accumulate", "unsharded"],
      "--zero3-accumulate is for --grad-sync custom --zero 3, not --grad-sync custom --zero 0"),
+    (["--offload", "disk"], "--offload is for --grad-sync custom --zero 1-3 (the sharded stages' state), not "
+                            "--grad-sync custom --zero 0"),
+    (["--zero", "3", "--offload", "disk"], "--offload disk needs --offload-dir PATH, a folder on a disk for the "
+                                           "offload files"),
+    (["--offload-dir", "x"], "--offload-dir is where --offload disk keeps the state: give --offload disk"),
+    (["--zero", "2", "--offload", "cpu"],
+     "--offload cpu (pinned host memory under a GPU) is not built yet; --offload disk is"),
+    (["--zero", "3", "--offload", "disk", "--offload-dir", "x", "--checkpoint-dir", "c", "--async-checkpoint"],
+     "--offload does not take --async-checkpoint: it stages the whole state in memory to write it"),
+    (["--zero", "3", "--offload", "disk", "--offload-dir", "x", "--amp", "fp16"],
+     "--offload does not take --amp fp16: its scaler unscales the gradients in memory, where --zero 3 with offload "
+     "keeps them on the disk"),
+    (["--zero", "3", "--offload", "disk", "--offload-dir", "x", "--zero3-accumulate", "unsharded"],
+     "--offload does not take --zero3-accumulate unsharded: it keeps every unit's full gradient in memory over the "
+     "window"),
     (["--profile-steps", "1:3"], "--profile-steps is for --profile DIR"),
     (["--profile", "p", "--profile-steps", "3"], "--profile-steps takes A:B, optimizer steps with 0 <= A < B, got '3'"),
     (["--profile", "p", "--profile-steps", "4:4"],
@@ -292,9 +309,9 @@ ERRORS = [
      "--profile-steps takes A:B, optimizer steps with 0 <= A < B, got 'a:b'"),
     (["--workers", "-1"], "--workers must not be negative, got -1"),
     (["--dataset", "text"], "--model net does not take --dataset text: the GPTs (gpt, gpt-tiny, gpt2, gpt2-medium, "
-                            "gpt2-large) train on --dataset text, the image models on images"),
+                            "gpt2-large, gpt2-xl) train on --dataset text, the image models on images"),
     (["--model", "gpt"], "--model gpt does not take --dataset cifar100: the GPTs (gpt, gpt-tiny, gpt2, gpt2-medium, "
-                         "gpt2-large) train on --dataset text, the image models on images"),
+                         "gpt2-large, gpt2-xl) train on --dataset text, the image models on images"),
     (["--context", "5"], "--context and --val-fraction are for --dataset text"),
     (["--val-fraction", "0.2"], "--context and --val-fraction are for --dataset text"),
     (["--dataset", "text", "--model", "gpt", "--augment", "none"], "--augment is for image sets, not --dataset text"),
@@ -390,16 +407,18 @@ RUNS = {"custom": ["--max-steps", "3"],
 
 MAX, SUM = "all_reduce MAX", "all_reduce SUM"
 CLOSING = {  # from the last validation's scatter to the end of train(): validation, then the summary's figures
-    # (the peak memory, each rank's peaks per phase, the state's bytes, ...)
-    "custom": ["scatter", "reduce", "reduce", MAX, "all_gather_object", MAX, MAX, MAX, MAX, MAX],
-    "localsgd": ["scatter", "reduce", "reduce", MAX, "all_gather_object", MAX, MAX, MAX, MAX, MAX, MAX],
-    "text": ["scatter", "reduce", "reduce", MAX, "all_gather_object", MAX, MAX, MAX, MAX, MAX],
+    # (the peak memory, each rank's peaks per phase, the state's bytes, ..., each step's loss)
+    "custom": ["scatter", "reduce", "reduce", MAX, "all_gather_object", MAX, MAX, MAX, MAX, MAX, "all_gather_object"],
+    "localsgd": ["scatter", "reduce", "reduce", MAX, "all_gather_object", MAX, MAX, MAX, MAX, MAX, MAX,
+                 "all_gather_object"],
+    "text": ["scatter", "reduce", "reduce", MAX, "all_gather_object", MAX, MAX, MAX, MAX, MAX, "all_gather_object"],
 }
 METRICS_KEYS = [
     "backend", "checkpoint_final_wait_s", "checkpoint_stalls_s", "compile", "config", "data_parallel_bytes_per_step", "data_parallel_sent_bytes",
-    "data_wait_ms_median", "device", "epochs", "evals", "fingerprint", "gathered_peak", "grad_norms", "machine",
-    "memory_by_phase_mb", "micro_batches", "num_classes", "optimizer_steps", "peak_memory_mb", "samples_per_s",
-    "sent_bytes", "sent_bytes_per_step", "state_bytes", "step_time_ms_mean", "step_time_ms_median",
+    "data_wait_ms_median", "device", "epochs", "evals", "fingerprint", "first_step", "gathered_peak", "grad_norms",
+    "machine", "memory_by_phase_mb", "micro_batches", "num_classes", "offload", "optimizer_steps", "peak_memory_mb",
+    "samples_per_s", "sent_bytes", "sent_bytes_per_step", "state_bytes", "step_losses", "step_time_ms_mean",
+    "step_time_ms_median",
     "step_time_ms_p10",
     "step_time_ms_p90", "step_time_warmup_steps", "step_times_ms", "train_loss", "train_time_s",
     "trainable_parameters", "val_acc", "val_acc5", "val_correct", "val_correct5", "val_loss", "val_total",

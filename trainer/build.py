@@ -257,7 +257,8 @@ def make_sync(config: Config, model: nn.Module, ctx: utils.DistContext, within: 
                       collectives=config.allreduce, replicate_group=across if hybrid else None,
                       param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_mb=config.bucket_mb,
                       overlap=config.sync_mode == "overlap", accumulate=config.zero3_accumulate,
-                      timeout_s=config.timeout, init=init, device=ctx.device, init_device="cpu")
+                      timeout_s=config.timeout, init=init, device=ctx.device, init_device="cpu",
+                      offload=config.offload, offload_dir=config.offload_dir)
 
 
 def make_outer(config: Config, model: nn.Module, across: Any, sync: DataParallel) -> DiLoCo | None:

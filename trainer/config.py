@@ -89,9 +89,9 @@ class Config:
     model: str = flag("net", choices=MODELS,
                       help="net, resnet and vit: small models for 32-pixel images; resnet18..., vit_b_16...: "
                            "torchvision's (weights=None; a ViT takes --image-size, which its patch size must divide); "
-                           "gpt (1.3M parameters), gpt-tiny (0.12M), gpt2, gpt2-medium and gpt2-large (GPT-2's "
-                           "shapes with 256 bytes for vocabulary: 86M, 303M, 709M): byte-level GPTs for --dataset "
-                           "text")
+                           "gpt (1.3M parameters), gpt-tiny (0.12M), gpt2, gpt2-medium, gpt2-large and gpt2-xl "
+                           "(GPT-2's shapes with 256 bytes for vocabulary: 86M, 303M, 709M, 1478M): byte-level GPTs "
+                           "for --dataset text")
     channels_last: bool = flag(False, help="model and batches in channels-last memory format")
     activation_checkpointing: bool = flag(False, help="torch.utils.checkpoint (non-reentrant) around each block "
                                                       "(models.blocks: the units --zero 3 gathers): its activations "
@@ -147,6 +147,17 @@ class Config:
                                       "gradient over the window and reduce-scatter it once (unsharded: 4 Psi more "
                                       "during the window, K-1 fewer reduce-scatters, stage 0's summation order; what "
                                       "FSDP2 does)")
+    offload: str | None = flag(None, choices=("disk", "cpu"),
+                               help="custom --zero 1-3: keep each process's optimizer state, and at --zero 3 its "
+                                    "weights' and gradients' shards too, in a file under --offload-dir, streamed "
+                                    "through a few buffers by a background thread (zero/offload/); only the storage "
+                                    "moves: the weights are bit for bit those of the run without it. cpu: in a GPU's "
+                                    "pinned host memory (not built yet)")
+    offload_dir: str | None = flag(None, metavar="PATH",
+                                   help="--offload disk: the folder of the offload files, one per process, on a disk "
+                                        "(not tmpfs) with room for the state: 16 Psi / W bytes a process at --zero "
+                                        "3 with AdamW; they are scratch, removed at the run's end (checkpoints are "
+                                        "--checkpoint-dir's)")
     param_dtype: str | None = flag(None, choices=tuple(DTYPES),
                                    help="custom --zero 1-3, fsdp: the dtype the weights are kept (stages 1-2) or "
                                         "gathered (3) and computed in, over master shards and optimizer state in "
@@ -364,6 +375,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     muon = muon_flags(given)
     outer = outer_flags(given)
     check_syncs(given)
+    check_offload(given)
     check_replica_groups(given)
     if given.log_dir and importlib.util.find_spec("tensorboard") is None:  # every rank, before any collective
         raise UsageError("--log-dir needs the tensorboard package (pip install tensorboard)")
@@ -543,6 +555,34 @@ def check_syncs(given: argparse.Namespace) -> None:
     if given.zero3_accumulate is not None and (stage != 3 or sync != "custom"):
         raise UsageError(f"--zero3-accumulate is for --grad-sync custom --zero 3, not --grad-sync {sync} "
                          f"--zero {stage}")
+
+
+def check_offload(given: argparse.Namespace) -> None:
+    """--offload against --offload-dir and the flags it does not work with (yet)."""
+    offload, stage = given.offload, given.zero
+    if offload is None:
+        if given.offload_dir is not None:
+            raise UsageError("--offload-dir is where --offload disk keeps the state: give --offload disk")
+        return
+    if given.grad_sync != "custom" or stage == 0:
+        raise UsageError(f"--offload is for --grad-sync custom --zero 1-3 (the sharded stages' state), not "
+                         f"--grad-sync {given.grad_sync} --zero {stage}")
+    if offload == "cpu":
+        raise UsageError("--offload cpu (pinned host memory under a GPU) is not built yet; --offload disk is")
+    if given.offload_dir is None:
+        raise UsageError("--offload disk needs --offload-dir PATH, a folder on a disk for the offload files")
+    refused = {  # the flag given: why not with --offload
+        "--async-checkpoint": given.async_checkpoint and "it stages the whole state in memory to write it",
+        "--replicas": given.replicas is not None and "hybrid sharding with offload is not built yet",
+        "--replica-groups": given.replica_groups is not None and "replica groups with offload are not built yet",
+        "--optimizer muon": given.optimizer == "muon" and "Muon steps whole matrices across the ranks at once",
+        "--zero3-accumulate unsharded": given.zero3_accumulate == "unsharded" and
+                                        "it keeps every unit's full gradient in memory over the window",
+        "--amp fp16": given.amp == "fp16" and stage == 3 and "its scaler unscales the gradients in memory, where "
+                                                            "--zero 3 with offload keeps them on the disk"}
+    for name, why in refused.items():
+        if why:
+            raise UsageError(f"--offload does not take {name}: {why}")
 
 
 FT_FLAGS = ("replica_group", "replica_groups", "coordinator")  # together or not at all

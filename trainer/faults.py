@@ -9,9 +9,11 @@ the second: replica group GROUP's rank RANK (any group's, without GROUP), at POI
 (*: at any step), in torchrun's attempt ATTEMPT (default 0). POINT is one of POINTS: inside the step's forward or
 backward, inside the group's own reduce-scatter or all-gather of a bucket (--zero 1-3: the step's first one launched and
 not landed, ``watch``), inside the all-reduce across replica groups (its messages launched, not landed), inside the
-optimizer's step (the update applied, the step not yet counted), while this rank sends its live state to a replica group
-that joins (half the tensors sent), in --async-checkpoint's writer thread as it starts writing a save (the loop gone
-on), while it saves a checkpoint (its files written, the save not yet made current), or after the step (the default).
+optimizer's step (the update applied, the step not yet counted), inside it with --offload (its first bucket's state
+written behind to the offload file, the others not yet: ``watch``), while this rank sends its live state to a replica
+group that joins (half the tensors sent), in --async-checkpoint's writer thread as it starts writing a save (the loop
+gone on), while it saves a checkpoint (its files written, the save not yet made current), or after the step (the
+default).
 One point kills nothing: "nan" makes this rank's loss non-finite in that step's forward (trainer/finite.py's stop).
 """
 from __future__ import annotations
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 ENV = "DDP_CIFAR100_FAULT"
-POINTS = ("forward", "backward", "reduce_scatter", "all_gather", "allreduce", "optimizer", "send", "write", "save",
-          "after", "nan")
+POINTS = ("forward", "backward", "reduce_scatter", "all_gather", "allreduce", "optimizer", "offload", "send", "write",
+          "save", "after", "nan")
 WATCHED = ("reduce_scatter", "all_gather")  # inside the sync's own collectives (``watch``)
 
 
@@ -72,11 +74,15 @@ def named(point: str, rank: int, step: int, group: int | None = None) -> bool:
 def watch(parts: Any, steps: Callable[[], int]) -> None:
     """Where DDP_CIFAR100_FAULT names a point inside the sync's own collectives (WATCHED), have the sync's
     collectives.Collectives (``parts.sync.comm``; PyTorch's syncs have none) call ``at`` as each one is launched;
-    ``steps()``: the optimizer steps done."""
+    where it names "offload", have the sync's offload store (zero/offload/) call it as each write of the optimizer's
+    state is asked for. ``steps()``: the optimizer steps done."""
     text, comm = os.environ.get(ENV), getattr(parts.sync, "comm", None)
+    rank, group = parts.ctx.rank, parts.config.replica_group
+    store = getattr(parts.sync, "store", None)
+    if store is not None and text and any(fault.point == "offload" for fault in parse(text)):
+        store.on_put = lambda name: at("offload", rank, steps(), group) if name[0] == "state" else None
     if comm is None or not text or not any(fault.point in WATCHED for fault in parse(text)):
         return
-    rank, group = parts.ctx.rank, parts.config.replica_group
 
     def launched(kind: str) -> None:
         if kind in WATCHED:

@@ -122,6 +122,7 @@ class Meter:
     writer: Any = None  # TensorBoard's SummaryWriter (rank 0, --log-dir)
     profiler: Any = None  # torch.profiler.profile with --profile
     grad_norms: list[torch.Tensor] = field(default_factory=list)  # --clip-grad-norm: each step's norm, unclipped
+    window_losses: list[torch.Tensor] = field(default_factory=list)  # each step's (loss sum, samples) on this rank
     state_bytes: dict[str, int] | None = None  # what this rank holds at an optimizer step (zero.state_bytes)
     evals: list[dict[str, Any]] = field(default_factory=list)  # --eval-every's evaluations (rank 0's figures)
     baselines: dict[str, float] = field(default_factory=dict)  # text: gzip's and the unigram's bits/byte (rank 0)
@@ -157,9 +158,21 @@ class Meter:
                     desc=f"epoch {position.epoch + 1}", disable=not (parts.ctx.rank == 0 and sys.stderr.isatty()),
                     leave=False)
 
-    def add_loss(self, loss: torch.Tensor) -> None:
+    def add_loss(self, loss: torch.Tensor, samples: int) -> None:
+        """A step's training loss (this rank's sum over its ``samples``, on the device: read at the end)."""
+        self.window_losses.append(torch.stack([loss, torch.tensor(float(samples), dtype=loss.dtype,
+                                                                  device=loss.device)]))
         if self.recent is not None:
             self.recent.loss += loss
+
+    def step_losses(self) -> list[float]:
+        """Each optimizer step's training loss over every rank's samples (one gather, at the end), from the step
+        this run started at (``first_step``)."""
+        mine = [[float(loss), float(samples)] for loss, samples in self.window_losses]
+        everyone: list[Any] = [None] * self.parts.ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        return [sum(rank[i][0] for rank in everyone) / sum(rank[i][1] for rank in everyone)
+                for i in range(len(mine))]
 
     def measure_state(self) -> None:
         """The bytes this rank holds at an optimizer step, until the optimizer has state."""
@@ -368,7 +381,24 @@ def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
         figures["outer_bytes"] = [int(busiest(entry["bytes"] or 0)) for entry in parts.outer.log]
     peak = parts.sync.gathered_peak()
     figures["gathered_peak"] = None if peak is None else {key: int(busiest(value)) for key, value in peak.items()}
+    figures["offload"] = offload_figures(parts, steps)
     return figures
+
+
+def offload_figures(parts: Any, steps: int) -> dict[str, Any] | None:
+    """--offload: each rank's traffic through its offload file (zero/offload/store.py's Traffic: bytes read and
+    written, and the seconds its loop waited on them, per optimizer step of this run), its file's and its buffers'
+    bytes, and whether it bypassed the page cache (O_DIRECT); None without offload (on every rank alike)."""
+    store = getattr(parts.sync, "store", None)
+    if store is None:
+        return None
+    traffic, per = store.traffic, max(steps, 1)
+    mine = {"read_bytes_per_step": traffic.read_bytes / per, "written_bytes_per_step": traffic.written_bytes / per,
+            "read_wait_s_per_step": traffic.read_wait_s / per, "write_wait_s_per_step": traffic.write_wait_s / per,
+            "file_bytes": store.stored_bytes(), "buffer_bytes": store.buffer_bytes, "direct": store.file.direct}
+    everyone: list[Any] = [None] * parts.ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone}
 
 
 def summarize(meter: Meter, checkpointer: Checkpointer, position: Position, history: list[dict[str, Any]],
@@ -395,8 +425,9 @@ def summarize(meter: Meter, checkpointer: Checkpointer, position: Position, hist
            if "sent_bytes_by_group_per_step" in busiest else {}),
         **sent_figures(meter, position, trainable, busiest),
         "grad_norms": [float(norm) for norm in meter.grad_norms],  # --clip-grad-norm: this run's, before clipping
+        "step_losses": meter.step_losses(), "first_step": meter.first_step,  # each step's mean training loss
         **text_figures(meter, final),
-        "gathered_peak": busiest["gathered_peak"], "compile": compile_figures(parts),
+        "gathered_peak": busiest["gathered_peak"], "compile": compile_figures(parts), "offload": busiest["offload"],
         "wall_time_s": time.perf_counter() - wall_start, "train_time_s": train_time,
         "samples_per_s": meter.samples_trained / train_time if train_time else 0.0,
         "step_time_ms_median": statistics.median(steps) if steps else None,

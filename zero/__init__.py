@@ -36,6 +36,8 @@ Where each part is, by concern (FSDP2's ``_fully_shard/`` and DCP's split):
     zero/hybrid.py        replicate_group: hybrid sharding across replicas
     zero/init.py          a model built on the meta device, materialized shard by shard (init=)
     zero/pieces.py        what a rank holds of each tensor: flat ranges as parameters' pieces and n-D boxes
+    zero/offload/         offload="disk": the state kept in a file per rank, streamed through a few buffers (files,
+                          store, folder, shards: the step bucket by bucket; slots: checkpoints streamed from it)
     zero/checkpoint/      checkpoints: sharded in torch.distributed.checkpoint's format (api, state_dict, planner,
                           checks), or one file of the whole state dicts (whole); the checkpoint methods every sync
                           offers (methods: Checkpoints, WholeCheckpoints); its names imported at first use
@@ -57,7 +59,7 @@ EXPORTS = {
     "missing_optimizer_state": "zero.optimizer_kinds",
 }
 SUBMODULES = ("api", "stage0", "buckets", "broadcast", "stages", "stage3", "optimizer", "optimizer_kinds", "matrix",
-              "precision", "hybrid", "init", "pieces", "checkpoint")
+              "precision", "hybrid", "init", "pieces", "checkpoint", "offload")
 
 __all__ = [*EXPORTS, *SUBMODULES]
 

@@ -34,6 +34,7 @@ from zero import init as init_module
 from zero.broadcast import broadcast_state
 from zero.buckets import assign_buckets
 from zero.hybrid import Replicas, check_grid
+from zero.offload.folder import open_store
 from zero.optimizer_kinds import as_optimizers
 from zero.precision import resolve
 from zero.stage0 import GradientSync
@@ -47,7 +48,7 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
           reduce_dtype: torch.dtype | None = None, init: Callable[[nn.Module], None] | None = None, *,
           device: torch.device | str | None = None, init_device: torch.device | str | None = None,
           bucket_mb: float = 25.0, overlap: bool = True, accumulate: str = "sharded",
-          timeout_s: float | None = None) -> Any:
+          timeout_s: float | None = None, offload: str | None = None, offload_dir: str | None = None) -> Any:
     """Data parallelism at ZeRO ``stage`` over ``group`` (default: the world) for ``model``, in place: the group's
     rank 0's weights and buffers are broadcast first (as DistributedDataParallel does), then the model's
     parameters become views of flat buckets (stages 1-3), and hooks do the rest (zero's docstring).
@@ -68,8 +69,14 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
     parameters no unit does. ``collectives``: "torch" (torch.distributed's), "ring" (allreduce.py's, on a thread
     of its own), or at stage 0 "butterfly". ``bucket_mb`` (stages 0-2): the largest bucket; ``overlap`` (stages
     0, 1): average each bucket as backward completes it, rather than after backward; ``accumulate`` (stage 3):
-    "sharded" (reduce-scatter every micro-batch) or "unsharded" (keep full gradients over the window)."""
+    "sharded" (reduce-scatter every micro-batch) or "unsharded" (keep full gradients over the window).
+
+    ``offload="disk"`` (stages 1-3; ZeRO-Offload's and ZeRO-Infinity's idea, zero/offload/): the optimizer's state,
+    and at stage 3 the master weights' and gradients' shards too, kept in a file per rank under ``offload_dir`` and
+    streamed through a few buffers by a background I/O thread; only the storage moves, so the weights are bit for
+    bit those of the same run without it. ``offload="cpu"``: the same state in a GPU's pinned host memory."""
     check_options(stage, collectives, overlap, accumulate, units, replicate_group)
+    check_offload(offload, offload_dir, stage, replicate_group, accumulate)
     check_trainable(model)
     deferred = check_init(model, init)
     precision = resolve(model, stage, param_dtype, reduce_dtype)
@@ -78,6 +85,11 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
         stage_3_units(model, given)  # refused before any collective, if they do not fit
     if replicate_group is not None:
         check_grid(group, replicate_group)  # before any broadcast: on every rank, the same verdict
+    store = None
+    if offload is not None:  # the folder, the file and the disk's room for the shards: before any tensor is made
+        where = next(model.parameters()).device if not deferred else \
+            torch.device(device) if device is not None else init_module.default_device(group)
+        store = open_store(offload_dir, where, group, shard_bytes(model, stage, dist.get_world_size(group)))
     if deferred:  # materialized (stages 0-2) or given placeholders (stage 3), the same on every rank: no broadcast
         device, init_device = place_deferred(model, stage, init, group, device, init_device)
     else:
@@ -91,12 +103,12 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
         if not deferred:
             replicas.broadcast(model)  # then every rank of the grid holds replica 0's rank 0's weights
     if stage == 1:
-        return ZeroStage1(model, bucket_mb, overlap, comm, precision, replicas)
+        return ZeroStage1(model, bucket_mb, overlap, comm, precision, replicas, store)
     if stage == 2:
         trainable = [p for p in model.parameters() if p.requires_grad]
-        return ZeroStage2(model, assign_buckets(trainable, bucket_mb), comm, precision, replicas)
+        return ZeroStage2(model, assign_buckets(trainable, bucket_mb), comm, precision, replicas, store=store)
     units, owner = stage_3_units(model, given)  # the owners of the parameters as they are now
-    sharded = ZeroStage3(model, units, owner, comm, accumulate, precision, replicas, deferred)
+    sharded = ZeroStage3(model, units, owner, comm, accumulate, precision, replicas, deferred, store)
     if deferred:
         init_module.initialize_shards(sharded, init, init_device)
         init_module.move_buffers(model, device)
@@ -126,6 +138,38 @@ def check_options(stage: int, collectives: str, overlap: bool, accumulate: str, 
     if stage == 0 and replicate_group is not None:
         raise ValueError("zero.shard: replicate_group is for stages 1-3 (state sharded over group, replicated "
                          "across it); at stage 0 every rank holds everything: pass the whole world as group")
+
+
+def check_offload(offload: str | None, offload_dir: str | None, stage: int, replicate_group: Any,
+                  accumulate: str) -> None:
+    """offload= and what it works with (the folder itself is checked by every rank together: zero/offload/)."""
+    if offload is None:
+        if offload_dir is not None:
+            raise ValueError("zero.shard: offload_dir is where offload='disk' keeps the state; pass offload='disk'")
+        return
+    if offload not in ("disk", "cpu"):
+        raise ValueError(f"zero.shard: offload is 'disk' or 'cpu', not {offload!r}")
+    if offload == "cpu":
+        raise ValueError("zero.shard: offload='cpu' (pinned host memory under a GPU) is not built yet; "
+                         "offload='disk' is, on any device")
+    if offload_dir is None:
+        raise ValueError("zero.shard: offload='disk' needs offload_dir, the folder its files go in")
+    if stage == 0:
+        raise ValueError("zero.shard: offload is for the sharded stages 1-3 (stage 0 keeps everything on every "
+                         "rank, to read it every step)")
+    if replicate_group is not None:
+        raise ValueError("zero.shard: offload with replicate_group (hybrid sharding) is not built yet")
+    if accumulate == "unsharded":
+        raise ValueError("zero.shard: offload with accumulate='unsharded' would keep every unit's full gradient in "
+                         "memory over the window (4 Psi bytes): use the default, 'sharded'")
+
+
+def shard_bytes(model: nn.Module, stage: int, world_size: int) -> int:
+    """The bytes a rank's offload file holds before any optimizer: at stage 3 its weights' and gradients' shards
+    (padding aside: at most W - 1 elements a unit), nothing at stages 1-2."""
+    if stage != 3:
+        return 0
+    return 2 * sum(-(-p.numel() // world_size) * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -199,7 +243,7 @@ def state_bytes(model: nn.Module, optimizer: Any, sync: Any) -> dict[str, int]:
         storages = {}
         for t in tensors:
             t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
-            if t is not None:
+            if t is not None and not t.is_meta:  # (offload's placeholders: the store holds those bytes)
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())
 

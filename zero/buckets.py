@@ -77,6 +77,7 @@ class Bucket:
         self.word = word
         self.pending = len(params)  # gradients still to come in this backward
         self.handle: Any = None  # its collective in flight
+        self.final = False  # launched by a window's last backward (stage 2-3: what lands completes its gradient)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -187,7 +187,7 @@ def initialize_shards(stage: Any, fn: Init, init_device: torch.device) -> None:
                 fn(module)
             for part in {id(part): part for part in parts}.values():
                 if last[id(part)] == i:
-                    close_part(part, stage.shard_of(part), stage.comm.chunk, *open_parts.pop(id(part)))
+                    close_part(part, stage.write_shard, stage.comm.chunk, *open_parts.pop(id(part)))
 
 
 def open_part(part: Any, shard: torch.Tensor,
@@ -201,10 +201,12 @@ def open_part(part: Any, shard: torch.Tensor,
     return buffer, placeholders
 
 
-def close_part(part: Any, shard: torch.Tensor, chunk: Callable[[torch.Tensor], torch.Tensor], buffer: torch.Tensor,
+def close_part(part: Any, write_shard: Callable[[Any, torch.Tensor], None],
+               chunk: Callable[[torch.Tensor], torch.Tensor], buffer: torch.Tensor,
                placeholders: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-    """This rank's chunk of the initialized part into its shard; the parameters back to their placeholders."""
-    shard.copy_(chunk(buffer))
+    """This rank's chunk of the initialized part into its shard (the stage's ``write_shard``: in place, or into
+    the offload store); the parameters back to their placeholders."""
+    write_shard(part, chunk(buffer))
     for p, data in placeholders:
         p.data = data
 

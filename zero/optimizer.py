@@ -22,6 +22,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from collectives import Collectives
 from zero.buckets import Bucket
 from zero.matrix import WHOLE_MATRIX, PieceOptimizer, whole_parameters
+from zero.offload.shards import Gradients, StoredState, Streamed, offloaded_class
+from zero.offload.store import Store
 from zero.optimizer_kinds import check_optimizer_class, missing_optimizer_state, state_kinds
 from zero.pieces import Cover, OptimizerView, covers
 
@@ -80,10 +82,11 @@ def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
              else [group["params"]]} for group in params]
 
 
-def total_norm(parts: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The ``norm_type``-norm of a vector cut into ``parts`` over the group's ranks: each rank's sum of |g|^p (its
-    max |g| for the inf-norm), one all-reduce of that one number, then the p-th root."""
-    norms = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in parts])
+def total_norm(norms: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The ``norm_type``-norm of a vector cut into parts over the group's ranks, given each of this rank's parts'
+    ``norm_type``-norms: each rank's sum of |g|^p (its max |g| for the inf-norm), one all-reduce of that one
+    number, then the p-th root."""
+    norms = torch.stack(norms)
     if math.isinf(norm_type):
         total = norms.max()
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
@@ -181,8 +184,10 @@ class ShardedOptimizer:
 
     def __init__(self, stage: int, buckets: list[Bucket], names: dict[int, str], comm: Collectives,
                  weights: list[torch.Tensor], grads: list[torch.Tensor | None],
-                 after_step: Callable[[list[Bucket]], None], lazy_gradients: bool = False):
+                 after_step: Callable[[list[Bucket]], None], lazy_gradients: bool = False, *,
+                 device: torch.device, store: Store | None = None, gradients: Gradients | None = None):
         self.stage, self.buckets, self.names, self.comm = stage, buckets, names, comm
+        self.device = device  # the masters' (where the weights, gradients and state live while used)
         self.rank, self.world_size = comm.rank, comm.size
         self.bucket_of = {id(p): bucket for bucket in buckets for p in bucket.params}
         self.weights, self.grads = weights, grads  # grads: the stage's list; None where a shard is dropped
@@ -192,6 +197,10 @@ class ShardedOptimizer:
         self.loading_runs: set[int] = set()  # id() of an optimizer loading its runs' own state (load_run_state)
         self.stepped: dict[int, set[int]] = {}  # bucket index -> id of each layout that stepped it since its gather
         self.hook = register_optimizer_step_pre_hook(self._refuse_outside_optimizer)  # the stage's close() removes it
+        # offload (zero/offload/shards.py): the state in the store, the step streamed bucket by bucket; with
+        # ``gradients`` (stage 3) the weights' and gradients' shards too, placeholders in ``weights`` and ``grads``
+        self.streamed = Streamed(store, self, gradients) if store is not None else None
+        self.offloaded_gradients = gradients is not None
 
     def chunk_bounds(self, bucket: Bucket) -> tuple[int, int]:
         width = bucket.length // self.world_size
@@ -204,6 +213,11 @@ class ShardedOptimizer:
         Muon and Adafactor get this rank's pieces of each parameter, stepped by zero/matrix.py; LBFGS, SparseAdam
         and undeclared classes are refused here ([Note: which optimizers])."""
         check_optimizer_class(optimizer_class, self.stage)
+        if self.streamed is not None and optimizer_class in WHOLE_MATRIX:
+            raise ValueError(f"sharded.optimizer: {optimizer_class.__name__} with offload is not built yet: its step "
+                             f"reads every piece of a matrix across the ranks at once (zero/matrix.py), where "
+                             f"offload streams one bucket at a time; use AdamW, SGD or another element-wise "
+                             f"optimizer, or no offload")
         groups = as_groups(params)
         layout = Layout({}, [], optimizer_class, per_parameter=optimizer_class in WHOLE_MATRIX)
         for g, group in enumerate(groups):
@@ -220,6 +234,9 @@ class ShardedOptimizer:
         runs = self._runs(layout)
         layout.runs = [run for g in range(len(groups)) for run in runs if run.group == g]  # inner numbering
         for run in layout.runs:
+            if self.offloaded_gradients:  # the weights in the store: a placeholder, until a step binds them
+                run.param = self.streamed.run_parameter(run, self.weights[0].dtype, self.device)
+                continue
             run.param = nn.Parameter(self._piece(self.weights, run))
             if self.grads[run.bucket.index] is not None:  # (else made by the first backward: attach_gradients)
                 run.param.grad = self._piece(self.grads, run)
@@ -234,9 +251,12 @@ class ShardedOptimizer:
             optimizer = WHOLE_MATRIX[optimizer_class](inner, whole_groups=groups, parameters=parameters,
                                                       comm=self.comm, master=self.weights[0], **settings)
         else:
-            optimizer = optimizer_class(inner, **settings)
+            optimizer = (optimizer_class if self.streamed is None else offloaded_class(optimizer_class))(inner,
+                                                                                                    **settings)
         layout.buckets = sorted({self.bucket_of[pid].index for pid in layout.index})
         self.layouts[optimizer] = layout
+        if self.streamed is not None:
+            self.streamed.adopt(optimizer, layout)
         optimizer.register_step_post_hook(lambda *_: self._stepped(layout))
         optimizer.register_state_dict_post_hook(self._full_optimizer_state)
         optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
@@ -252,8 +272,9 @@ class ShardedOptimizer:
                              f"model's sharded.optimizer")
         by_id = {id(p): p for bucket in self.buckets for p in bucket.params}
         number = {index: pid for pid, (_, index) in layout.index.items()}
+        stored = StoredState(self.streamed, optimizer) if self.streamed is not None else None
         return OptimizerView(layout.torch_class, [(g, by_id[number[index]]) for g, indices in enumerate(layout.groups)
-                                                  for index in indices], layout.runs)
+                                                  for index in indices], layout.runs, stored=stored)
 
     def _piece(self, chunks: list[torch.Tensor], run: ShardRun) -> torch.Tensor:
         """The run's stretch of its bucket's chunk in ``chunks`` (``weights`` or ``grads``): a view."""
@@ -284,8 +305,11 @@ class ShardedOptimizer:
         """Before each forward: the buckets still waiting for an optimizer's step finished ([Note: several
         optimizers]); with ``lazy_gradients``, each gradient shard whose runs all had their .grad set to None by
         zero_grad() dropped (the next backward makes it anew: [Note: gradient shards]); and each run's .grad its
-        view of the gradient shard, put back, zeroed, where zero_grad() set it to None and the shard stays."""
+        view of the gradient shard, put back, zeroed, where zero_grad() set it to None and the shard stays. (Offloaded
+        gradients are bound by the step alone, and let go of by zero_grad(): zero/offload/shards.py.)"""
         self.finish_steps()
+        if self.offloaded_gradients:
+            return
         self.drop_released_gradients()
         for optimizer, layout in self.layouts.items():
             for run in layout.runs:
@@ -299,7 +323,7 @@ class ShardedOptimizer:
     def drop_released_gradients(self) -> None:
         """With ``lazy_gradients``: each gradient shard whose runs all had their .grad set to None by zero_grad()
         dropped (before a forward, and before a save reads what the rank holds)."""
-        if self.lazy_gradients:
+        if self.lazy_gradients and not self.offloaded_gradients:
             for bucket in self.buckets:
                 runs = [run for layout in self.layouts.values() for run in layout.runs if run.bucket is bucket]
                 if runs and self.grads[bucket.index] is not None and all(run.param.grad is None for run in runs):
@@ -307,6 +331,8 @@ class ShardedOptimizer:
 
     def attach_gradients(self, bucket: Bucket) -> None:
         """A gradient shard just made (lazy_gradients): the .grad of each run in it that has none, its view."""
+        if self.offloaded_gradients:
+            return
         for layout in self.layouts.values():
             for run in layout.runs:
                 if run.bucket is bucket and run.param.grad is None:
@@ -357,20 +383,27 @@ class ShardedOptimizer:
         max_norm / (norm + 1e-6), clamped to 1 (torch's formula). After the last backward of a window; under fp16
         after the scaler's unscale_(optimizer). Returns the total norm."""
         norm_type = float(norm_type)
-        grads = [g for g in self.grads if g is not None]  # (lazy_gradients: a bucket no backward has reached)
-        total = total_norm(grads, norm_type, self.comm.group)
+        present = [b for b, g in enumerate(self.grads) if g is not None]  # (lazy: a bucket no backward reached)
+        if self.offloaded_gradients:  # each shard's norm, taken when complete; the factor applied when read
+            norms = self.streamed.gradients.norms_of(present, norm_type)
+        else:
+            norms = [torch.linalg.vector_norm(self.grads[b], norm_type) for b in present]
+        total = total_norm(norms, norm_type, self.comm.group)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
                                f"clipped (error_if_nonfinite=True)")
         clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, clip)
+        if self.offloaded_gradients:
+            self.streamed.gradients.scale(present, clip)
+        else:
+            torch._foreach_mul_([self.grads[b] for b in present], clip)
         return total
 
     # ------------------------------------------------------------------------------------------------------
     # The optimizer's state in torch.optim's ordinary form, and back ([Note: the whole model's state])
     # ------------------------------------------------------------------------------------------------------
     def _comm_device(self) -> torch.device:
-        return self.weights[0].device if dist.get_backend(self.comm.group) == "nccl" else torch.device("cpu")
+        return self.device if dist.get_backend(self.comm.group) == "nccl" else torch.device("cpu")
 
     def _full_optimizer_state(self, optimizer: torch.optim.Optimizer, inner: dict[str, Any]) -> dict[str, Any]:
         """State-dict post-hook: the inner optimizer's state over runs, made torch.optim's ordinary state over the
@@ -382,11 +415,14 @@ class ShardedOptimizer:
         layout = self.layouts[optimizer]
         entries: dict[int, dict[str, Any]] = {}  # parameter index -> {key: scalar value, or its dtype if element-wise}
         for number, run in enumerate(layout.runs):
-            values = inner["state"].get(number)
-            if not values:  # no state yet: created lazily, at the first step
+            values = inner["state"].get(number, {})
+            offloaded = self.streamed.keys.get((self.streamed.numbers[id(optimizer)], number), {}) \
+                if self.streamed is not None else {}
+            if not values and not offloaded:  # no state yet: created lazily, at the first step
                 continue
             for p in (cover.param for cover in run.covers):
                 entry = entries.setdefault(layout.index[id(p)][1], {})
+                entry.update((key, ElementWise(dtype)) for key, dtype in offloaded.items())
                 for key, value in values.items():
                     if torch.is_tensor(value) and value.dim() == 1:  # a run's element-wise state is 1-D
                         entry[key] = ElementWise(value.dtype)
@@ -409,12 +445,17 @@ class ShardedOptimizer:
             keys = {key: kind.dtype for index in indices.values() for key, kind in entries.get(index, {}).items()
                     if isinstance(kind, ElementWise)}
             for key, dtype in sorted(keys.items()):  # the same buckets and keys, in the same order, on every rank
-                chunk = torch.zeros(hi - lo, dtype=dtype, device=device)
-                for number, run in runs:
-                    if key in inner["state"].get(number, {}):
-                        chunk[run.start - lo:run.end - lo] = inner["state"][number][key]
+                if self.streamed is not None:  # the chunk as the store keeps it (zeros where no run has the key)
+                    chunk = self.streamed.state_chunk(optimizer, b, key, hi - lo, dtype, device)
+                else:
+                    chunk = torch.zeros(hi - lo, dtype=dtype, device=device)
+                    for number, run in runs:
+                        if key in inner["state"].get(number, {}):
+                            chunk[run.start - lo:run.end - lo] = inner["state"][number][key]
                 pieces = [torch.empty_like(chunk) for _ in range(self.world_size)] if self.rank == 0 else None
                 dist.gather(chunk, pieces, group=self.comm.group, group_dst=0)
+                if self.streamed is not None:
+                    self.streamed.store.discard(chunk)
                 if self.rank != 0:
                     continue
                 flat = torch.cat(pieces).cpu()
@@ -430,6 +471,8 @@ class ShardedOptimizer:
         """torch.optim's own load_state_dict of the runs' state as it stands, past the pre-hook that would cut runs
         out of a whole state dict: ``inner`` is the inner optimizer's form (state by run number, the runs numbered
         group by group as ``layouts[optimizer].runs``), which zero/checkpoint/ reads straight from its shards."""
+        if self.streamed is not None:  # the element-wise tensors into the store, bucket by bucket
+            inner = self.streamed.load_runs(optimizer, inner)
         self.loading_runs.add(id(optimizer))
         try:
             optimizer.load_state_dict(inner)
@@ -470,6 +513,8 @@ class ShardedOptimizer:
 
         check_groups_agree(layout, saved, shapes, elementwise)
         state = self._cut_into_runs(layout, saved, elementwise)
+        if self.streamed is not None:  # the element-wise tensors into the store, bucket by bucket
+            state = self.streamed.load_runs(optimizer, {"state": state})["state"]
         inner_index = {id(run): number for number, run in enumerate(layout.runs)}
         groups = [{**group, "params": [inner_index[id(run)] for run in layout.runs if run.group == g]}
                   for g, group in enumerate(full["param_groups"])]
@@ -488,7 +533,7 @@ class ShardedOptimizer:
             if (g, dim) not in probed:
                 probed[g, dim] = state_kinds(layout.torch_class,
                                              {**optimizer.param_groups[g], **full["param_groups"][g]},
-                                             self.weights[0].device, dim)
+                                             self.device, dim)
             return probed[g, dim]
 
         return kinds

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Hashable, Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -113,13 +113,33 @@ def narrowed(tensor: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int
 @dataclass
 class Piece:
     """What a rank holds of one tensor of the model's state: the elements [start, end) of its memory order
-    (``order``, memory_order), as ``values``, a 1-D view of the rank's own tensor (the masters' shard)."""
+    (``order``, memory_order), as ``values``, a 1-D view of the rank's own tensor (the masters' shard). [Note: stored
+    pieces] ``source``: the slot of an offload store (zero/offload/) that holds the values; ``values`` is then a
+    meta tensor, whose storage offset is its first element's place in the slot."""
     name: str
     shape: tuple[int, ...]
     order: tuple[int, ...]
     start: int
     end: int
     values: torch.Tensor
+    source: Hashable | None = None
+
+
+@dataclass(frozen=True)
+class StoredBox:
+    """A box of a stored piece ([Note: stored pieces]): elements [first, first + count) of the slot ``source``, seen
+    in the box's shape (``sizes`` in memory order, then ``inverse``, the permutation back to the tensor's own
+    dimensions). zero/offload/slots.py reads and writes it."""
+    source: Hashable
+    first: int
+    count: int
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    inverse: tuple[int, ...]
+
+    def view(self, run: torch.Tensor) -> torch.Tensor:
+        """``run`` (its ``count`` elements) in the box's shape."""
+        return run.view(self.sizes).permute(self.inverse)
 
 
 class Cover(NamedTuple):
@@ -131,10 +151,11 @@ class Cover(NamedTuple):
     end: int
     at: int
 
-    def piece(self, name: str, range_values: torch.Tensor) -> Piece:
-        """The parameter's piece (under ``name``) of a 1-D tensor over the range: a shard, a run's state tensor."""
+    def piece(self, name: str, range_values: torch.Tensor, source: Hashable | None = None) -> Piece:
+        """The parameter's piece (under ``name``) of a 1-D tensor over the range: a shard, a run's state tensor (a
+        meta one, with the store's slot that holds it: [Note: stored pieces])."""
         return Piece(name, tuple(self.param.shape), self.order, self.start, self.end,
-                     range_values[self.at:self.at + self.end - self.start])
+                     range_values[self.at:self.at + self.end - self.start], source)
 
 
 def covers(bucket: Any, lo: int, hi: int) -> list[Cover]:
@@ -157,42 +178,49 @@ def all_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def flat_pieces(model: nn.Module, buckets: list[Any], shards: list[torch.Tensor],
-                rank: int) -> dict[str, list[Piece]]:
+def flat_pieces(model: nn.Module, buckets: list[Any], shards: list[torch.Tensor], rank: int,
+                sources: list[Hashable | None] | None = None) -> dict[str, list[Piece]]:
     """Every name of every parameter in the buckets (a tied one under each), with its pieces in this rank's chunks
     (``shards[b]``, the r-th of W equal slices of bucket b's flat): none where the rank holds none of it. The
-    stages' ``held_pieces``."""
+    stages' ``held_pieces``. ``sources``: each shard's slot in an offload store, where it is kept there (its
+    ``shards[b]`` a meta placeholder: [Note: stored pieces])."""
     names = all_names(model)
     pieces: dict[str, list[Piece]] = {name: [] for bucket in buckets for p in bucket.params for name in names[id(p)]}
-    for bucket, shard in zip(buckets, shards):
+    for b, (bucket, shard) in enumerate(zip(buckets, shards)):
         lo = rank * shard.numel()
         for cover in covers(bucket, lo, lo + shard.numel()):
             for name in names[id(cover.param)]:
-                pieces[name].append(cover.piece(name, shard))
+                pieces[name].append(cover.piece(name, shard, sources[b] if sources else None))
     return pieces
 
 
 @dataclass
 class Shards:
     """A tensor that this rank holds pieces of: its global shape, dtype and memory order, and the pieces (start,
-    end, 1-D view) of its memory order."""
+    end, 1-D view) of its memory order; ``sources``: a stored piece's slot, by the piece's index ([Note: stored
+    pieces])."""
     shape: tuple[int, ...]
     dtype: torch.dtype
     order: tuple[int, ...]
     pieces: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    sources: dict[int, Hashable] = field(default_factory=dict)
 
-    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor | StoredBox]]:
         """(offsets, sizes, view) of every box of every piece: the view aliases the piece, in the box's shape, on a
-        storage of exactly its bytes ([Note: no copy in save])."""
+        storage of exactly its bytes ([Note: no copy in save]); a stored piece's box is a StoredBox instead."""
         inverse = tuple(self.order.index(d) for d in range(len(self.shape)))
-        out = []
-        for start, end, values in self.pieces:
+        out: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor | StoredBox]] = []
+        for i, (start, end, values) in enumerate(self.pieces):
             at = 0
             for offsets, sizes in layout_boxes(self.shape, self.order, start, end):
                 count = math.prod(sizes)
-                run = exact_storage(values[at:at + count])
-                view = run.view([sizes[d] for d in self.order]).permute(inverse)
-                out.append((offsets, sizes, view))
+                in_order = tuple(sizes[d] for d in self.order)
+                if i in self.sources:
+                    box: torch.Tensor | StoredBox = StoredBox(self.sources[i], values.storage_offset() + at, count,
+                                                             self.dtype, in_order, inverse)
+                else:
+                    box = exact_storage(values[at:at + count]).view(in_order).permute(inverse)
+                out.append((offsets, sizes, box))
                 at += count
         return out
 
@@ -202,6 +230,8 @@ def shards_by_name(pieces: Iterable[Piece]) -> dict[str, Shards]:
     by_name: dict[str, Shards] = {}
     for piece in pieces:
         shards = by_name.setdefault(piece.name, Shards(piece.shape, piece.values.dtype, piece.order))
+        if piece.source is not None:
+            shards.sources[len(shards.pieces)] = piece.source
         shards.pieces.append((piece.start, piece.end, piece.values))
     return by_name
 
@@ -219,6 +249,7 @@ class OptimizerView:
     parameters: list[tuple[int, nn.Parameter]]
     runs: list[Any] | None = None
     state: Any = None
+    stored: Any = None  # offload: the runs' element-wise state in the store (zero/offload/shards.py's StoredState)
 
 
 def whole_optimizer_view(model: nn.Module, optimizer: torch.optim.Optimizer,

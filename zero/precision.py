@@ -36,7 +36,7 @@ shard, and stage 3's accumulate="unsharded" keeps its full gradients in ``reduce
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -85,14 +85,17 @@ def resolve(model: nn.Module, stage: int, param_dtype: torch.dtype | None,
 
 
 def shard_weights(buckets: list[Bucket], comm: Collectives, precision: Precision, own_shards: bool,
-                  deferred: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                  deferred: bool = False, keep: Callable[[Bucket, torch.Tensor], torch.Tensor] | None = None
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each bucket's parameters moved into one padded flat tensor of ``precision.param`` (each parameter a view
     into it laid out as its gradient is, Bucket.view, so the flat weight and the flat gradient match element by
     element), and this rank's shard of the weights in the master dtype: a view of the flat's chunk when the dtypes
     agree and not ``own_shards`` (stages 1-2: the step writes the model's weights), else a tensor of its own
     (stage 3, whose flats are freed here, one bucket at a time, so no more than one is whole at once; or masters
     under a lower param_dtype). ``deferred`` (stage 3 from the meta device, zero/init.py): the parameters hold no
-    values yet, so the shards start as zeros for the initialization to fill. Returns (flats, shards)."""
+    values yet, so the shards start as zeros for the initialization to fill. ``keep(bucket, shard)`` (stage 3 with
+    offload: zero/offload/) takes each own shard as it is made and returns what the stage holds in its place, so no
+    more than one bucket's shard is in memory at once. Returns (flats, shards)."""
     flats, shards = [], []
     with torch.no_grad():
         for bucket in buckets:
@@ -102,7 +105,10 @@ def shard_weights(buckets: list[Bucket], comm: Collectives, precision: Precision
                     bucket.view(full, p).copy_(p)
             flat = full if not precision.separate_masters else full.to(precision.param)
             shard = comm.chunk(full)
-            shards.append(shard.clone() if own_shards or precision.separate_masters else shard)
+            if keep is not None:
+                shards.append(keep(bucket, shard))
+            else:
+                shards.append(shard.clone() if own_shards or precision.separate_masters else shard)
             for p in bucket.params:
                 p.data = bucket.view(flat, p)
             if own_shards:

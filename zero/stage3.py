@@ -9,9 +9,10 @@ parameters are sharded too ([Note: frozen parameters]).
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -22,6 +23,7 @@ from collectives import Collectives
 from zero.broadcast import broadcast_state, check_keys_on_rank0
 from zero.buckets import Bucket
 from zero.hybrid import Replicas
+from zero.offload.store import Store
 from zero.pieces import Piece, flat_pieces
 from zero.precision import (Precision, gather_full, gathered_state_dict, load_masters, scatter_masters,
                             shard_weights)
@@ -159,11 +161,12 @@ class ZeroStage3(ZeroStage2):
     own_shards = True  # a tensor of its own: the full flat is freed between uses
 
     def __init__(self, model: nn.Module, units: list[nn.Module], owner: dict[int, nn.Module], comm: Collectives,
-                 accumulate: str, precision: Precision, replicas: Replicas | None = None, deferred: bool = False):
+                 accumulate: str, precision: Precision, replicas: Replicas | None = None, deferred: bool = False,
+                 store: Store | None = None):
         self.unsharded = accumulate == "unsharded"
         owned = [[p for p in unit.parameters() if owner[id(p)] is unit] for unit in units]
         super().__init__(model, [[p for p in params if p.requires_grad] for params in owned], comm, precision,
-                         replicas, deferred)
+                         replicas, deferred, store)
         self.units: list[Unit] = self.buckets  # type: ignore[assignment]
         for unit, module, params in zip(self.units, units, owned):
             unit.module, unit.flat = module, self.param_flats[unit.index]
@@ -197,8 +200,48 @@ class ZeroStage3(ZeroStage2):
         return parts
 
     def shard_of(self, part: Bucket) -> torch.Tensor:
-        """This rank's shard of a unit's trainable bucket (``weights``: the optimizer's) or of a frozen part."""
+        """This rank's shard of a unit's trainable bucket (``weights``: the optimizer's) or of a frozen part; with
+        offload a trainable bucket's is a placeholder (its dtype and length): read it with ``shard_values``."""
         return part.shard if isinstance(part, FrozenPart) else self.weights[part.index]
+
+    def offloaded(self, part: Bucket) -> bool:
+        """Whether the part's shard is in the offload store (a trainable bucket's, with offload)."""
+        return self.gradients is not None and not isinstance(part, FrozenPart) and part.length > 0
+
+    @contextlib.contextmanager
+    def shard_values(self, part: Bucket) -> Iterator[torch.Tensor]:
+        """This rank's shard of ``part``, to read: in memory, or (offload) read from the store (ahead, where
+        ``_read_ahead`` asked) and given back after."""
+        if not self.offloaded(part):
+            yield self.shard_of(part)
+            return
+        values = self.store.take(("weights", part.index))
+        try:
+            yield values
+        finally:
+            self.store.discard(values)
+
+    def write_shard(self, part: Bucket, values: torch.Tensor) -> None:
+        """This rank's shard of ``part`` set to ``values`` (an initialization, a load): in place, or (offload) into
+        the store."""
+        if not self.offloaded(part):
+            self.shard_of(part).copy_(values)
+            return
+        kept = self.store.fresh(("weights", part.index))
+        kept.copy_(values)
+        self.store.put(("weights", part.index), kept)
+
+    def _read_ahead(self, order: list[Unit], unit: Unit) -> None:
+        """Offload: the weight shards of the two units after ``unit`` in ``order`` asked of the store now, so that
+        their gathers find them read ([Note: the order of the reads] in zero/offload/shards.py)."""
+        if self.gradients is None:
+            return
+        for _ in range(2):
+            unit = self._after(order, unit)
+            if unit is None:
+                return
+            if unit.length and unit.state is UnitState.SHARDED:
+                self.store.prefetch(("weights", unit.index))
 
     # ------------------------------------------------------------------------------------------------------
     # A unit's life: SHARDED -> GATHERING -> GATHERED -> SHARDED
@@ -210,7 +253,8 @@ class ZeroStage3(ZeroStage2):
         assert unit.state is UnitState.SHARDED, unit.state
         self._allocate(unit)
         for part, flat in unit.flats():
-            self.comm.chunk(flat).copy_(self.shard_of(part))
+            with self.shard_values(part) as shard:
+                self.comm.chunk(flat).copy_(shard)
             unit.gather.append(self.comm.all_gather(flat, part.name("all_gather")))
         unit.state = UnitState.GATHERING
         held = self._held()
@@ -311,6 +355,7 @@ class ZeroStage3(ZeroStage2):
         self._materialize(unit)
         if not recomputing:
             self._prefetch(self._after(self.order, unit))
+            self._read_ahead(self.order, unit)
         if unit.frozen and torch.is_grad_enabled() and not recomputing:
             return self._watch_inputs(unit, args)
         return None
@@ -363,6 +408,9 @@ class ZeroStage3(ZeroStage2):
             self._open(unit, f"unit {unit.index} backward")
             self._materialize(unit)
             self._prefetch(self._after(self.backward_order, unit))
+            self._read_ahead(self.backward_order, unit)
+            if self.gradients is not None and self.grads[unit.index] is not None:  # accumulated into: read ahead
+                self.store.prefetch(("grads", unit.index))
 
     def _grad_ready(self, unit: Unit, param: nn.Parameter) -> None:  # type: ignore[override]
         self._copy_out(unit, param)
@@ -388,7 +436,7 @@ class ZeroStage3(ZeroStage2):
         buffer = self.filling.get(unit.index)
         if buffer is None:  # in reduce_dtype, as FSDP2 accumulates its unsharded gradients
             buffer = self.filling[unit.index] = torch.zeros(unit.length, dtype=self.precision.reduce,
-                                                            device=self.weights[0].device)
+                                                            device=self.device)
         unit.view(buffer, param).add_(param.grad)
         param.grad = None
 
@@ -414,8 +462,12 @@ class ZeroStage3(ZeroStage2):
     def model_state_dict(self) -> dict[str, Any]:
         """The whole state_dict on rank 0's CPU, gathered from the shards one part at a time ({} on the other
         ranks), so in the masters' dtype (the model's own) whatever param_dtype is."""
-        wholes = ((part, gather_full(self.comm, part, self.shard_of(part))) for part in self.parts())
-        return gathered_state_dict(self.model, wholes, self.rank)
+        def wholes() -> Iterator[tuple[Bucket, torch.Tensor]]:
+            for part in self.parts():
+                with self.shard_values(part) as shard:
+                    full = gather_full(self.comm, part, shard)
+                yield part, full
+        return gathered_state_dict(self.model, wholes(), self.rank)
 
     def drop_gathered(self) -> None:
         """Every unit gathered or gathering freed (its gather waited for), and no prefetch held back: call it after
@@ -431,7 +483,8 @@ class ZeroStage3(ZeroStage2):
         """ShardedStage's, of every part this rank holds a shard of: the units' trainable buckets and their frozen
         parts (another (buckets, shards) pair of flat_pieces)."""
         parts = self.parts()
-        return flat_pieces(self.model, parts, [self.shard_of(part) for part in parts], self.rank)
+        sources = [("weights", part.index) if self.offloaded(part) else None for part in parts]
+        return flat_pieces(self.model, parts, [self.shard_of(part) for part in parts], self.rank, sources)
 
     def shards_loading(self) -> None:
         """Before a checkpoint's load writes the shards: what is gathered freed (the shards change under it)."""
@@ -455,9 +508,13 @@ class ZeroStage3(ZeroStage2):
                                    f"{sorted(set(expected) - set(state))}, unexpected keys "
                                    f"{sorted(set(state) - set(expected))}")
         self.drop_gathered()
-        parts = self.parts()
-        (scatter_masters if from_rank0 else load_masters)(parts, self.comm, [self.shard_of(part) for part in parts],
-                                                          self.names, state)
+        load = scatter_masters if from_rank0 else load_masters
+        for part in self.parts():  # one part at a time, through a shard of its own where the store keeps it
+            shard = self.shard_of(part)
+            into = torch.empty(shard.shape, dtype=shard.dtype, device=self.device) if self.offloaded(part) else shard
+            load([part], self.comm, [into], self.names, state)
+            if into is not shard:
+                self.write_shard(part, into)
         with torch.no_grad():
             if not from_rank0 or self.rank == 0:
                 for name, buffer in self.model.named_buffers():
@@ -465,13 +522,18 @@ class ZeroStage3(ZeroStage2):
         if from_rank0:
             broadcast_state(self.model, buffers_only=True, group=self.comm.group)
 
-    def close(self) -> None:
+    def close(self, whole: bool | None = None) -> None:
         """Gather every unit for good (under a lower param_dtype: the masters, ShardedStage's), then remove the hooks:
-        the model is whole and ordinary again, in its own dtype."""
-        for unit in self.units:
+        the model is whole and ordinary again, in its own dtype. ``whole=False`` (the default with offload, whose
+        model may be larger than the memory: ``whole=True`` asks for it all the same): the hooks removed and nothing
+        gathered, so the model's parameters have no values left."""
+        whole = self.store is None if whole is None else whole
+        if not whole:
+            self.drop_gathered()
+        for unit in self.units if whole else []:
             self._materialize(unit)
             for part in unit.frozen:  # in their own dtype, from the shards
                 full = gather_full(self.comm, part, part.shard)
                 for p in part.params:
                     p.data = part.view(full, p)
-        super().close()
+        super().close(whole)

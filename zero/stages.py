@@ -8,7 +8,9 @@ zero/optimizer.py's ShardedOptimizer, a part each stage holds (``shards``); stag
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from functools import partial
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,8 @@ import torch.nn as nn
 from collectives import Collectives
 from zero.buckets import Bucket
 from zero.hybrid import Replicas
+from zero.offload.shards import Gradients, meta_like
+from zero.offload.store import Store
 from zero.optimizer import ShardedOptimizer
 from zero.pieces import OptimizerView, Piece, flat_pieces
 from zero.precision import (Precision, cast_forward_inputs, gather_full, load_masters, master_state_dict,
@@ -114,22 +118,33 @@ class ShardedStage:
         return {"shard_group": self.comm.sent_bytes(),
                 "replicas": self.replicas.sent_bytes() if self.replicas is not None else 0}
 
+    @contextlib.contextmanager
+    def shard_values(self, bucket: Bucket) -> Iterator[torch.Tensor]:
+        """This rank's master shard of ``bucket``, to read (stage 3 with offload: read from the store)."""
+        yield self.weights[bucket.index]
+
     def _hand_back_masters(self) -> None:
         """Under a lower param_dtype, before close(): every parameter made a view of its bucket's whole master
         flat (gathered), so the model handed back is in its own dtype; the low-precision .grad views dropped."""
         if self.precision.separate_masters:
-            for bucket, shard in zip(self.buckets, self.weights):
-                full = gather_full(self.comm, bucket, shard)
+            for bucket in self.buckets:
+                with self.shard_values(bucket) as shard:
+                    full = gather_full(self.comm, bucket, shard)
                 for p in bucket.params:
                     p.grad = None
                     p.data = bucket.view(full, p)
 
-    def close(self) -> None:
+    def close(self, whole: bool = True) -> None:
+        """Every hook removed and the model handed back whole (stage 3's ``whole=False``: not gathered); with
+        offload, the offload file removed."""
         self.shards.finish_steps()
-        self._hand_back_masters()
+        if whole:
+            self._hand_back_masters()
         super().close()
         if self.replicas is not None:
             self.replicas.close()
+        if self.store is not None:
+            self.store.close()
 
 
 class ZeroStage1(ShardedStage, GradientSync):
@@ -148,7 +163,7 @@ class ZeroStage1(ShardedStage, GradientSync):
     collective = "reduce_scatter"
 
     def __init__(self, model: nn.Module, bucket_mb: float, overlap: bool, comm: Collectives,
-                 precision: Precision, replicas: Replicas | None = None):
+                 precision: Precision, replicas: Replicas | None = None, store: Store | None = None):
         super().__init__(model, bucket_mb, overlap, comm, chunks=comm.size)
         self.precision, self.replicas = precision, replicas
         if precision.separate_masters:
@@ -164,8 +179,9 @@ class ZeroStage1(ShardedStage, GradientSync):
             self.grads = [comm.chunk(flat) for flat in self.flats]  # views: the reduce-scatter lands in place
         self.reducing: list[torch.Tensor | None] = [None] * len(self.buckets)  # what each bucket reduces, and in
         self._start_sharded()
+        self.store = store  # offload: the optimizer's state in the store (zero/offload/)
         self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
-                                       self._after_step)
+                                       self._after_step, device=self.params[0].device, store=store)
         self.hooks.append(self.shards.hook)
         self.optimizer, self.clip_grad_norm_ = self.shards.optimizer, self.shards.clip_grad_norm_  # the part's
 
@@ -222,10 +238,17 @@ class ZeroStage2(ShardedStage, BucketedSync):
     own_shards = False  # the weights' shards are views of the flats (stage 3: tensors of their own)
 
     def __init__(self, model: nn.Module, bucketed: list[list[nn.Parameter]], comm: Collectives,
-                 precision: Precision, replicas: Replicas | None = None, deferred: bool = False):
+                 precision: Precision, replicas: Replicas | None = None, deferred: bool = False,
+                 store: Store | None = None):
         super().__init__(model, bucketed, comm, chunks=comm.size)
         self.precision, self.replicas = precision, replicas
-        self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, self.own_shards, deferred)
+        self.device = self.params[0].device
+        # offload (zero/offload/): the optimizer's state in the store; at stage 3 (own shards) the weights' and
+        # the gradients' shards too, each weight shard written there as it is made
+        self.store = store
+        self.gradients = Gradients(store) if store is not None and self.own_shards else None
+        keep = partial(self._keep_shard, deferred) if self.gradients is not None else None
+        self.param_flats, self.weights = shard_weights(self.buckets, comm, precision, self.own_shards, deferred, keep)
         # [Note: gradient shards] grads[b], this rank's accumulated gradient of bucket b: made by the first
         # reduce-scatter of a window to land, and dropped at the next forward once zero_grad() has let go of it
         # (as FSDP2's sharded gradients are), so no rank holds the 4 Psi / W of gradients from the step (or the
@@ -233,9 +256,13 @@ class ZeroStage2(ShardedStage, BucketedSync):
         # keep an empty one
         self.grads: list[torch.Tensor | None] = [
             None if b.length else torch.zeros(0, dtype=precision.master, device=b.device) for b in self.buckets]
+        for b in self.buckets if self.gradients is not None else []:  # their slots reserved now, as the weights'
+            if b.length:
+                store.create(("grads", b.index), b.length // comm.size, precision.master)
         self._start_sharded()
         self.shards = ShardedOptimizer(self.stage, self.buckets, self.names, comm, self.weights, self.grads,
-                                       self._after_step, lazy_gradients=True)
+                                       self._after_step, lazy_gradients=True, device=self.device, store=store,
+                                       gradients=self.gradients)
         self.hooks.append(self.shards.hook)
         self.optimizer, self.clip_grad_norm_ = self.shards.optimizer, self.shards.clip_grad_norm_  # the part's
         for p in self.params:
@@ -246,6 +273,19 @@ class ZeroStage2(ShardedStage, BucketedSync):
         self.in_flight: list[tuple[Bucket, torch.Tensor]] = []  # reduce-scatters launched, oldest first
         self.launched = 0  # buckets launched in this backward, in index order
         self.buffers_made = 0  # the most full buffers alive at once, over the run (the pool's high-water mark)
+
+    def _keep_shard(self, deferred: bool, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
+        """Offload at stage 3: a weight shard just made, into the store (a deferred model's zeros are not written:
+        its initialization writes every shard), and its placeholder for the stage's list."""
+        if not shard.numel():  # a unit of frozen parameters only: nothing to keep
+            return shard
+        name = ("weights", bucket.index)
+        self.store.create(name, shard.numel(), shard.dtype)
+        if not deferred:
+            kept = self.store.fresh(name)
+            kept.copy_(shard)
+            self.store.put(name, kept)
+        return meta_like(shard.numel(), shard.dtype)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self.shards.before_forward()
@@ -274,12 +314,12 @@ class ZeroStage2(ShardedStage, BucketedSync):
             self._land_oldest()
         if not self.pool:
             self.buffers_made = max(self.buffers_made, len(self.filling) + len(self.in_flight) + 1)
-            self.pool.append(torch.empty(self.buffer_length, dtype=self.precision.reduce,
-                                         device=self.weights[0].device))
+            self.pool.append(torch.empty(self.buffer_length, dtype=self.precision.reduce, device=self.device))
         return self.pool.pop()
 
     def _launch(self, bucket: Bucket) -> None:
         buffer = self.filling.pop(bucket.index)
+        bucket.final = self.requires_sync  # the window's last micro-batch: what lands completes the gradient
         bucket.handle = self.comm.reduce_scatter(buffer[:bucket.length], bucket.name(self.collective))
         self.in_flight.append((bucket, buffer))
         self.launched += 1
@@ -288,7 +328,11 @@ class ZeroStage2(ShardedStage, BucketedSync):
         bucket, buffer = self.in_flight.pop(0)
         self._wait([bucket], f"{self.collective} wait")
         chunk = self.comm.chunk(buffer[:bucket.length])
-        if self.grads[bucket.index] is None:  # the window's first ([Note: gradient shards])
+        if self.gradients is not None:  # offload: into the shard in the store, its norm taken once complete
+            first = self.grads[bucket.index] is None
+            self.gradients.add(bucket.index, chunk, first, bucket.final, self.precision.master)
+            self.grads[bucket.index] = meta_like(chunk.numel(), self.precision.master)
+        elif self.grads[bucket.index] is None:  # the window's first ([Note: gradient shards])
             self.grads[bucket.index] = chunk.to(self.precision.master, copy=True)
             self.shards.attach_gradients(bucket)
         else:
@@ -311,5 +355,5 @@ class ZeroStage2(ShardedStage, BucketedSync):
             self._average_over_replicas(self.grads)
 
     def held_gradient_buffers(self) -> list[torch.Tensor]:
-        return ([g for g in self.grads if g is not None] + self.pool + list(self.filling.values())
+        return ([g for g in self.grads if g is not None and not g.is_meta] + self.pool + list(self.filling.values())
                 + [buffer for _, buffer in self.in_flight])

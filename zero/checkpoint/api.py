@@ -27,6 +27,7 @@ from zero.checkpoint.checks import (CheckpointError, agree, groups_problem, mode
 from zero.checkpoint.planner import ShardLoadPlanner, ShardSavePlanner
 from zero.checkpoint.state_dict import (Checkpointable, decode_extra, encode_extra, model_entries, optimizer_entries,
                                         plain_destinations, sharded_destinations, slots, small_entries)
+from zero.offload.slots import SlotCache
 from zero.optimizer_kinds import as_optimizers
 
 
@@ -56,6 +57,10 @@ def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None,
     path = os.fspath(path)
     group = checkpoint_group(sync)
     optimizers = as_optimizers(optimizer)
+    store = getattr(sync, "store", None)  # offload: the stored pieces stream through a SlotCache
+    if store is not None and writer is not None:
+        raise CheckpointError(f"zero.checkpoint.save: checkpoint {path}: a save in the background stages the whole "
+                              f"state in memory first, which offload keeps on the disk: save in the foreground")
     sync.shards_saving()
     state = {"model": model_entries(sync, saving=True)}
     if optimizers:
@@ -71,24 +76,29 @@ def save(path: str | os.PathLike, sync: Any, optimizer: Any, extra: Any = None,
     if problem:
         raise DiskError(path, problem)
     if writer is None:
-        write_folder(path, state, group)
+        write_folder(path, state, group, SlotCache(store) if store is not None else None)
         return None
     staged = writer.stage(state)
     writer_group = writer.writer_group(group)
     return writer.write(lambda: write_folder(path, staged, writer_group))
 
 
-def write_folder(path: str, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def write_folder(path: str, state: dict[str, Any], group: dist.ProcessGroup | None, window: Any = None) -> None:
     """One rank's state dict (model_entries' and optimizer_entries' form) into the folder, DCP's planning over
     ``group``; the disk's errors (a full disk, a read-only folder) named as such, on every rank
-    (zero/checkpoint/disk.py)."""
+    (zero/checkpoint/disk.py). ``window``: the stored pieces' window on the offload store (zero/offload/slots.py),
+    read one box at a time (DCP's serial loader: [Note: a save's boxes])."""
+    storage = Writer(path, per_thread_copy_ahead=0) if window is not None else Writer(path)
     try:
-        dcp.save(state, storage_writer=Writer(path), planner=ShardSavePlanner(), process_group=group)
+        dcp.save(state, storage_writer=storage, planner=ShardSavePlanner(window), process_group=group)
     except CheckpointException as error:
         disk = disk_problem(error)
         if disk:
             raise DiskError(path, disk) from None
         raise CheckpointError(f"zero.checkpoint.save: checkpoint {path}: {one_line(error)}") from None
+    finally:
+        if window is not None:
+            window.close()
 
 
 def load(path: str | os.PathLike, sync: Any, optimizer: Any, stepped: bool = False) -> Any:
@@ -128,9 +138,10 @@ def load(path: str | os.PathLike, sync: Any, optimizer: Any, stepped: bool = Fal
     if problem:
         raise CheckpointError(f"zero.checkpoint.load: {problem}")
 
-    def read(state: dict[str, Any]) -> None:
+    def read(state: dict[str, Any], window: Any = None) -> None:
         try:
-            dcp.load(state, storage_reader=FileSystemReader(path), planner=ShardLoadPlanner(), process_group=group)
+            dcp.load(state, storage_reader=FileSystemReader(path), planner=ShardLoadPlanner(window),
+                     process_group=group)
         except CheckpointException as error:
             raise CheckpointError(f"zero.checkpoint.load: checkpoint {path} cannot be read: {one_line(error)}") \
                 from None
@@ -146,6 +157,26 @@ def load(path: str | os.PathLike, sync: Any, optimizer: Any, stepped: bool = Fal
         raise CheckpointError(f"zero.checkpoint.load: checkpoint {path}: {problem}")
 
     sync.shards_loading()  # stage 3: what is gathered freed (the shards change under it)
+    installs, state_entries = destinations(sync, optimizers, runs, slots_, metadata, small, kinds)
+    store = getattr(sync, "store", None)  # offload: the stored pieces are read into the store through a SlotCache
+    window = SlotCache(store) if store is not None else None
+    try:
+        read({"model": model_entries(sync), "optimizer": {"state": state_entries}}, window)
+    finally:
+        if window is not None:
+            window.close()
+    sync.shards_loaded()
+    position = 0
+    for optimizer_, install in installs:
+        install([saved_groups[j] for j in matched[position:position + len(optimizer_.param_groups)]])
+        position += len(optimizer_.param_groups)
+    return decode_extra(small["extra"]) if "extra" in small else None
+
+
+def destinations(sync: Any, optimizers: list[torch.optim.Optimizer], runs: list[Any], slots_: list[Any],
+                 metadata: Any, small: dict[str, Any], kinds: dict[str, dict[str, bool]]) -> tuple[list[Any], dict]:
+    """Where a load reads each optimizer's state (every old state let go of first, before the new is allocated),
+    and how each is then installed: (optimizer, install) pairs and the "optimizer.state" entries to read."""
     scalars = small.get("optimizer", {}).get("state", {})
     layout = saved_optimizer(metadata)[0]
     installs, state_entries = [], {}
@@ -155,16 +186,11 @@ def load(path: str | os.PathLike, sync: Any, optimizer: Any, stepped: bool = Fal
             install, entries = plain_destinations(optimizer_, [s for s in slots_ if s.optimizer is optimizer_],
                                                   layout, scalars)
         else:
-            install, entries = sharded_destinations(sync, optimizer_, optimizer_runs, layout, scalars, kinds)
+            install, entries = sharded_destinations(sync, optimizer_, optimizer_runs, layout, scalars, kinds,
+                                                    sync.optimizer_view(optimizer_).stored)
         installs.append((optimizer_, install))
         state_entries.update(entries)
-    read({"model": model_entries(sync), "optimizer": {"state": state_entries}})
-    sync.shards_loaded()
-    position = 0
-    for optimizer_, install in installs:
-        install([saved_groups[j] for j in matched[position:position + len(optimizer_.param_groups)]])
-        position += len(optimizer_.param_groups)
-    return decode_extra(small["extra"]) if "extra" in small else None
+    return installs, state_entries
 
 
 def read_extra(path: str | os.PathLike) -> Any:

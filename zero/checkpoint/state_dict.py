@@ -148,12 +148,16 @@ def optimizer_entries(sync: Checkpointable, optimizers: list[torch.optim.Optimiz
                          if slot.optimizer is optimizer and held.get(slot.param))
             continue
         pieces: dict[str, list[Piece]] = {}
-        for run in runs:
+        for number, run in enumerate(runs):
             values = optimizer.state.get(run.param)
-            for cover in run.covers if values else []:
+            stored = view.stored.held(number) if view.stored is not None else {}  # offload: in the store
+            for cover in run.covers if values or stored else []:
                 name = names[id(cover.param)]
                 entry = state.setdefault(name, {})
-                for key, value in values.items():
+                for key, (meta, source) in stored.items():
+                    pieces.setdefault(key, []).append(cover.piece(name, meta, source))
+                    entry[key] = None
+                for key, value in (values or {}).items():
                     if torch.is_tensor(value) and value.dim() == 1:  # element-wise: 1-D over the run
                         pieces.setdefault(key, []).append(cover.piece(name, value))
                         entry[key] = None  # its place in the entry's order of keys, for the Shards below
@@ -181,13 +185,14 @@ Install = Callable[[list[dict[str, Any]]], None]  # given the saved groups match
 
 def sharded_destinations(sync: Checkpointable, optimizer: torch.optim.Optimizer, runs: list[Any],
                          layout: dict[str, dict[str, Any]], scalars: dict[str, dict[str, Any]],
-                         kinds: dict[str, dict[str, bool]]) -> tuple[Install, dict[str, Any]]:
+                         kinds: dict[str, dict[str, bool]], stored: Any = None) -> tuple[Install, dict[str, Any]]:
     """Stages 1-3: for each run whose parameters have state in the checkpoint (``layout``: checks.saved_optimizer's),
     a new tensor per element-wise key (the run's length and dtype), cut into the parameters' pieces to read into; a
     new tensor of the saved shape per key kept whole ([Note: state kept whole]: a piece of a matrix, the only run of
     its parameter on this rank), read whole; the scalars from the first read (``scalars``). Returns
     (install(groups), what to read), where install loads the runs' state and the groups' settings through
-    torch.optim's load_state_dict."""
+    torch.optim's load_state_dict. ``stored`` (offload: the view's): an element-wise key's destination is the run's
+    range of its slot in the store ([Note: stored pieces]), and the run's state keeps a meta tensor for it."""
     names = first_names(sync.model)
     runs_state: dict[int, dict[str, Any]] = {}
     pieces: dict[str, list[Piece]] = {}
@@ -199,8 +204,10 @@ def sharded_destinations(sync: Checkpointable, optimizer: torch.optim.Optimizer,
         state: dict[str, Any] = {}
         for key, md in layout[name].items():
             if kinds[name][key]:
-                state[key] = torch.empty(run.end - run.start, dtype=run.param.dtype, device=run.param.device)
-                pieces.setdefault(key, []).extend(cover.piece(names[id(cover.param)], state[key])
+                meta, source = stored.destination(number, key) if stored is not None else (None, None)
+                state[key] = meta if meta is not None else torch.empty(run.end - run.start, dtype=run.param.dtype,
+                                                                       device=run.param.device)
+                pieces.setdefault(key, []).extend(cover.piece(names[id(cover.param)], state[key], source)
                                                   for cover in run.covers)
             elif isinstance(md, TensorStorageMetadata) and len(md.size):
                 state[key] = whole.setdefault(name, {})[key] = torch.empty(md.size, dtype=md.properties.dtype)

@@ -1,0 +1,449 @@
+"""zero.shard's offload (zero/offload/): the optimizer's state, and at stage 3 the weights' and gradients' shards, kept
+in a file per rank and streamed through a few buffers, with only the storage moving.
+
+A user's model as users write them (a token embedding tied to the head, a frozen positional table, blocks in a
+ModuleList, the second under activation checkpointing) and a training recipe (decay and no-decay parameter groups,
+clipping that bites, gradient accumulation), trained with offload and without it, at stages 1-3, 1-3 processes,
+every element-wise torch.optim optimizer, float32 and bf16 weights over float32 masters. The claims:
+- bit for bit: the weights, the optimizer's state dict and every step's clipping norm of the run with offload are
+  the run's without it (torch.equal, no tolerance: [Note: only the storage moves] in zero/offload/shards.py);
+- the state left memory: between steps the optimizer holds no element-wise state (its step counts only), and at
+  stage 3 the rank holds no weight or gradient shard; the bytes went through the file (its traffic);
+- a checkpoint of an offloaded run streams out of the store and back in: resumed with and without offload, at
+  another stage and world size, it goes on as the uninterrupted run (bit for bit where the summation order is the
+  same; float64 within 1e-12 where it is not), and dcp_to_torch_save reads it as it reads the in-memory run's;
+- what cannot work is refused in one line on every rank: a folder missing, not a folder, on tmpfs, in use by a live
+  run, too small for the state (naming both sizes); a file flipped or cut short between steps stops the next step;
+- with the trainer (torchrun, --offload disk at --zero 3): the same losses and weights as without offload, and a rank
+  SIGKILLed inside the streamed step of step 4, restarted by torchrun, ends with the uninterrupted run's weights.
+
+Why no tolerance for the first claim: every element's update reads the same values in the same order (the same runs,
+stepped by torch's own step over the same tensors' values), so any difference at all is a bug, not rounding.
+"""
+import fcntl
+import functools
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import processes
+import zero
+from zero_testing import attempt, identical
+
+VOCAB, WIDTH, CONTEXT, BATCH, K, STEPS, MAX_NORM = 24, 12, 8, 4, 2, 3, 0.05
+BUCKET_MB = 600 / 2**20  # a few buckets at stages 1-2, runs cut across ranks and groups
+OPTIMIZERS = {  # name -> (class, settings): the element-wise ones, and the settings that add state
+    "SGD": (torch.optim.SGD, {"lr": 0.1}),
+    "SGD momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 5e-4}),
+    "SGD nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    "Adam amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}),
+    "Adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "NAdam": (torch.optim.NAdam, {"lr": 1e-2, "decoupled_weight_decay": True}),
+    "RAdam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),  # state at construction
+    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "RMSprop centered momentum": (torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.5}),
+    "Rprop": (torch.optim.Rprop, {"lr": 1e-2}),
+    "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "t0": 1}),
+}
+# (stage, world size, optimizer, param_dtype): every optimizer at stage 3 on 2 (weights, gradients and state all
+# offloaded), AdamW and SGD with momentum at every stage on 1-3, bf16 weights over fp32 masters at every stage
+CONFIGS = ([(3, 2, name, None) for name in OPTIMIZERS]
+           + [(stage, world, name, None) for stage in (1, 2, 3) for world in (1, 2, 3)
+              for name in ("AdamW", "SGD momentum") if (stage, world) != (3, 2)]
+           + [(stage, 2, "AdamW", "bf16") for stage in (1, 2, 3)])
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """A user's language model: a tied head, a frozen positional table, blocks (stage 3's units), the second block's
+    forward recomputed in its backward (activation checkpointing, as torchtitan and FSDP users wrap blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, WIDTH)
+        self.positions = nn.Parameter(torch.randn(CONTEXT, WIDTH) * 0.1, requires_grad=False)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.tokens.weight
+        self.blocks[1].forward = functools.partial(checkpoint, self.blocks[1].forward, use_reentrant=False)
+
+    def forward(self, tokens):
+        x = self.tokens(tokens)
+        x = x + self.positions.to(x.dtype)  # (frozen: in its own dtype at stages 1-2, under bf16 weights)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(5)
+    return TinyLM().to(dtype)
+
+
+def parameter_groups(model):
+    """nanoGPT's: decay on matrices, none on vectors, the vectors at half the rate."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr_factor": 0.5}]
+
+
+def build(stage, name, folder, offload, param_dtype=None, dtype=torch.float32):
+    """The model sharded at ``stage`` (with offload into ``folder``, or not) and ``name``'s optimizer over its
+    groups."""
+    model = make_model(dtype)
+    where = {"offload": "disk", "offload_dir": folder} if offload else {}
+    sharded = zero.shard(model, stage, bucket_mb=BUCKET_MB, param_dtype=param_dtype, **where)
+    cls, settings = OPTIMIZERS[name]
+    groups = parameter_groups(model)
+    groups[1]["lr"] = settings["lr"] * groups[1].pop("lr_factor")
+    return model, sharded, sharded.optimizer(cls, groups, **settings)
+
+
+def micro_batch(step, k, rank, world_size):
+    """Micro-batch ``k`` of ``rank``'s share of step ``step``'s global batch: every split over ranks alike."""
+    generator = torch.Generator().manual_seed(1000 * step)
+    tokens = torch.randint(0, VOCAB, (BATCH * K * 6, CONTEXT + 1), generator=generator)
+    per = tokens.shape[0] // (world_size * K)
+    part = tokens[(rank * K + k) * per:(rank * K + k + 1) * per]
+    return part[:, :-1], part[:, 1:]
+
+
+def steps(model, sharded, optimizer, first, count, measure=None):
+    """``count`` optimizer steps from step ``first``: K micro-batches, clipping, the update; the norms. ``measure``:
+    called before the last step's clipping."""
+    norms = []
+    for step in range(first, first + count):
+        for k in range(K):
+            inputs, targets = micro_batch(step, k, dist.get_rank(), dist.get_world_size())
+            sharded.set_requires_gradient_sync(k == K - 1)
+            logits = model(inputs)
+            logits = logits.float() if logits.dtype == torch.bfloat16 else logits  # (the loss in fp32 under bf16)
+            (F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / K).backward()
+        if step == first + count - 1 and measure is not None:  # what the rank holds between steps, as the trainer
+            measure()                                         # measures it: before the step's own prefetch
+        norms.append(sharded.clip_grad_norm_(MAX_NORM))
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms
+
+
+def run_config(stage, name, param_dtype, folder, offload):
+    """STEPS steps; what the rank ends with, and what it held between steps and moved through the file."""
+    dtype = {"bf16": torch.bfloat16}.get(param_dtype)
+    model, sharded, optimizer = build(stage, name, folder, offload, param_dtype=dtype)
+    held = {}
+
+    def measure():
+        held.update(zero.state_bytes(model, optimizer, sharded), frozen=sum(
+            t.untyped_storage().nbytes() for t in sharded.held_shards()), runs=sum(
+            len(group["params"]) for group in optimizer.param_groups), element_wise=sum(
+            torch.is_tensor(v) and v.dim() > 0 for state in optimizer.state.values() for v in state.values()))
+    norms = steps(model, sharded, optimizer, 0, STEPS, measure)
+    traffic = sharded.store.traffic if offload else None
+    out = {"norms": torch.stack(norms), "weights": sharded.model_state_dict(), "state": optimizer.state_dict(),
+           "held": held, "read": traffic.read_bytes if traffic else 0, "written": traffic.written_bytes if traffic
+           else 0, "files": sorted(os.listdir(folder)) if offload else None}
+    sharded.close()
+    out["files after close"] = sorted(os.listdir(folder))
+    return out
+
+
+def configs_in_group(rank, world_size, configs, root):
+    """Each config of this world size, without offload and with it, in a folder of the rank's own."""
+    folder = os.path.join(root, f"rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    return {config: (run_config(config[0], config[2], config[3], folder, False),
+                     run_config(config[0], config[2], config[3], folder, True)) for config in configs}
+
+
+@pytest.fixture(scope="module")
+def config_runs(local_group, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("offload"))
+    pending = {world: local_group(world).submit(configs_in_group, [c for c in CONFIGS if c[1] == world],
+                                                os.path.join(root, str(world)), timeout_s=240)
+               for world in (2, 3)}
+    alone = local_group(1).run(configs_in_group, [c for c in CONFIGS if c[1] == 1], os.path.join(root, "1"),
+                               timeout_s=240)
+    return {1: alone, **{world: wait() for world, wait in pending.items()}}
+
+
+def config_id(config):
+    stage, world, name, param_dtype = config
+    return f"stage{stage}-W{world}-{name.replace(' ', '_')}{'-' + param_dtype if param_dtype else ''}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_offload_is_the_in_memory_run_bit_for_bit(config_runs, config):
+    for rank, results in enumerate(config_runs[config[1]]):
+        memory, offloaded = results[config]
+        assert torch.equal(offloaded["norms"], memory["norms"]), (rank, offloaded["norms"], memory["norms"])
+        assert memory["norms"].min() > MAX_NORM  # the clipping bites at every step
+        assert identical(offloaded["weights"], memory["weights"]), rank
+        assert identical(offloaded["state"], memory["state"]), rank
+        assert rank > 0 or config[2] == "SGD" or offloaded["state"]["state"]  # rank 0 gathered it (others {})
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_the_state_lives_in_the_file_between_steps(config_runs, config):
+    """Held at a step, before it (zero.state_bytes, as the trainer measures it): no element-wise state in memory (the
+    step counts only), and at stage 3 no weight or gradient shard either (a run's parameter is one NaN: 4 bytes,
+    beside the frozen table's shard); the file carried them, and is gone at close."""
+    stage, world, name, _ = config
+    for results in config_runs[world]:
+        memory, offloaded = results[config]
+        assert offloaded["held"]["element_wise"] == 0, offloaded["held"]
+        assert memory["held"]["element_wise"] > 0 or name == "SGD", memory["held"]  # (plain SGD keeps no state)
+        if stage == 3:
+            assert offloaded["held"]["grads"] == 0, offloaded["held"]
+            assert offloaded["held"]["params"] == 4 * offloaded["held"]["runs"] + offloaded["held"]["frozen"]
+            assert memory["held"]["grads"] > 0 and memory["held"]["params"] > offloaded["held"]["params"]
+        assert offloaded["read"] > 0 and offloaded["written"] > 0
+        assert offloaded["files"] and all(f.endswith(".offload") for f in offloaded["files"])
+        assert offloaded["files after close"] == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: streamed out of the store and back in
+# ----------------------------------------------------------------------------------------------------------
+MORE = 2
+
+
+def save_and_go_on(rank, world_size, root, stage, offload, dtype_name):
+    """STEPS steps, a checkpoint (from the store, with offload), MORE steps: the weights and state at the end."""
+    folder = os.path.join(root, f"offload-{rank}")
+    os.makedirs(folder, exist_ok=True)
+    model, sharded, optimizer = build(stage, "AdamW", folder, offload, dtype=getattr(torch, dtype_name))
+    steps(model, sharded, optimizer, 0, STEPS)
+    zero.checkpoint.save(os.path.join(root, "checkpoint"), sharded, optimizer, extra={"step": STEPS})
+    steps(model, sharded, optimizer, STEPS, MORE)
+    out = {"weights": sharded.model_state_dict(), "state": optimizer.state_dict()}
+    sharded.close()
+    return out
+
+
+def load_and_go_on(rank, world_size, root, stage, offload, dtype_name):
+    """The checkpoint loaded (into the store, with offload), then MORE steps."""
+    folder = os.path.join(root, f"offload-{world_size}-{stage}-{offload}-{rank}")
+    os.makedirs(folder, exist_ok=True)
+    model, sharded, optimizer = build(stage, "AdamW", folder, offload, dtype=getattr(torch, dtype_name))
+    extra = zero.checkpoint.load(os.path.join(root, "checkpoint"), sharded, optimizer)
+    steps(model, sharded, optimizer, STEPS, MORE)
+    out = {"weights": sharded.model_state_dict(), "state": optimizer.state_dict(), "extra": extra}
+    sharded.close()
+    return out
+
+
+RESUMES = {  # name -> (world size, stage, offload): where the checkpoint saved at stage 3 on 2 with offload goes on
+    "same, offloaded": (2, 3, True), "same, in memory": (2, 3, False), "stage 1 on 3, offloaded": (3, 1, True),
+    "stage 2 on 1, offloaded": (1, 2, True)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(local_group, tmp_path_factory):
+    """float64, so that the resumes at another stage and world size compare within rounding; a second save of the
+    same run in memory, for dcp_to_torch_save."""
+    out = {}
+    for dtype in ("float32", "float64"):
+        root = str(tmp_path_factory.mktemp(f"offload-checkpoint-{dtype}"))
+        memory_root = str(tmp_path_factory.mktemp(f"memory-checkpoint-{dtype}"))
+        saved = local_group(2).run(save_and_go_on, root, 3, True, dtype, timeout_s=120)[0]
+        in_memory = local_group(2).run(save_and_go_on, memory_root, 3, False, dtype, timeout_s=120)[0]
+        resumed = {name: local_group(world).run(load_and_go_on, root, stage, offload, dtype, timeout_s=120)[0]
+                   for name, (world, stage, offload) in RESUMES.items()
+                   if dtype == "float64" or (world, stage) == (2, 3)}
+        out[dtype] = {"saved": saved, "in memory": in_memory, "resumed": resumed, "root": root,
+                      "memory root": memory_root}
+    return out
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_a_checkpoint_of_the_store_resumes_anywhere(checkpoint_runs, name):
+    """Bit for bit at the saver's stage and world size (float32); float64 within 1e-12 elsewhere (another
+    summation order: a few ulps, over MORE steps of AdamW)."""
+    for dtype, runs in checkpoint_runs.items():
+        if name not in runs["resumed"]:
+            continue
+        resumed, uninterrupted = runs["resumed"][name], runs["saved"]
+        assert resumed["extra"] == {"step": STEPS}
+        if RESUMES[name][:2] == (2, 3):
+            assert identical(resumed["weights"], uninterrupted["weights"]), (dtype, name)
+            assert identical(resumed["state"], uninterrupted["state"]), (dtype, name)
+        else:
+            assert max((resumed["weights"][k] - v).abs().max().item()
+                       for k, v in uninterrupted["weights"].items()) < 1e-12
+        assert identical(runs["in memory"]["weights"], uninterrupted["weights"])
+
+
+def test_dcp_to_torch_save_reads_the_stores_checkpoint_as_the_in_memory_ones(checkpoint_runs, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    runs = checkpoint_runs["float32"]
+    ours, theirs = tmp_path / "offloaded.pt", tmp_path / "in-memory.pt"
+    dcp_to_torch_save(os.path.join(runs["root"], "checkpoint"), ours)
+    dcp_to_torch_save(os.path.join(runs["memory root"], "checkpoint"), theirs)
+    offloaded, in_memory = torch.load(ours, weights_only=True), torch.load(theirs, weights_only=True)
+    assert identical(offloaded, in_memory)
+    assert offloaded["optimizer"]["state"]["blocks.0.up.weight"]["exp_avg"].shape == (2 * WIDTH, WIDTH)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input: one line on every rank, before anything is written; a file changed under the run stops it
+# ----------------------------------------------------------------------------------------------------------
+def refusal_in_group(rank, world_size, folder, case):
+    if case == "too small":  # 2 x 10^12 parameters on the meta device: terabytes a rank, refused before any write
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(10**6, 10**6, bias=False), nn.Linear(10**6, 10**6, bias=False))
+        return attempt(lambda: zero.shard(model, 3, units=list(model), init=lambda m: None, offload="disk",
+                                          offload_dir=folder))
+    return attempt(lambda: build(3, "AdamW", folder, True))
+
+
+def changed_in_group(rank, world_size, folder, change):
+    """A step, then this rank's file flipped or cut short, then the next step: what it raises."""
+    os.makedirs(folder, exist_ok=True)
+    model, sharded, optimizer = build(3, "AdamW", folder, True)
+    steps(model, sharded, optimizer, 0, 1)
+    sharded.store.flush()
+    path = sharded.store.file.path
+    if change == "flipped":
+        with open(path, "r+b") as file:
+            first = file.read(1)
+            file.seek(0)
+            file.write(bytes([first[0] ^ 0x10]))
+    else:
+        os.truncate(path, os.path.getsize(path) // 2)
+    error = attempt(lambda: steps(model, sharded, optimizer, 1, 1))
+    sharded.store.close()
+    return error
+
+
+@pytest.mark.parametrize("case", ["missing", "a file", "tmpfs", "in use", "too small"])
+def test_a_folder_that_cannot_hold_the_state_is_refused_in_one_line_on_every_rank(local_group, tmp_path, case):
+    folder = tmp_path / "offload"
+    lock = None
+    if case == "a file":
+        folder.write_text("not a folder")
+    elif case == "tmpfs":
+        if not os.path.isdir("/dev/shm") or zero.offload.files.file_system("/dev/shm") != "tmpfs":
+            pytest.skip("no tmpfs at /dev/shm")
+        folder = pathlib.Path("/dev/shm")
+    elif case in ("in use", "too small"):
+        folder.mkdir()
+        if case == "in use":  # a live run's rank 1 holds its file
+            lock = open(folder / f"rank1.offload", "wb")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        results = local_group(2).run(refusal_in_group, str(folder), case, timeout_s=60)
+    finally:
+        if lock is not None:
+            lock.close()
+    expected = {"missing": "does not exist", "a file": "is not a folder", "tmpfs": "is on tmpfs, which is memory",
+                "in use": "is in use by another live run", "too small": "whose file system has"}[case]
+    for kind, message in results:
+        assert kind == "OffloadError" and expected in message and "\n" not in message, message
+    assert results[0] == results[1]
+    if case == "too small":
+        assert "TB in offload folder" in results[0][1] or "GB in offload folder" in results[0][1]
+    if case == "in use":
+        assert "rank 1" in results[0][1] and not (folder / "rank0.offload").exists()
+
+
+@pytest.mark.parametrize("change", ["flipped", "truncated"])
+def test_a_file_changed_under_the_run_stops_the_next_step_in_one_line(local_group, tmp_path, change):
+    results = local_group(2).run(changed_in_group, str(tmp_path / "offload"), change, timeout_s=60)
+    expected = {"flipped": "fails its checksum", "truncated": "was cut short under the run"}[change]
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "OffloadError" and expected in message and f"rank{rank}.offload" in message, message
+        assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer: --offload disk at --zero 3, under torchrun; a rank killed inside the streamed step
+# ----------------------------------------------------------------------------------------------------------
+SCRIPT = os.path.join(processes.ROOT, "ddp_cifar100.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def out_dir() -> pathlib.Path:
+    return pathlib.Path(processes.folder(__name__))
+
+
+def trainer_argv(name, *flags):
+    out = out_dir()
+    corpus = out / "corpus"
+    if not corpus.exists():  # a few kilobytes of text: the trainer's --dataset text reads every file in a folder
+        corpus.mkdir()
+        for i in range(6):
+            (corpus / f"part{i}.txt").write_text("".join(f"line {i} {j}: the quick brown fox {j * i % 7}\n"
+                                                         for j in range(60)))
+    return [SCRIPT, "--model", "gpt-tiny", "--dataset", "text", "--data-dir", str(corpus), "--context", "16",
+            "--val-fraction", "0.3", "--batch-size", "4", "--grad-accum", "2", "--zero", "3", "--optimizer", "adamw",
+            "--lr", "3e-3", "--clip-grad-norm", "0.5", "--max-steps", "6", "--checkpoint-every", "2", "--seed", "3",
+            "--timeout", "60", "--checkpoint-dir", str(out / name), "--metrics-out", str(out / f"{name}.json"),
+            *flags]
+
+
+EARLY_PROCESSES_FIXTURE = "trainer_runs"
+
+
+def early_processes():
+    """The trainer in memory, with offload, and with offload and rank 0 SIGKILLed inside step 4's streamed step
+    (after its first bucket's state was written behind), restarted by torchrun from the step-2 checkpoint."""
+    offload = ["--offload", "disk", "--offload-dir"]
+    (out_dir() / "files").mkdir(exist_ok=True)
+    (out_dir() / "files-killed").mkdir(exist_ok=True)
+    return {
+        "memory": (TORCHRUN + trainer_argv("memory"), ENV),
+        "offload": (TORCHRUN + trainer_argv("offload", *offload, str(out_dir() / "files")), ENV),
+        "killed": (TORCHRUN[:-2] + ["--nproc_per_node", "2", "--max-restarts", "1"]
+                   + trainer_argv("killed", *offload, str(out_dir() / "files-killed")),
+                   dict(ENV, DDP_CIFAR100_FAULT="0:3:offload")),
+    }
+
+
+@pytest.fixture(scope="module")
+def trainer_runs():
+    runs = processes.results_of(sys.modules[__name__])
+    for name, run in runs.items():
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+    return runs
+
+
+def final_state(name):
+    return zero.checkpoint.read_whole(out_dir() / name / "step-6", ("model", "optimizer"), alone=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["offload", "killed"])
+def test_the_trainer_with_offload_ends_as_without_it(trainer_runs, name):
+    memory, ours = json.loads((out_dir() / "memory.json").read_text()), None
+    if name == "offload":
+        ours = json.loads((out_dir() / "offload.json").read_text())
+        assert (ours["train_loss"], ours["val_loss"]) == (memory["train_loss"], memory["val_loss"])
+        assert ours["state_bytes"]["optimizer"] < memory["state_bytes"]["optimizer"] / 100
+    else:
+        assert "resuming from" in trainer_runs["killed"].stdout and "optimizer step 2" in trainer_runs["killed"].stdout
+    assert identical(final_state(name), final_state("memory"))
+    assert os.listdir(out_dir() / ("files" if name == "offload" else "files-killed")) == []
