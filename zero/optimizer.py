@@ -213,6 +213,7 @@ class ShardedOptimizer:
         Muon and Adafactor get this rank's pieces of each parameter, stepped by zero/matrix.py; LBFGS, SparseAdam
         and undeclared classes are refused here ([Note: which optimizers])."""
         check_optimizer_class(optimizer_class, self.stage)
+        self.settle()
         if self.streamed is not None and optimizer_class in WHOLE_MATRIX:
             raise ValueError(f"sharded.optimizer: {optimizer_class.__name__} with offload is not built yet: its step "
                              f"reads every piece of a matrix across the ranks at once (zero/matrix.py), where "
@@ -258,6 +259,7 @@ class ShardedOptimizer:
         if self.streamed is not None:
             self.streamed.adopt(optimizer, layout)
         optimizer.register_step_post_hook(lambda *_: self._stepped(layout))
+        optimizer.register_state_dict_pre_hook(lambda _: self.settle())
         optimizer.register_state_dict_post_hook(self._full_optimizer_state)
         optimizer.register_load_state_dict_pre_hook(self._sharded_optimizer_state)
         return optimizer
@@ -300,6 +302,12 @@ class ShardedOptimizer:
         for run in runs:
             run.covers = covers(run.bucket, run.start, run.end)
         return runs
+
+    def settle(self) -> None:
+        """Offload at stage 3: every step still pending taken (zero/offload/shards.py's [Note: the step just in
+        time]), before the state, the weights or the gradients are read other than by the next forward."""
+        if self.streamed is not None:
+            self.streamed.settle_all()
 
     def before_forward(self) -> None:
         """Before each forward: the buckets still waiting for an optimizer's step finished ([Note: several
@@ -383,6 +391,7 @@ class ShardedOptimizer:
         max_norm / (norm + 1e-6), clamped to 1 (torch's formula). After the last backward of a window; under fp16
         after the scaler's unscale_(optimizer). Returns the total norm."""
         norm_type = float(norm_type)
+        self.settle()
         present = [b for b, g in enumerate(self.grads) if g is not None]  # (lazy: a bucket no backward reached)
         if self.offloaded_gradients:  # each shard's norm, taken when complete; the factor applied when read
             norms = self.streamed.gradients.norms_of(present, norm_type)
@@ -492,6 +501,7 @@ class ShardedOptimizer:
         every piece of their parameter. The runs' own form (load_run_state) passes as it is."""
         if id(optimizer) in self.loading_runs:
             return None
+        self.settle()
         layout = self.layouts[optimizer]
         sizes = [len(group["params"]) for group in full["param_groups"]]
         if sizes != [len(indices) for indices in layout.groups]:

@@ -211,15 +211,20 @@ class ZeroStage3(ZeroStage2):
     @contextlib.contextmanager
     def shard_values(self, part: Bucket) -> Iterator[torch.Tensor]:
         """This rank's shard of ``part``, to read: in memory, or (offload) read from the store (ahead, where
-        ``_read_ahead`` asked) and given back after."""
+        ``_read_ahead`` asked) and given back after; a step still pending for it taken first, its weights read from
+        there and then written ([Note: the step just in time] in zero/offload/shards.py)."""
         if not self.offloaded(part):
             yield self.shard_of(part)
             return
-        values = self.store.take(("weights", part.index))
+        stepped = self.shards.streamed.settle(part.index)  # a pending step first: the weights it makes are these
+        values = stepped if stepped is not None else self.store.take(("weights", part.index))
         try:
             yield values
         finally:
-            self.store.discard(values)
+            if stepped is not None:
+                self.store.put(("weights", part.index), stepped)
+            else:
+                self.store.discard(values)
 
     def write_shard(self, part: Bucket, values: torch.Tensor) -> None:
         """This rank's shard of ``part`` set to ``values`` (an initialization, a load): in place, or (offload) into
@@ -242,6 +247,7 @@ class ZeroStage3(ZeroStage2):
                 return
             if unit.length and unit.state is UnitState.SHARDED:
                 self.store.prefetch(("weights", unit.index))
+                self.shards.streamed.read_pending_ahead(unit.index)
 
     # ------------------------------------------------------------------------------------------------------
     # A unit's life: SHARDED -> GATHERING -> GATHERED -> SHARDED
@@ -487,7 +493,9 @@ class ZeroStage3(ZeroStage2):
         return flat_pieces(self.model, parts, [self.shard_of(part) for part in parts], self.rank, sources)
 
     def shards_loading(self) -> None:
-        """Before a checkpoint's load writes the shards: what is gathered freed (the shards change under it)."""
+        """Before a checkpoint's load writes the shards: a step still pending taken (offload), what is gathered freed
+        (the shards change under it)."""
+        self.shards.settle()
         self.drop_gathered()
 
     def shards_loaded(self) -> None:

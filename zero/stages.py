@@ -101,7 +101,9 @@ class ShardedStage:
 
     def shards_saving(self) -> None:
         """Before a save reads this rank's state: the gradient shards zero_grad() let go of dropped now, not at the
-        next forward ([Note: gradient shards]), so the save does not hold them (4 Psi / W bytes) beside its own."""
+        next forward ([Note: gradient shards]), so the save does not hold them (4 Psi / W bytes) beside its own; with
+        offload, a step still pending taken first (zero/offload/shards.py)."""
+        self.shards.settle()
         self.shards.drop_released_gradients()
 
     def shards_loaded(self) -> None:
@@ -137,6 +139,7 @@ class ShardedStage:
     def close(self, whole: bool = True) -> None:
         """Every hook removed and the model handed back whole (stage 3's ``whole=False``: not gathered); with
         offload, the offload file removed."""
+        self.shards.settle()
         self.shards.finish_steps()
         if whole:
             self._hand_back_masters()

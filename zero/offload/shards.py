@@ -31,10 +31,23 @@ element-wise keys each run has in the store; ``optimizer.state_dict()`` reads th
 [Note: the order of the reads] The step reads each bucket's tensors ahead of their use: while bucket i is stepped,
 bucket i+1's are being read; the writes of bucket i go behind while bucket i+1 steps. The forward and backward of
 stage 3 read a unit's weight shard two units ahead of its gather (zero/stage3.py's ``_read_ahead``).
+
+[Note: the step just in time] At stages 1-2 a step is streamed at once, bucket after bucket: its reads and writes are
+the disk's alone (the state, 16 Psi / W bytes a rank for AdamW), with only the step's own arithmetic to hide behind.
+At stage 3 that is the whole state (the weights and gradients too: 28 Psi / W), and nothing computes meanwhile: at
+GPT-2 large's shape the step waited 11 s of its 42 on the disk. So at stage 3 ``step()`` records the step, with each
+parameter group's hyperparameters as they are then (a scheduler's next rate must not reach it), and each unit's part
+of it is taken just before the unit's next gather (``settle``, from zero/stage3.py's ``shard_values``): its reads
+are asked two units ahead, with the gather's, so they overlap the next forward's compute; the weights it steps are
+the ones that unit's gather sends, so they are not read back; and zero_grad() lets a gradient go only once the step
+has read it. The arithmetic is the same, on the same values, only later; whatever reads the state, the weights or
+the gradients other than the next forward (the state dicts, a checkpoint, clipping, close(), another step() first)
+takes every pending step first (``settle_all``). A unit no forward uses waits for that.
 """
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 import torch
@@ -151,6 +164,15 @@ class Gradients:
         (self.zeroed.add if zeros else self.zeroed.discard)(b)
 
 
+@dataclass
+class Pending:
+    """A step() of ``optimizer`` not yet taken on some bucket: its parameter groups' hyperparameters when step() was
+    called (``settings``; None: now), and the class's own step."""
+    optimizer: torch.optim.Optimizer
+    settings: list[dict[str, Any]] | None
+    own_step: Callable[..., Any]
+
+
 class StoredState:
     """What zero.checkpoint reads of an offloaded optimizer's element-wise state (its OptimizerView's ``stored``):
     where each run's keys are in the store, to save them, and where a load is to put them."""
@@ -187,6 +209,8 @@ class Streamed:
         self.numbers: dict[int, int] = {}  # id(optimizer) -> its number, in the order sharded.optimizer built them
         self.keys: dict[tuple[int, int], dict[str, torch.dtype]] = {}  # (optimizer number, run number) -> keys
         self.let_go: dict[int, set[int]] = {}  # bucket -> numbers of the optimizers whose zero_grad let it go
+        self.pending: dict[int, list[Pending]] = {}  # stage 3: bucket -> the steps it is still to take, in order
+        self.let_go_later: dict[int, bool] = {}  # bucket -> its gradient to let go of (as zeros?) once stepped
 
     # ------------------------------------------------------------------------------------------------------
     # An optimizer joins
@@ -219,34 +243,85 @@ class Streamed:
     # The step, one bucket at a time
     # ------------------------------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, closure: Any, own_step: Callable[..., Any]) -> Any:
-        """torch.optim's step of ``optimizer``, one bucket's runs at a time, each bucket's tensors read ahead and
-        written behind ([Note: the order of the reads]). A closure is evaluated first, as torch.optim's
-        optimizers do (it computes the gradients the step then reads)."""
+        """torch.optim's step of ``optimizer``, one bucket's runs at a time: now, each bucket's tensors read ahead and
+        written behind (stages 1-2), or at stage 3 each bucket's just before its next use ([Note: the step just in
+        time]). A closure is evaluated first, as torch.optim's optimizers do (it computes the gradients the step
+        then reads); a step still pending from before goes first."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.settle_all()
         layout = self.shards.layouts[optimizer]
-        number = self.numbers[id(optimizer)]
         by_bucket = self._by_bucket(layout)
         order = [b for b in layout.buckets if b in by_bucket]
-        everything = [group["params"] for group in optimizer.param_groups]
-        try:
-            if order:
-                self._read_ahead(number, order[0], by_bucket[order[0]])
-            for i, b in enumerate(order):
-                runs = by_bucket[b]
-                held = self._bind(optimizer, number, b, runs)
-                if i + 1 < len(order):
-                    self._read_ahead(number, order[i + 1], by_bucket[order[i + 1]])
-                for g, group in enumerate(optimizer.param_groups):
-                    group["params"] = [run.param for _, run in runs if run.group == g]
-                own_step(optimizer)
-                self._unbind(optimizer, number, b, runs, held)
-        finally:
-            for group, params in zip(optimizer.param_groups, everything):
-                group["params"] = params
+        if self.weights_offloaded:  # stage 3: recorded, with the hyperparameters as they are now
+            settings = [{key: value.clone() if torch.is_tensor(value) else value for key, value in group.items()
+                         if key != "params"} for group in optimizer.param_groups]
+            for b in order:
+                self.pending.setdefault(b, []).append(Pending(optimizer, settings, own_step))
+            return loss
+        number = self.numbers[id(optimizer)]
+        if order:
+            self._read_ahead(number, order[0], by_bucket[order[0]])
+        for i, b in enumerate(order):
+            if i + 1 < len(order):
+                self._read_ahead(number, order[i + 1], by_bucket[order[i + 1]])
+            self._step_bucket(Pending(optimizer, None, own_step), b, by_bucket[b])
         return loss
+
+    def _step_bucket(self, pending: Pending, b: int, runs: list[tuple[int, Any]],
+                     weights: torch.Tensor | None = None) -> torch.Tensor | None:
+        """torch.optim's own step of ``pending.optimizer`` over bucket ``b``'s runs alone (each parameter group's
+        ``params`` narrowed to them, its hyperparameters those of ``pending``'s step() where recorded): the
+        tensors bound, stepped, and written behind. At stage 3 the weights are given (``weights``: the shard, from
+        another optimizer's step of the same bucket) or read, and returned unwritten: the caller puts them."""
+        optimizer = pending.optimizer
+        number = self.numbers[id(optimizer)]
+        held = self._bind(optimizer, number, b, runs, weights)
+        everything = [group["params"] for group in optimizer.param_groups]
+        now = [{key: group[key] for key in settings} for group, settings in
+               zip(optimizer.param_groups, pending.settings or [{}] * len(everything))]
+        try:
+            for g, group in enumerate(optimizer.param_groups):
+                group["params"] = [run.param for _, run in runs if run.group == g]
+                group.update(pending.settings[g] if pending.settings else {})
+            pending.own_step(optimizer)
+        finally:
+            for group, params, values in zip(optimizer.param_groups, everything, now):
+                group.update(values, params=params)
+        return self._unbind(optimizer, number, b, runs, held)
+
+    # ------------------------------------------------------------------------------------------------------
+    # [Note: the step just in time]
+    # ------------------------------------------------------------------------------------------------------
+    def settle(self, b: int) -> torch.Tensor | None:
+        """Bucket ``b``'s pending steps taken now, in the order of their step() calls (stage 3, before its weights
+        are read); its gradient let go of after them where zero_grad() asked meanwhile. Returns its weight shard,
+        stepped and not yet written (the caller reads it, then puts it), or None where nothing was pending."""
+        entries = self.pending.pop(b, None)
+        if not entries:
+            return None
+        weights = None
+        for pending in entries:
+            runs = self._by_bucket(self.shards.layouts[pending.optimizer])[b]
+            weights = self._step_bucket(pending, b, runs, weights)
+        if b in self.let_go_later:
+            self._let_go(b, zeros=self.let_go_later.pop(b))
+        return weights
+
+    def settle_all(self) -> None:
+        """Every pending step taken (before anything reads the optimizer's state, the weights, or steps again)."""
+        for b in sorted(self.pending):
+            weights = self.settle(b)
+            if weights is not None:
+                self.store.put(("weights", b), weights)
+
+    def read_pending_ahead(self, b: int) -> None:
+        """The slots bucket ``b``'s pending steps read, asked of the store ahead of them."""
+        for pending in self.pending.get(b, []):
+            layout = self.shards.layouts[pending.optimizer]
+            self._read_ahead(self.numbers[id(pending.optimizer)], b, self._by_bucket(layout)[b])
 
     def _by_bucket(self, layout: Any) -> dict[int, list[tuple[int, Any]]]:
         """The optimizer's runs (with their numbers) by bucket."""
@@ -270,10 +345,11 @@ class Streamed:
         for key in self._state_names(number, b, runs):
             self.store.prefetch(("state", number, b, key))
 
-    def _bind(self, optimizer: torch.optim.Optimizer, number: int, b: int,
-              runs: list[tuple[int, Any]]) -> dict[Hashable, torch.Tensor]:
+    def _bind(self, optimizer: torch.optim.Optimizer, number: int, b: int, runs: list[tuple[int, Any]],
+              weights: torch.Tensor | None = None) -> dict[Hashable, torch.Tensor]:
         """Bucket ``b``'s tensors in place for the step: the runs' state (views of each key's chunk), and at stage 3
-        their weights and gradients (views of the shards). Returns what was taken, by name."""
+        their weights (``weights``, or read) and gradients (views of the shards). Returns what was taken, by
+        name."""
         lo, _ = self.shards.chunk_bounds(self.shards.buckets[b])
         held = {("state", number, b, key): self.store.take(("state", number, b, key))
                 for key in self._state_names(number, b, runs)}
@@ -282,7 +358,7 @@ class Streamed:
             for key in self.keys.get((number, n), {}):
                 state[key] = held["state", number, b, key][run.start - lo:run.end - lo]
         if self.weights_offloaded:
-            weights = held["weights", b] = self.store.take(("weights", b))
+            weights = held["weights", b] = weights if weights is not None else self.store.take(("weights", b))
             grad = None
             if self.shards.grads[b] is not None:
                 grad = held["grads", b] = self.gradients.take(b)
@@ -292,19 +368,20 @@ class Streamed:
         return held
 
     def _unbind(self, optimizer: torch.optim.Optimizer, number: int, b: int, runs: list[tuple[int, Any]],
-                held: dict[Hashable, torch.Tensor]) -> None:
+                held: dict[Hashable, torch.Tensor]) -> torch.Tensor | None:
         """After bucket ``b``'s step: the state (new keys too: the first step makes them) written behind from its
-        chunks, and at stage 3 the weights; the gradient given back unwritten (the store keeps it unscaled, with
-        its scales: zero_grad() lets it go); the placeholders back ([Note: placeholders])."""
+        chunks; the gradient given back unwritten (the store keeps it unscaled, with its scales: zero_grad() lets
+        it go); the placeholders back ([Note: placeholders]). Returns stage 3's weights, not yet written."""
         self._keep_state(optimizer, number, b, runs, held)
-        if self.weights_offloaded:
-            self.store.put(("weights", b), held.pop(("weights", b)))
-            grad = held.pop(("grads", b), None)
-            if grad is not None:
-                self.store.discard(grad)
-            for _, run in runs:
-                run.param.grad = None
-                run.param.data = nan_like(run.end - run.start, run.param.dtype, run.param.device)
+        if not self.weights_offloaded:
+            return None
+        grad = held.pop(("grads", b), None)
+        if grad is not None:
+            self.store.discard(grad)
+        for _, run in runs:
+            run.param.grad = None
+            run.param.data = nan_like(run.end - run.start, run.param.dtype, run.param.device)
+        return held.pop(("weights", b))
 
     def _keep_state(self, optimizer: torch.optim.Optimizer, number: int, b: int, runs: list[tuple[int, Any]],
                     held: dict[Hashable, torch.Tensor]) -> None:
@@ -403,7 +480,13 @@ class Streamed:
             owners = {self.numbers[id(o)] for o, layout in layouts.items() if b in layout.buckets}
             if owners <= self.let_go[b]:
                 del self.let_go[b]
-                if self.shards.grads[b] is not None:
-                    self.gradients.drop(b, zeros=not set_to_none)
-                    if set_to_none:
-                        self.shards.grads[b] = None
+                if b in self.pending:  # the pending step reads it first ([Note: the step just in time])
+                    self.let_go_later[b] = not set_to_none
+                else:
+                    self._let_go(b, zeros=not set_to_none)
+
+    def _let_go(self, b: int, zeros: bool) -> None:
+        if self.shards.grads[b] is not None:
+            self.gradients.drop(b, zeros=zeros)
+            if not zeros:
+                self.shards.grads[b] = None

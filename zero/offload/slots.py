@@ -6,7 +6,7 @@ whole slot, a few at a time, so a checkpoint of a state larger than the memory s
 the loader that copies ahead), serializes it, and keeps a reference to the last box of every name until the rank's
 file is closed. So each box is copied out of its slot into one scratch buffer and handed over on a storage of
 exactly its bytes (zero/pieces.py's exact_storage): every reference DCP keeps is to that same buffer, never to the
-slots, which go back to the store as others come in. A slot is read whole, so its CRC32 is checked before any of it
+slots, which go back to the store as others come in. A slot is read whole, so its CRC32C is checked before any of it
 is written into a checkpoint: a state flipped on the disk stops the save in one line instead of being saved.
 
 [Note: a load's boxes] DCP's reader copies each read item into the view ``resolve_tensor`` gives, one at a time.

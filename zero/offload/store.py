@@ -1,5 +1,5 @@
 """The store: a rank's offloaded tensors by name, kept in its offload file (zero/offload/files.py) and brought into
-memory only while a stage uses them, through a few reusable buffers, by one background I/O thread.
+memory only while a stage uses them, through a few reusable buffers, by two background I/O threads.
 
     store = Store(folder, rank, device)
     store.create(("weights", 3), numel, torch.float32)   # a slot in the file, reserved on the disk
@@ -9,13 +9,15 @@ memory only while a stage uses them, through a few reusable buffers, by one back
     tensor = store.take(("weights", 3))                   # its values (waits for the read-ahead, or reads now)
     store.discard(tensor)                                 # given back unwritten (read only, or dead values)
 
-[Note: the I/O thread] One thread (a ThreadPoolExecutor of one worker) reads and writes, in the order asked, so a
-read asked after a write of the same slot reads what was written, and a read-ahead asked before one is dropped by
-``put`` (its bytes are the old ones). The caller's thread alone hands out and takes back buffers: a write's buffer
-goes back to the pool when the caller next looks (``_reap``), where a failed write's error is raised too, so every
-error of the disk reaches the training loop, in one line (OffloadError), at its next use of the store. Writes in
-flight are bounded (``write_behind_bytes``): past it ``put`` waits for the oldest, so a disk slower than the
-compute holds the compute back rather than filling memory with buffers.
+[Note: the I/O threads] Two threads (ThreadPoolExecutors of one worker each) move the bytes: one reads, one writes,
+each in the order asked, so that a read the compute will wait for never queues behind the writes of what it already
+finished (at GPT-2 large's shape, one thread for both made each rank wait 4 s a step on its reads). A read asked
+while a write of the same slot is in flight waits for that write first, so it reads what was written; a read-ahead
+asked before a write is dropped by ``put`` (its bytes are the old ones). The caller's thread alone hands out and
+takes back buffers: a write's buffer goes back to the pool when the caller next looks (``_reap``), where a failed
+write's error is raised too, so every error of the disk reaches the training loop, in one line (OffloadError), at
+its next use of the store. Writes in flight are bounded (``write_behind_bytes``): past it ``put`` waits for the
+oldest, so a disk slower than the compute holds the compute back rather than filling memory with buffers.
 
 Buffers are ALIGN-aligned (O_DIRECT's), pooled by size (a model's buckets come in few sizes: the blocks'), and on a
 CPU device a tensor handed out is a view of its buffer: the disk's bytes land where the step reads them. On a GPU
@@ -76,7 +78,9 @@ class Store:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.entries: dict[Hashable, Entry] = {}
-        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-io")
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-read")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-write")
+        self.last_write: dict[Hashable, Future] = {}  # each name's latest write, until it is done
         self.free: dict[int, list[torch.Tensor]] = {}  # capacity -> buffers not in use
         self.lent: dict[int, torch.Tensor] = {}  # data_ptr of a tensor handed out on the CPU -> its buffer
         self.ahead: dict[Hashable, Future] = {}  # reads asked ahead, by name; each gives its buffer
@@ -137,7 +141,7 @@ class Store:
             return
         entry = self.entries[name]
         buffer = self._buffer(entry.slot.capacity)
-        self.ahead[name] = self.io.submit(self._read, entry.slot, buffer)
+        self.ahead[name] = self.reader.submit(self._read, entry.slot, buffer, self.last_write.get(name))
 
     def take(self, name: Hashable) -> torch.Tensor:
         """``name``'s values: its read-ahead waited for, or read now."""
@@ -170,7 +174,9 @@ class Store:
         if buffer is None:  # a device tensor, or one the store did not hand out: through a buffer of its own
             buffer = self._buffer(entry.slot.capacity)
             self._typed(buffer, entry).copy_(tensor.reshape(-1))
-        self.writing.append((self.io.submit(self._write, entry.slot, buffer), buffer, entry.slot.capacity))
+        write = self.writer.submit(self._write, entry.slot, buffer)
+        self.writing.append((write, buffer, entry.slot.capacity))
+        self.last_write[name] = write
         self.put_once.add(name)
         if self.on_put is not None:
             self.on_put(name)
@@ -195,13 +201,14 @@ class Store:
             self._finish_oldest_write()
 
     def close(self) -> None:
-        """Every read and write finished or dropped, the I/O thread stopped, the file removed."""
+        """Every read and write finished or dropped, the I/O threads stopped, the file removed."""
         if self.closed:
             return
         self.closed = True
         for future in self.ahead.values():
             future.cancel()
-        self.io.shutdown(wait=True)
+        self.reader.shutdown(wait=True)
+        self.writer.shutdown(wait=True)
         self.ahead.clear()
         self.writing.clear()
         self.free.clear()
@@ -209,9 +216,11 @@ class Store:
         self.file.close()
 
     # ------------------------------------------------------------------------------------------------------
-    # On the I/O thread
+    # On the I/O threads
     # ------------------------------------------------------------------------------------------------------
-    def _read(self, slot: Slot, buffer: torch.Tensor) -> torch.Tensor:
+    def _read(self, slot: Slot, buffer: torch.Tensor, after: Future | None) -> torch.Tensor:
+        if after is not None:  # a write of this slot in flight: read what it writes
+            after.result()
         self.file.read(slot, buffer)
         self.traffic.read_bytes += slot.capacity
         self.traffic.reads += 1
@@ -262,6 +271,8 @@ class Store:
             self.traffic.write_wait_s += time.perf_counter() - start
             self.writing.popleft()
             self._give_back(buffer)
+            for name in [name for name, write in self.last_write.items() if write is future]:
+                del self.last_write[name]
 
     def _bound_writes(self) -> None:
         while sum(nbytes for _, _, nbytes in self.writing) > self.write_behind_bytes:
