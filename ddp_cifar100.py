@@ -214,7 +214,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
     torch.manual_seed(derive_seed(config.seed, parts.data.placement()[0], position.optimizer_steps))  # dropout
     amp = {"device_type": parts.device.type, "enabled": parts.amp_dtype is not None,
            "dtype": parts.amp_dtype or torch.float32}
-    meter.timer.start()
+    meter.step_starts()
     waited = 0.0
     for count, j in enumerate(window, 1):
         # the next micro-batch (already being decoded by the loader's workers on the streaming path)

@@ -37,25 +37,10 @@ from torch.utils.checkpoint import checkpoint
 
 import processes
 import zero
-from zero_testing import attempt, identical
+from zero_testing import OPTIMIZERS, attempt, identical
 
 VOCAB, WIDTH, CONTEXT, BATCH, K, STEPS, MAX_NORM = 24, 12, 8, 4, 2, 3, 0.05
 BUCKET_MB = 600 / 2**20  # a few buckets at stages 1-2, runs cut across ranks and groups
-OPTIMIZERS = {  # name -> (class, settings): the element-wise ones, and the settings that add state
-    "SGD": (torch.optim.SGD, {"lr": 0.1}),
-    "SGD momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 5e-4}),
-    "SGD nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
-    "Adam amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
-    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}),
-    "Adamax": (torch.optim.Adamax, {"lr": 1e-2}),
-    "NAdam": (torch.optim.NAdam, {"lr": 1e-2, "decoupled_weight_decay": True}),
-    "RAdam": (torch.optim.RAdam, {"lr": 1e-2}),
-    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),  # state at construction
-    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
-    "RMSprop centered momentum": (torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.5}),
-    "Rprop": (torch.optim.Rprop, {"lr": 1e-2}),
-    "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "t0": 1}),
-}
 # (stage, world size, optimizer, param_dtype): every optimizer at stage 3 on 2 (weights, gradients and state all
 # offloaded), AdamW and SGD with momentum at every stage on 1-3, bf16 weights over fp32 masters at every stage
 CONFIGS = ([(3, 2, name, None) for name in OPTIMIZERS]
@@ -109,10 +94,10 @@ def parameter_groups(model):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr_factor": 0.5}]
 
 
-def build(stage, name, folder, offload, param_dtype=None, dtype=torch.float32):
+def build(stage, name, folder, offload, param_dtype=None, dtype=torch.float32, device="cpu"):
     """The model sharded at ``stage`` (with offload into ``folder``, or not) and ``name``'s optimizer over its
-    groups."""
-    model = make_model(dtype)
+    groups, on ``device``."""
+    model = make_model(dtype).to(device)
     where = {"offload": "disk", "offload_dir": folder} if offload else {}
     sharded = zero.shard(model, stage, bucket_mb=BUCKET_MB, param_dtype=param_dtype, **where)
     cls, settings = OPTIMIZERS[name]
@@ -133,10 +118,10 @@ def micro_batch(step, k, rank, world_size):
 def steps(model, sharded, optimizer, first, count, measure=None):
     """``count`` optimizer steps from step ``first``: K micro-batches, clipping, the update; the norms. ``measure``:
     called before the last step's clipping."""
-    norms = []
+    norms, device = [], model.norm.weight.device  # (the root stays on the device at every stage)
     for step in range(first, first + count):
         for k in range(K):
-            inputs, targets = micro_batch(step, k, dist.get_rank(), dist.get_world_size())
+            inputs, targets = (t.to(device) for t in micro_batch(step, k, dist.get_rank(), dist.get_world_size()))
             sharded.set_requires_gradient_sync(k == K - 1)
             logits = model(inputs)
             logits = logits.float() if logits.dtype == torch.bfloat16 else logits  # (the loss in fp32 under bf16)
@@ -149,10 +134,10 @@ def steps(model, sharded, optimizer, first, count, measure=None):
     return norms
 
 
-def run_config(stage, name, param_dtype, folder, offload):
+def run_config(stage, name, param_dtype, folder, offload, device="cpu"):
     """STEPS steps; what the rank ends with, and what it held between steps and moved through the file."""
     dtype = {"bf16": torch.bfloat16}.get(param_dtype)
-    model, sharded, optimizer = build(stage, name, folder, offload, param_dtype=dtype)
+    model, sharded, optimizer = build(stage, name, folder, offload, param_dtype=dtype, device=device)
     held = {}
 
     def measure():
@@ -222,6 +207,26 @@ def test_the_state_lives_in_the_file_between_steps(config_runs, config):
         assert offloaded["read"] > 0 and offloaded["written"] > 0
         assert offloaded["files"] and all(f.endswith(".offload") for f in offloaded["files"])
         assert offloaded["files after close"] == []
+
+
+def on_cuda(rank, world_size, root):
+    """AdamW at stages 1 and 3 on the GPU (two ranks on one, over gloo), without offload and with it: the store
+    stages its reads and writes through pinned host buffers, and the step runs on the device."""
+    torch.cuda.set_device(0)
+    folder = os.path.join(root, f"rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    return {stage: tuple(run_config(stage, "AdamW", None, folder, offload, "cuda") for offload in (False, True))
+            for stage in (1, 3)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_offload_on_cuda_is_the_in_memory_run_bit_for_bit(local_group, tmp_path):
+    for results in local_group(2).run(on_cuda, str(tmp_path), timeout_s=240):
+        for stage, (memory, offloaded) in results.items():
+            assert torch.equal(offloaded["norms"], memory["norms"]), stage
+            assert identical(offloaded["weights"], memory["weights"]) and identical(offloaded["state"],
+                                                                                    memory["state"]), stage
+            assert offloaded["read"] > 0 and offloaded["held"]["element_wise"] == 0
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from zero_testing import GlobalBatches, attempt, cloned, seeded_model, state_difference, weight_difference
+from zero_testing import (OPTIMIZERS, GlobalBatches, attempt, cloned, seeded_model, state_difference,
+                          weight_difference)
 
 FEATURES, HIDDEN, CLASSES = 6, 10, 5
 GLOBAL_BATCH, K = 12, 2       # samples per optimizer step over all ranks (2 and 3 divide it); micro-batches per step
@@ -42,22 +43,6 @@ STATE_TOL, WEIGHT_TOL = 1e-12, 1e-10
 BATCHES = GlobalBatches(steps=STEPS + MORE, size=GLOBAL_BATCH, features=FEATURES, classes=CLASSES, micro_batches=K,
                         seed=SEED)
 
-# name -> (class, settings): every element-wise optimizer of torch.optim, and the settings that add state
-OPTIMIZERS = {
-    "SGD": (torch.optim.SGD, {"lr": 0.1}),  # no state at all
-    "SGD momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 5e-4}),
-    "SGD nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
-    "Adam amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
-    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}),
-    "Adamax": (torch.optim.Adamax, {"lr": 1e-2}),
-    "NAdam": (torch.optim.NAdam, {"lr": 1e-2, "decoupled_weight_decay": True}),
-    "RAdam": (torch.optim.RAdam, {"lr": 1e-2}),
-    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),  # state before any step
-    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
-    "RMSprop centered momentum": (torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.5}),
-    "Rprop": (torch.optim.Rprop, {"lr": 1e-2}),
-    "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "t0": 1}),  # averaging from the second step: ax, eta and mu move
-}
 STAGES, COLLECTIVES = (1, 2, 3), ("torch", "ring")
 CONFIGS = [(name, stage, collectives) for name in OPTIMIZERS for stage in STAGES for collectives in COLLECTIVES]
 

@@ -1,4 +1,5 @@
-"""What the tests of zero.shard over a user's own small model share (test_zero_optimizers, test_zero_matrix; cloned,
+"""What the tests of zero.shard over a user's own small model share (test_zero_optimizers, test_zero_matrix,
+test_zero_offload: the element-wise optimizers and the settings that give them state; cloned,
 attempt and identical for test_zero_contract and the files built on it too): the model made alike in every
 process, the global batches and each rank's micro-batches of them, the comparisons of weights and of optimizer
 state dicts (the test process computes on one intra-op thread while the workers train: conftest.py). Module level,
@@ -8,6 +9,24 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+
+# name -> (class, settings): every element-wise optimizer of torch.optim, and the settings that add state
+OPTIMIZERS = {
+    "SGD": (torch.optim.SGD, {"lr": 0.1}),  # no state at all
+    "SGD momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 5e-4}),
+    "SGD nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    "Adam amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}),
+    "Adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "NAdam": (torch.optim.NAdam, {"lr": 1e-2, "decoupled_weight_decay": True}),
+    "RAdam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),  # state before any step
+    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "RMSprop centered momentum": (torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.5}),
+    "Rprop": (torch.optim.Rprop, {"lr": 1e-2}),
+    "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "t0": 1}),  # averaging from the second step: ax, eta and mu move
+}
 
 
 def seeded_model(cls: type[nn.Module], seed: int) -> nn.Module:

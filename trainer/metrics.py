@@ -123,6 +123,8 @@ class Meter:
     profiler: Any = None  # torch.profiler.profile with --profile
     grad_norms: list[torch.Tensor] = field(default_factory=list)  # --clip-grad-norm: each step's norm, unclipped
     window_losses: list[torch.Tensor] = field(default_factory=list)  # each step's (loss sum, samples) on this rank
+    offload_steps: list[dict[str, float]] = field(default_factory=list)  # --offload: each step's own traffic
+    traffic_at_start: dict[str, float] | None = None  # --offload: the store's counters when this step began
     state_bytes: dict[str, int] | None = None  # what this rank holds at an optimizer step (zero.state_bytes)
     evals: list[dict[str, Any]] = field(default_factory=list)  # --eval-every's evaluations (rank 0's figures)
     baselines: dict[str, float] = field(default_factory=dict)  # text: gzip's and the unigram's bits/byte (rank 0)
@@ -158,6 +160,12 @@ class Meter:
                     desc=f"epoch {position.epoch + 1}", disable=not (parts.ctx.rank == 0 and sys.stderr.isatty()),
                     leave=False)
 
+    def step_starts(self) -> None:
+        """An optimizer step begins: its timer, and with --offload the store's counters, so that a step's traffic
+        is its own (a save's or an evaluation's, between steps, left out)."""
+        self.timer.start()
+        self.traffic_at_start = offload_counters(self.parts)
+
     def add_loss(self, loss: torch.Tensor, samples: int) -> None:
         """A step's training loss (this rank's sum over its ``samples``, on the device: read at the end)."""
         self.window_losses.append(torch.stack([loss, torch.tensor(float(samples), dtype=loss.dtype,
@@ -183,6 +191,9 @@ class Meter:
     def step_taken(self, position: Position, samples: int, waited_s: float, lr: float, bar: tqdm) -> None:
         """After an optimizer step: its data wait, the profiler's window, the bar and --log-every's figures."""
         self.data_wait_ms.append(waited_s * 1e3)
+        now = offload_counters(self.parts)
+        if now is not None and self.traffic_at_start is not None:
+            self.offload_steps.append({key: now[key] - self.traffic_at_start[key] for key in now})
         if self.recent is not None:
             self.recent.add_step(samples, self.parts.ctx.world_size, lr)
         if self.profiler is not None:
@@ -381,22 +392,37 @@ def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
         figures["outer_bytes"] = [int(busiest(entry["bytes"] or 0)) for entry in parts.outer.log]
     peak = parts.sync.gathered_peak()
     figures["gathered_peak"] = None if peak is None else {key: int(busiest(value)) for key, value in peak.items()}
-    figures["offload"] = offload_figures(parts, steps)
+    figures["offload"] = offload_figures(meter, steps)
     return figures
 
 
-def offload_figures(parts: Any, steps: int) -> dict[str, Any] | None:
-    """--offload: each rank's traffic through its offload file (zero/offload/store.py's Traffic: bytes read and
-    written, and the seconds its loop waited on them, per optimizer step of this run), its file's and its buffers'
-    bytes, and whether it bypassed the page cache (O_DIRECT); None without offload (on every rank alike)."""
+def offload_counters(parts: Any) -> dict[str, float] | None:
+    """--offload: the store's counters now (zero/offload/store.py's Traffic), or None."""
     store = getattr(parts.sync, "store", None)
     if store is None:
         return None
+    traffic = store.traffic
+    return {"read_bytes": traffic.read_bytes, "written_bytes": traffic.written_bytes, "read_wait_s":
+            traffic.read_wait_s, "write_wait_s": traffic.write_wait_s}
+
+
+def offload_figures(meter: Any, steps: int) -> dict[str, Any] | None:
+    """--offload: each rank's traffic through its offload file, per optimizer step: its steps' own, the median
+    over the steps after the warm-up ("step_*": bytes read and written, the seconds its loop waited on them), and
+    the whole run's (build, saves and evaluations included) over its steps; its file's and its buffers' bytes, and
+    whether it bypassed the page cache (O_DIRECT). None without offload (on every rank alike)."""
+    store = getattr(meter.parts.sync, "store", None)
+    if store is None:
+        return None
     traffic, per = store.traffic, max(steps, 1)
+    kept = meter.offload_steps[WARMUP_STEPS:] or meter.offload_steps
     mine = {"read_bytes_per_step": traffic.read_bytes / per, "written_bytes_per_step": traffic.written_bytes / per,
             "read_wait_s_per_step": traffic.read_wait_s / per, "write_wait_s_per_step": traffic.write_wait_s / per,
+            **{f"step_{key}": statistics.median(step[key] for step in kept) if kept else None
+               for key in ("read_bytes", "written_bytes", "read_wait_s", "write_wait_s")},
+            "steps": meter.offload_steps,
             "file_bytes": store.stored_bytes(), "buffer_bytes": store.buffer_bytes, "direct": store.file.direct}
-    everyone: list[Any] = [None] * parts.ctx.world_size
+    everyone: list[Any] = [None] * meter.parts.ctx.world_size
     dist.all_gather_object(everyone, mine)
     return {"ranks": everyone}
 

@@ -4,7 +4,8 @@ your own training loop.
     import zero
     sharded = zero.shard(model, stage, units=None, group=None, collectives="torch",   # stage 0..3; "ring" too
                          replicate_group=None, param_dtype=None, reduce_dtype=None,    # stages 1-3: hybrid, bf16
-                         init=None)                                                   # a meta-device model: fn(module)
+                         init=None,                                                   # a meta-device model: fn(module)
+                         offload=None, offload_dir=None)                              # "disk": the state in a file
     optimizer = sharded.optimizer(torch.optim.AdamW, params_or_groups, lr=3e-4)        # over the MODEL's params
     for i, batch in enumerate(window):
         sharded.set_requires_gradient_sync(i == len(window) - 1)
@@ -16,7 +17,8 @@ your own training loop.
     sharded.save_checkpoint(path, optimizer, extra); sharded.load_checkpoint(path, optimizer)   # every sync's
     zero.checkpoint.save(path, sharded, optimizer, extra=None)         # sharded, torch.distributed.checkpoint's
     extra = zero.checkpoint.load(path, sharded, optimizer)             # format, any stage and world size
-    sharded.close()                                      # every hook removed, the model left whole
+    sharded.close()                                      # every hook removed, the model left whole (offload at
+                                                         # stage 3: close(whole=True), as it may not fit)
 
 Every element-wise torch.optim optimizer is exact at every stage, its state dict torch.optim's own, and so are Muon
 and Adafactor; parameter groups keep their hyperparameters; several optimizers may share one model.

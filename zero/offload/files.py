@@ -1,6 +1,7 @@
 """The offload file: one per rank under ``offload_dir``, holding that rank's offloaded tensors in slots, each read and
 written whole by a background I/O thread (``os.preadv`` / ``os.pwritev``: zero/offload/store.py has one that reads
-and one that writes), with O_DIRECT where the file system takes it, and each slot's bytes checked on every read against the CRC32C taken when they were written.
+and one that writes), with O_DIRECT where the file system takes it, and each slot's bytes checked on every read
+against the CRC32C taken when they were written.
 
 Why O_DIRECT: a buffered write leaves its pages in the page cache, which a memory limit counts (a cgroup's, as the
 kernel charges the page cache to the group that dirtied it) and which competes with the training for the machine's

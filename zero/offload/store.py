@@ -65,7 +65,8 @@ class Traffic:
     write_wait_s: float = 0.0
     reads: int = 0
     writes: int = 0
-    log: list[tuple[float, str, int]] = field(default_factory=list)  # (time, "read" | "write", bytes) when traced
+    log: list[tuple[float, str, int, float]] = field(default_factory=list)  # traced: (end, "read" | "write",
+    # bytes, start), perf_counter() times
 
 
 class Store:
@@ -221,19 +222,25 @@ class Store:
     def _read(self, slot: Slot, buffer: torch.Tensor, after: Future | None) -> torch.Tensor:
         if after is not None:  # a write of this slot in flight: read what it writes
             after.result()
+        start = time.perf_counter()
         self.file.read(slot, buffer)
-        self.traffic.read_bytes += slot.capacity
-        self.traffic.reads += 1
-        if self.trace:
-            self.traffic.log.append((time.perf_counter(), "read", slot.capacity))
+        self._count("read", slot.capacity, start)
         return buffer
 
     def _write(self, slot: Slot, buffer: torch.Tensor) -> None:
+        start = time.perf_counter()
         self.file.write(slot, buffer)
-        self.traffic.written_bytes += slot.capacity
-        self.traffic.writes += 1
+        self._count("write", slot.capacity, start)
+
+    def _count(self, kind: str, nbytes: int, start: float) -> None:
+        if kind == "read":
+            self.traffic.read_bytes += nbytes
+            self.traffic.reads += 1
+        else:
+            self.traffic.written_bytes += nbytes
+            self.traffic.writes += 1
         if self.trace:
-            self.traffic.log.append((time.perf_counter(), "write", slot.capacity))
+            self.traffic.log.append((time.perf_counter(), kind, nbytes, start))
 
     # ------------------------------------------------------------------------------------------------------
     # Buffers (the caller's thread alone)
