@@ -75,6 +75,7 @@ from trainer.generation import generate
 from trainer.metrics import EpochSums, Meter, summarize
 from trainer.replica_groups import ReplicaGroups
 from utils import UsageError
+from zero.offload import OffloadError, OffloadRefused
 
 __all__ = ["Config", "UsageError", "main", "parse_args", "train"]
 
@@ -316,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         # every rank meets a refusal and the coordinator's loss (rank 0 says it); a torn transfer, its own place
         if rank == 0 or not isinstance(exc, (replicas.CoordinatorLost, replicas.ReplicaRefused)):
             print(f"ddp_cifar100.py: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except OffloadRefused as exc:  # --offload-dir refused by every rank alike: said once
+        if rank == 0:
+            print(f"ddp_cifar100.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except OffloadError as exc:  # this rank's offload file failed or changed under the run: its own line
+        print(f"ddp_cifar100.py: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as exc:
         if not is_distributed_failure(exc):

@@ -230,6 +230,46 @@ def test_offload_on_cuda_is_the_in_memory_run_bit_for_bit(local_group, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The store alone: its two threads keep each slot's reads after its writes
+# ----------------------------------------------------------------------------------------------------------
+def test_a_read_asked_while_its_write_is_in_flight_reads_what_was_written(tmp_path, monkeypatch):
+    """The reading thread never queues behind the writing one, so a read of a slot whose write is still in flight
+    (a write held until the read is asked, here) waits for that write; a read-ahead asked before a write is dropped
+    by it."""
+    import threading
+
+    from zero.offload.files import OffloadFile
+    from zero.offload.store import Store
+
+    held, released = threading.Event(), threading.Event()
+    write = OffloadFile.write
+
+    def held_back(self, slot, buffer):
+        if held.is_set():
+            assert released.wait(30)
+        write(self, slot, buffer)
+    monkeypatch.setattr(OffloadFile, "write", held_back)
+    store = Store(str(tmp_path), "one.offload")
+    try:
+        store.create("x", 1000, torch.float32)
+        first = store.fresh("x")
+        first.fill_(1.0)
+        store.put("x", first)
+        store.prefetch("x")  # asked before the next write: its bytes would be the old ones
+        held.set()
+        second = store.fresh("x")
+        second.fill_(2.0)
+        store.put("x", second)  # in flight until released, after the read below is asked
+        threading.Timer(0.3, released.set).start()
+        read = store.take("x")
+        assert torch.equal(read, torch.full((1000,), 2.0))
+        store.discard(read)
+    finally:
+        store.close()
+    assert not (tmp_path / "one.offload").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Checkpoints: streamed out of the store and back in
 # ----------------------------------------------------------------------------------------------------------
 MORE = 2
@@ -408,6 +448,19 @@ def trainer_argv(name, *flags):
             "--lr", "3e-3", "--clip-grad-norm", "0.5", "--max-steps", "6", "--checkpoint-every", "2", "--seed", "3",
             "--timeout", "60", "--checkpoint-dir", str(out / name), "--metrics-out", str(out / f"{name}.json"),
             *flags]
+
+
+def test_the_trainer_says_a_refused_folder_once_and_exits_2(local_group, tmp_path):
+    """ddp_cifar100.main on 2 ranks with --offload-dir a folder that does not exist: the same verdict on both, said
+    by rank 0 alone in one line, exit 2 (bad input), before any training."""
+    from trainer_testing import TINY, main_in_group
+    argv = [*TINY, "--model", "resnet", "--zero", "3", "--max-steps", "1", "--offload", "disk", "--offload-dir",
+            str(tmp_path / "nowhere")]
+    rank0, rank1 = local_group(2).run(main_in_group, argv, timeout_s=120)
+    assert (rank0["code"], rank1["code"]) == (2, 2)
+    lines = [line for line in rank0["stderr"].splitlines() if line.startswith("ddp_cifar100.py: error:")]
+    assert len(lines) == 1 and "nowhere does not exist" in lines[0] and "Traceback" not in rank0["stderr"], rank0
+    assert "error" not in rank1["stderr"], rank1
 
 
 EARLY_PROCESSES_FIXTURE = "trainer_runs"

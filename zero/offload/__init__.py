@@ -7,7 +7,7 @@ memory. Where each part is, as DCP's storage layer sits under its planner:
     zero/offload/shards.py   what a stage keeps there, and the optimizer's step streamed bucket by bucket
     zero/offload/slots.py    a checkpoint's window on the store: its boxes read and written slot by slot
 """
-from zero.offload.files import OffloadError
+from zero.offload.files import OffloadError, OffloadRefused
 from zero.offload.store import Store
 
-__all__ = ["OffloadError", "Store"]
+__all__ = ["OffloadError", "OffloadRefused", "Store"]

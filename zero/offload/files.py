@@ -49,6 +49,11 @@ class OffloadError(RuntimeError):
     the folder or the file."""
 
 
+class OffloadRefused(OffloadError):
+    """The folder refused before anything was written, with one verdict on every rank of the group (zero/offload/
+    folder.py): the same line everywhere, for the caller to say once."""
+
+
 def words(error: OSError) -> str:
     return NAMED.get(error.errno) or (error.strerror or os.strerror(error.errno or 0)).lower()
 

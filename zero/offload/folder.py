@@ -17,16 +17,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zero.offload.files import OffloadError, folder_problem
+from zero.offload.files import OffloadError, OffloadRefused, folder_problem
 from zero.offload.store import Store
 
 
 def agreed(problem: str | None, group: dist.ProcessGroup | None) -> None:
-    """Raise OffloadError on every rank of ``group`` if any rank has a problem (the lowest rank's words)."""
+    """Raise OffloadRefused on every rank of ``group`` if any rank has a problem (the lowest rank's words)."""
     from zero.checkpoint.checks import agree  # torch.distributed.checkpoint's import, only where offload is asked
     problem = agree(problem, group)
     if problem:
-        raise OffloadError(f"zero.shard(offload=...): {problem}")
+        raise OffloadRefused(f"zero.shard(offload=...): {problem}")
 
 
 def size_text(nbytes: int) -> str:
