@@ -406,10 +406,10 @@ def test_a_folder_that_cannot_hold_the_state_is_refused_in_one_line_on_every_ran
     expected = {"missing": "does not exist", "a file": "is not a folder", "tmpfs": "is on tmpfs, which is memory",
                 "in use": "is in use by another live run", "too small": "whose file system has"}[case]
     for kind, message in results:
-        assert kind == "OffloadError" and expected in message and "\n" not in message, message
+        assert kind == "OffloadRefused" and expected in message and "\n" not in message, message
     assert results[0] == results[1]
     if case == "too small":
-        assert "TB in offload folder" in results[0][1] or "GB in offload folder" in results[0][1]
+        assert "TB needed in offload folder" in results[0][1] or "GB needed in offload folder" in results[0][1]
     if case == "in use":
         assert "rank 1" in results[0][1] and not (folder / "rank0.offload").exists()
 

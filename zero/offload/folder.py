@@ -50,7 +50,7 @@ def room_problem(folder: str, need: int, group: dist.ProcessGroup | None, what: 
         total[3] += 1
     for (host, _), (total, free_bytes, path, ranks) in sums.items():
         if total > free_bytes:
-            return (f"{what} needs {size_text(total)} in offload folder {path} on {host} ({ranks} rank"
+            return (f"{what}: {size_text(total)} needed in offload folder {path} on {host} ({ranks} rank"
                     f"{'s' if ranks > 1 else ''}), whose file system has {size_text(free_bytes)} free")
     return None
 
