@@ -291,8 +291,8 @@ ERRORS = [
     (["--zero", "3", "--offload", "disk"], "--offload disk needs --offload-dir PATH, a folder on a disk for the "
                                            "offload files"),
     (["--offload-dir", "x"], "--offload-dir is where --offload disk keeps the state: give --offload disk"),
-    (["--zero", "2", "--offload", "cpu"],
-     "--offload cpu (pinned host memory under a GPU) is not built yet; --offload disk is"),
+    (["--zero", "2", "--offload", "cpu", "--offload-dir", "x"],
+     "--offload cpu keeps the state in host memory; --offload-dir is for --offload disk"),
     (["--zero", "3", "--offload", "disk", "--offload-dir", "x", "--checkpoint-dir", "c", "--async-checkpoint"],
      "--offload does not take --async-checkpoint: it stages the whole state in memory to write it"),
     (["--zero", "3", "--offload", "disk", "--offload-dir", "x", "--amp", "fp16"],

@@ -4,7 +4,8 @@ in a file per rank and streamed through a few buffers, with only the storage mov
 A user's model as users write them (a token embedding tied to the head, a frozen positional table, blocks in a
 ModuleList, the second under activation checkpointing) and a training recipe (decay and no-decay parameter groups,
 clipping that bites, gradient accumulation), trained with offload and without it, at stages 1-3, 1-3 processes,
-every element-wise torch.optim optimizer, float32 and bf16 weights over float32 masters. The claims:
+every element-wise torch.optim optimizer, float32 and bf16 weights over float32 masters; to a disk, and (AdamW on 2
+processes, every stage) to host memory, offload="cpu", whose slots on a CPU device are copies. The claims:
 - bit for bit: the weights, the optimizer's state dict and every step's clipping norm of the run with offload are
   the run's without it (torch.equal, no tolerance: [Note: only the storage moves] in zero/offload/shards.py);
 - the state left memory: between steps the optimizer holds no element-wise state (its step counts only), and at
@@ -47,6 +48,7 @@ CONFIGS = ([(3, 2, name, None) for name in OPTIMIZERS]
            + [(stage, world, name, None) for stage in (1, 2, 3) for world in (1, 2, 3)
               for name in ("AdamW", "SGD momentum") if (stage, world) != (3, 2)]
            + [(stage, 2, "AdamW", "bf16") for stage in (1, 2, 3)])
+HOST_CONFIGS = [config for config in CONFIGS if config[1] == 2 and config[2] == "AdamW"]  # also offload="cpu"
 
 
 class Block(nn.Module):
@@ -95,10 +97,10 @@ def parameter_groups(model):
 
 
 def build(stage, name, folder, offload, param_dtype=None, dtype=torch.float32, device="cpu"):
-    """The model sharded at ``stage`` (with offload into ``folder``, or not) and ``name``'s optimizer over its
-    groups, on ``device``."""
+    """The model sharded at ``stage`` (``offload``: None, "disk" into ``folder``, or "cpu") and ``name``'s optimizer
+    over its groups, on ``device``."""
     model = make_model(dtype).to(device)
-    where = {"offload": "disk", "offload_dir": folder} if offload else {}
+    where = {"offload": offload, "offload_dir": folder if offload == "disk" else None} if offload else {}
     sharded = zero.shard(model, stage, bucket_mb=BUCKET_MB, param_dtype=param_dtype, **where)
     cls, settings = OPTIMIZERS[name]
     groups = parameter_groups(model)
@@ -149,18 +151,21 @@ def run_config(stage, name, param_dtype, folder, offload, device="cpu"):
     traffic = sharded.store.traffic if offload else None
     out = {"norms": torch.stack(norms), "weights": sharded.model_state_dict(), "state": optimizer.state_dict(),
            "held": held, "read": traffic.read_bytes if traffic else 0, "written": traffic.written_bytes if traffic
-           else 0, "files": sorted(os.listdir(folder)) if offload else None}
+           else 0, "files": sorted(os.listdir(folder)) if offload else None,
+           "host": sharded.store.file.tier == "cpu" if offload else None}
     sharded.close()
     out["files after close"] = sorted(os.listdir(folder))
     return out
 
 
 def configs_in_group(rank, world_size, configs, root):
-    """Each config of this world size, without offload and with it, in a folder of the rank's own."""
+    """Each config of this world size, without offload and with it (to a folder of the rank's own, and where
+    HOST_CONFIGS has it to host memory)."""
     folder = os.path.join(root, f"rank{rank}")
     os.makedirs(folder, exist_ok=True)
-    return {config: (run_config(config[0], config[2], config[3], folder, False),
-                     run_config(config[0], config[2], config[3], folder, True)) for config in configs}
+    return {config: tuple(run_config(config[0], config[2], config[3], folder, offload)
+                          for offload in (None, "disk", "cpu") if offload != "cpu" or config in HOST_CONFIGS)
+            for config in configs}
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +187,14 @@ def config_id(config):
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_offload_is_the_in_memory_run_bit_for_bit(config_runs, config):
     for rank, results in enumerate(config_runs[config[1]]):
-        memory, offloaded = results[config]
-        assert torch.equal(offloaded["norms"], memory["norms"]), (rank, offloaded["norms"], memory["norms"])
-        assert memory["norms"].min() > MAX_NORM  # the clipping bites at every step
-        assert identical(offloaded["weights"], memory["weights"]), rank
-        assert identical(offloaded["state"], memory["state"]), rank
-        assert rank > 0 or config[2] == "SGD" or offloaded["state"]["state"]  # rank 0 gathered it (others {})
+        memory, *offloaded_runs = results[config]
+        assert len(offloaded_runs) == (2 if config in HOST_CONFIGS else 1)
+        for offloaded in offloaded_runs:  # to the disk, and to host memory
+            assert torch.equal(offloaded["norms"], memory["norms"]), (rank, offloaded["norms"], memory["norms"])
+            assert memory["norms"].min() > MAX_NORM  # the clipping bites at every step
+            assert identical(offloaded["weights"], memory["weights"]), rank
+            assert identical(offloaded["state"], memory["state"]), rank
+            assert rank > 0 or config[2] == "SGD" or offloaded["state"]["state"]  # rank 0 gathered it (others {})
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -197,16 +204,21 @@ def test_the_state_lives_in_the_file_between_steps(config_runs, config):
     beside the frozen table's shard); the file carried them, and is gone at close."""
     stage, world, name, _ = config
     for results in config_runs[world]:
-        memory, offloaded = results[config]
-        assert offloaded["held"]["element_wise"] == 0, offloaded["held"]
-        assert memory["held"]["element_wise"] > 0 or name == "SGD", memory["held"]  # (plain SGD keeps no state)
-        if stage == 3:
-            assert offloaded["held"]["grads"] == 0, offloaded["held"]
-            assert offloaded["held"]["params"] == 4 * offloaded["held"]["runs"] + offloaded["held"]["frozen"]
-            assert memory["held"]["grads"] > 0 and memory["held"]["params"] > offloaded["held"]["params"]
-        assert offloaded["read"] > 0 and offloaded["written"] > 0
-        assert offloaded["files"] and all(f.endswith(".offload") for f in offloaded["files"])
-        assert offloaded["files after close"] == []
+        memory, *offloaded_runs = results[config]
+        for offloaded, host in zip(offloaded_runs, (False, True)):
+            assert offloaded["host"] == host
+            assert offloaded["held"]["element_wise"] == 0, offloaded["held"]
+            assert memory["held"]["element_wise"] > 0 or name == "SGD", memory["held"]  # (plain SGD keeps no state)
+            if stage == 3:
+                assert offloaded["held"]["grads"] == 0, offloaded["held"]
+                assert offloaded["held"]["params"] == 4 * offloaded["held"]["runs"] + offloaded["held"]["frozen"]
+                assert memory["held"]["grads"] > 0 and memory["held"]["params"] > offloaded["held"]["params"]
+            assert offloaded["read"] > 0 and offloaded["written"] > 0
+            if host:  # nothing in the folder: the slots are host memory
+                assert offloaded["files"] == []
+            else:
+                assert offloaded["files"] and all(f.endswith(".offload") for f in offloaded["files"])
+            assert offloaded["files after close"] == []
 
 
 def on_cuda(rank, world_size, root):
@@ -215,17 +227,18 @@ def on_cuda(rank, world_size, root):
     torch.cuda.set_device(0)
     folder = os.path.join(root, f"rank{rank}")
     os.makedirs(folder, exist_ok=True)
-    return {stage: tuple(run_config(stage, "AdamW", None, folder, offload, "cuda") for offload in (False, True))
-            for stage in (1, 3)}
+    return {(stage, offload): (run_config(stage, "AdamW", None, folder, None, "cuda"),
+                               run_config(stage, "AdamW", None, folder, offload, "cuda"))
+            for stage in (1, 3) for offload in ("disk", "cpu")}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_offload_on_cuda_is_the_in_memory_run_bit_for_bit(local_group, tmp_path):
     for results in local_group(2).run(on_cuda, str(tmp_path), timeout_s=240):
-        for stage, (memory, offloaded) in results.items():
-            assert torch.equal(offloaded["norms"], memory["norms"]), stage
+        for case, (memory, offloaded) in results.items():  # (stage, "disk" | "cpu")
+            assert torch.equal(offloaded["norms"], memory["norms"]), case
             assert identical(offloaded["weights"], memory["weights"]) and identical(offloaded["state"],
-                                                                                    memory["state"]), stage
+                                                                                    memory["state"]), case
             assert offloaded["read"] > 0 and offloaded["held"]["element_wise"] == 0
 
 
@@ -249,7 +262,7 @@ def test_a_read_asked_while_its_write_is_in_flight_reads_what_was_written(tmp_pa
             assert released.wait(30)
         write(self, slot, buffer)
     monkeypatch.setattr(OffloadFile, "write", held_back)
-    store = Store(str(tmp_path), "one.offload")
+    store = Store(OffloadFile(str(tmp_path), "one.offload"))
     try:
         store.create("x", 1000, torch.float32)
         first = store.fresh("x")
@@ -301,8 +314,8 @@ def load_and_go_on(rank, world_size, root, stage, offload, dtype_name):
 
 
 RESUMES = {  # name -> (world size, stage, offload): where the checkpoint saved at stage 3 on 2 with offload goes on
-    "same, offloaded": (2, 3, True), "same, in memory": (2, 3, False), "stage 1 on 3, offloaded": (3, 1, True),
-    "stage 2 on 1, offloaded": (1, 2, True)}
+    "same, offloaded": (2, 3, "disk"), "same, in memory": (2, 3, None), "same, in host memory": (2, 3, "cpu"),
+    "stage 1 on 3, offloaded": (3, 1, "disk"), "stage 2 on 1, offloaded": (1, 2, "disk")}
 
 
 @pytest.fixture(scope="module")
@@ -313,8 +326,8 @@ def checkpoint_runs(local_group, tmp_path_factory):
     for dtype in ("float32", "float64"):
         root = str(tmp_path_factory.mktemp(f"offload-checkpoint-{dtype}"))
         memory_root = str(tmp_path_factory.mktemp(f"memory-checkpoint-{dtype}"))
-        saved = local_group(2).run(save_and_go_on, root, 3, True, dtype, timeout_s=120)[0]
-        in_memory = local_group(2).run(save_and_go_on, memory_root, 3, False, dtype, timeout_s=120)[0]
+        saved = local_group(2).run(save_and_go_on, root, 3, "disk", dtype, timeout_s=120)[0]
+        in_memory = local_group(2).run(save_and_go_on, memory_root, 3, None, dtype, timeout_s=120)[0]
         resumed = {name: local_group(world).run(load_and_go_on, root, stage, offload, dtype, timeout_s=120)[0]
                    for name, (world, stage, offload) in RESUMES.items()
                    if dtype == "float64" or (world, stage) == (2, 3)}
@@ -361,13 +374,13 @@ def refusal_in_group(rank, world_size, folder, case):
             model = nn.Sequential(nn.Linear(10**6, 10**6, bias=False), nn.Linear(10**6, 10**6, bias=False))
         return attempt(lambda: zero.shard(model, 3, units=list(model), init=lambda m: None, offload="disk",
                                           offload_dir=folder))
-    return attempt(lambda: build(3, "AdamW", folder, True))
+    return attempt(lambda: build(3, "AdamW", folder, "disk"))
 
 
 def changed_in_group(rank, world_size, folder, change):
     """A step, then this rank's file flipped or cut short, then the next step: what it raises."""
     os.makedirs(folder, exist_ok=True)
-    model, sharded, optimizer = build(3, "AdamW", folder, True)
+    model, sharded, optimizer = build(3, "AdamW", folder, "disk")
     steps(model, sharded, optimizer, 0, 1)
     sharded.store.flush()
     path = sharded.store.file.path
@@ -467,14 +480,16 @@ EARLY_PROCESSES_FIXTURE = "trainer_runs"
 
 
 def early_processes():
-    """The trainer in memory, with offload, and with offload and rank 0 SIGKILLed inside step 4's streamed step
-    (after its first bucket's state was written behind), restarted by torchrun from the step-2 checkpoint."""
+    """The trainer in memory, with offload (to a disk, and to host memory), and with offload and rank 0 SIGKILLed
+    inside step 4's streamed step (after its first bucket's state was written behind), restarted by torchrun from
+    the step-2 checkpoint."""
     offload = ["--offload", "disk", "--offload-dir"]
     (out_dir() / "files").mkdir(exist_ok=True)
     (out_dir() / "files-killed").mkdir(exist_ok=True)
     return {
         "memory": (TORCHRUN + trainer_argv("memory"), ENV),
         "offload": (TORCHRUN + trainer_argv("offload", *offload, str(out_dir() / "files")), ENV),
+        "host": (TORCHRUN + trainer_argv("host", "--offload", "cpu"), ENV),
         "killed": (TORCHRUN[:-2] + ["--nproc_per_node", "2", "--max-restarts", "1"]
                    + trainer_argv("killed", *offload, str(out_dir() / "files-killed")),
                    dict(ENV, DDP_CIFAR100_FAULT="0:3:offload")),
@@ -494,14 +509,17 @@ def final_state(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["offload", "killed"])
+@pytest.mark.parametrize("name", ["offload", "host", "killed"])
 def test_the_trainer_with_offload_ends_as_without_it(trainer_runs, name):
     memory, ours = json.loads((out_dir() / "memory.json").read_text()), None
-    if name == "offload":
-        ours = json.loads((out_dir() / "offload.json").read_text())
+    if name in ("offload", "host"):
+        ours = json.loads((out_dir() / f"{name}.json").read_text())
         assert (ours["train_loss"], ours["val_loss"]) == (memory["train_loss"], memory["val_loss"])
         assert ours["state_bytes"]["optimizer"] < memory["state_bytes"]["optimizer"] / 100
+        tiers = {rank["tier"] for rank in ours["offload"]["ranks"]}
+        assert tiers == {"disk" if name == "offload" else "cpu"}, tiers
     else:
         assert "resuming from" in trainer_runs["killed"].stdout and "optimizer step 2" in trainer_runs["killed"].stdout
     assert identical(final_state(name), final_state("memory"))
-    assert os.listdir(out_dir() / ("files" if name == "offload" else "files-killed")) == []
+    if name != "host":
+        assert os.listdir(out_dir() / ("files" if name == "offload" else "files-killed")) == []

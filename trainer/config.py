@@ -151,8 +151,9 @@ class Config:
                                help="custom --zero 1-3: keep each process's optimizer state, and at --zero 3 its "
                                     "weights' and gradients' shards too, in a file under --offload-dir, streamed "
                                     "through a few buffers by a background thread (zero/offload/); only the storage "
-                                    "moves: the weights are bit for bit those of the run without it. cpu: in a GPU's "
-                                    "pinned host memory (not built yet)")
+                                    "moves: the weights are bit for bit those of the run without it. cpu: in host "
+                                    "memory instead (pinned under a GPU, whose memory it frees; on a CPU device it "
+                                    "only copies)")
     offload_dir: str | None = flag(None, metavar="PATH",
                                    help="--offload disk: the folder of the offload files, one per process, on a disk "
                                         "(not tmpfs) with room for the state: 16 Psi / W bytes a process at --zero "
@@ -567,9 +568,9 @@ def check_offload(given: argparse.Namespace) -> None:
     if given.grad_sync != "custom" or stage == 0:
         raise UsageError(f"--offload is for --grad-sync custom --zero 1-3 (the sharded stages' state), not "
                          f"--grad-sync {given.grad_sync} --zero {stage}")
-    if offload == "cpu":
-        raise UsageError("--offload cpu (pinned host memory under a GPU) is not built yet; --offload disk is")
-    if given.offload_dir is None:
+    if offload == "cpu" and given.offload_dir is not None:
+        raise UsageError("--offload cpu keeps the state in host memory; --offload-dir is for --offload disk")
+    if offload == "disk" and given.offload_dir is None:
         raise UsageError("--offload disk needs --offload-dir PATH, a folder on a disk for the offload files")
     refused = {  # the flag given: why not with --offload
         "--async-checkpoint": given.async_checkpoint and "it stages the whole state in memory to write it",

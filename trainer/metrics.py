@@ -410,7 +410,8 @@ def offload_figures(meter: Any, steps: int) -> dict[str, Any] | None:
     """--offload: each rank's traffic through its offload file, per optimizer step: its steps' own, the median
     over the steps after the warm-up ("step_*": bytes read and written, the seconds its loop waited on them), and
     the whole run's (build, saves and evaluations included) over its steps; its file's and its buffers' bytes, and
-    whether it bypassed the page cache (O_DIRECT). None without offload (on every rank alike)."""
+    whether it bypassed the page cache (O_DIRECT); its tier ("disk", "cpu": host memory, where the "file" is host
+    memory's slots). None without offload (on every rank alike)."""
     store = getattr(meter.parts.sync, "store", None)
     if store is None:
         return None
@@ -421,7 +422,8 @@ def offload_figures(meter: Any, steps: int) -> dict[str, Any] | None:
             **{f"step_{key}": statistics.median(step[key] for step in kept) if kept else None
                for key in ("read_bytes", "written_bytes", "read_wait_s", "write_wait_s")},
             "steps": meter.offload_steps,
-            "file_bytes": store.stored_bytes(), "buffer_bytes": store.buffer_bytes, "direct": store.file.direct}
+            "file_bytes": store.stored_bytes(), "buffer_bytes": store.buffer_bytes, "direct": store.file.direct,
+            "tier": store.file.tier}
     everyone: list[Any] = [None] * meter.parts.ctx.world_size
     dist.all_gather_object(everyone, mine)
     return {"ranks": everyone}

@@ -5,7 +5,7 @@ your own training loop.
     sharded = zero.shard(model, stage, units=None, group=None, collectives="torch",   # stage 0..3; "ring" too
                          replicate_group=None, param_dtype=None, reduce_dtype=None,    # stages 1-3: hybrid, bf16
                          init=None,                                                   # a meta-device model: fn(module)
-                         offload=None, offload_dir=None)                              # "disk": the state in a file
+                         offload=None, offload_dir=None)                              # "disk" (a file), "cpu"
     optimizer = sharded.optimizer(torch.optim.AdamW, params_or_groups, lr=3e-4)        # over the MODEL's params
     for i, batch in enumerate(window):
         sharded.set_requires_gradient_sync(i == len(window) - 1)
@@ -39,7 +39,8 @@ Where each part is, by concern (FSDP2's ``_fully_shard/`` and DCP's split):
     zero/init.py          a model built on the meta device, materialized shard by shard (init=)
     zero/pieces.py        what a rank holds of each tensor: flat ranges as parameters' pieces and n-D boxes
     zero/offload/         offload="disk": the state kept in a file per rank, streamed through a few buffers (files,
-                          store, folder, shards: the step bucket by bucket; slots: checkpoints streamed from it)
+                          store, folder, shards: the step bucket by bucket; slots: checkpoints streamed from it);
+                          offload="cpu": the same in host memory (host)
     zero/checkpoint/      checkpoints: sharded in torch.distributed.checkpoint's format (api, state_dict, planner,
                           checks), or one file of the whole state dicts (whole); the checkpoint methods every sync
                           offers (methods: Checkpoints, WholeCheckpoints); its names imported at first use

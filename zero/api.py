@@ -74,7 +74,8 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
     ``offload="disk"`` (stages 1-3; ZeRO-Offload's and ZeRO-Infinity's idea, zero/offload/): the optimizer's state,
     and at stage 3 the master weights' and gradients' shards too, kept in a file per rank under ``offload_dir`` and
     streamed through a few buffers by a background I/O thread; only the storage moves, so the weights are bit for
-    bit those of the same run without it. ``offload="cpu"``: the same state in a GPU's pinned host memory."""
+    bit those of the same run without it. ``offload="cpu"``: the same state in host memory (pinned under a GPU: a
+    GPU's memory freed of it), the step still run where the model is (zero/offload/host.py)."""
     check_options(stage, collectives, overlap, accumulate, units, replicate_group)
     check_offload(offload, offload_dir, stage, replicate_group, accumulate)
     check_trainable(model)
@@ -89,7 +90,7 @@ def shard(model: nn.Module, stage: int, units: list[nn.Module] | None = None,
     if offload is not None:  # the folder, the file and the disk's room for the shards: before any tensor is made
         where = next(model.parameters()).device if not deferred else \
             torch.device(device) if device is not None else init_module.default_device(group)
-        store = open_store(offload_dir, where, group, shard_bytes(model, stage, dist.get_world_size(group)))
+        store = open_store(offload, offload_dir, where, group, shard_bytes(model, stage, dist.get_world_size(group)))
     if deferred:  # materialized (stages 0-2) or given placeholders (stage 3), the same on every rank: no broadcast
         device, init_device = place_deferred(model, stage, init, group, device, init_device)
     else:
@@ -149,10 +150,10 @@ def check_offload(offload: str | None, offload_dir: str | None, stage: int, repl
         return
     if offload not in ("disk", "cpu"):
         raise ValueError(f"zero.shard: offload is 'disk' or 'cpu', not {offload!r}")
-    if offload == "cpu":
-        raise ValueError("zero.shard: offload='cpu' (pinned host memory under a GPU) is not built yet; "
-                         "offload='disk' is, on any device")
-    if offload_dir is None:
+    if offload == "cpu" and offload_dir is not None:
+        raise ValueError("zero.shard: offload='cpu' keeps the state in host memory; offload_dir is for "
+                         "offload='disk'")
+    if offload == "disk" and offload_dir is None:
         raise ValueError("zero.shard: offload='disk' needs offload_dir, the folder its files go in")
     if stage == 0:
         raise ValueError("zero.shard: offload is for the sharded stages 1-3 (stage 0 keeps everything on every "

@@ -129,8 +129,11 @@ class OffloadFile:
     on the disk at once (``posix_fallocate``: a full disk is found when a slot is made, not in the middle of a
     step), read and written whole by the caller's I/O threads."""
 
+    tier = "disk"  # offload="disk" (zero/offload/host.py's HostMemory: "cpu")
+
     def __init__(self, folder: str, name: str):
         self.path = os.path.join(folder, name)
+        self.label = f"offload file {self.path}"
         self.direct = True
         self.fd = self._open(os.O_DIRECT)
         try:

@@ -1,7 +1,7 @@
 """The store: a rank's offloaded tensors by name, kept in its offload file (zero/offload/files.py) and brought into
 memory only while a stage uses them, through a few reusable buffers, by two background I/O threads.
 
-    store = Store(folder, rank, device)
+    store = Store(OffloadFile(folder, "rank0.offload"), device)   # or HostMemory (zero/offload/host.py)
     store.create(("weights", 3), numel, torch.float32)   # a slot in the file, reserved on the disk
     tensor = store.fresh(("weights", 3))                  # a buffer for it, to fill ...
     store.put(("weights", 3), tensor)                     # ... and write behind: the tensor is the store's again
@@ -34,6 +34,7 @@ from typing import Callable, Hashable
 import torch
 
 from zero.offload.files import OffloadError, OffloadFile, Slot, aligned_empty, round_up
+from zero.offload.host import HostMemory
 
 
 def slot_text(name: Hashable) -> str:
@@ -70,12 +71,13 @@ class Traffic:
 
 
 class Store:
-    """A rank's named offloaded tensors (module docstring). ``device``: where the tensors handed out live;
-    ``write_behind_bytes``: the most bytes of writes in flight before ``put`` waits."""
+    """A rank's named offloaded tensors (module docstring). ``file``: where their bytes are kept (an offload file, or
+    host memory); ``device``: where the tensors handed out live; ``write_behind_bytes``: the most bytes of writes in
+    flight before ``put`` waits."""
 
-    def __init__(self, folder: str, file_name: str, device: torch.device | str = "cpu",
+    def __init__(self, file: OffloadFile | HostMemory, device: torch.device | str = "cpu",
                  write_behind_bytes: int = 512 * 2**20, trace: bool = False):
-        self.file = OffloadFile(folder, file_name)
+        self.file = file
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.entries: dict[Hashable, Entry] = {}
@@ -149,7 +151,7 @@ class Store:
         self._reap()
         self.prefetch(name)
         if name not in self.ahead:
-            raise OffloadError(f"offload file {self.file.path}: {slot_text(name)} was never written, so it cannot "
+            raise OffloadError(f"{self.file.label}: {slot_text(name)} was never written, so it cannot "
                                f"be read")
         future = self.ahead.pop(name)
         start = time.perf_counter()
