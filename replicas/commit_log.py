@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from replicas.protocol import ReplicaRefused
+from replicas.protocol import ReplicaRefused, one_line
 
 
 def append_log(path: str, entry: dict[str, Any]) -> None:
@@ -29,10 +29,37 @@ def write_log(path: str, entries: list[dict[str, Any]]) -> None:
 
 
 def read_log(path: str, steps_only: bool = True) -> list[dict[str, Any]]:
-    """A commit log's entries: the committed steps (``steps_only``), or everything noted too."""
-    with open(path) as f:
-        entries = [json.loads(line) for line in f if line.strip()]
+    """A commit log's entries: the committed steps (``steps_only``), or everything noted too. One that cannot be
+    read, or a line of it that is not an entry, is refused in one line naming the file and the line (ReplicaRefused:
+    a restart of the group would read the same)."""
+    entries = []
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line)
+                except ValueError as error:
+                    raise ReplicaRefused(f"--commit-log {path}: line {number} is not JSON ({error}): a log written "
+                                         f"by another program, or cut by hand? Give this group a new --commit-log "
+                                         f"or mend the line") from None
+                if not isinstance(entry, dict) or not valid_entry(entry):
+                    raise ReplicaRefused(f"--commit-log {path}: line {number} is not a commit log's entry "
+                                         f"({line.strip()[:80]!r})")
+                entries.append(entry)
+    except (OSError, UnicodeDecodeError) as error:
+        raise ReplicaRefused(f"--commit-log {path}: unreadable ({one_line(error)})") from None
     return [entry for entry in entries if "step" in entry] if steps_only else entries
+
+
+def valid_entry(entry: dict[str, Any]) -> bool:
+    """A step's entry has a whole step and quorum, each at least 0 (booleans are not numbers here); a note has
+    none."""
+    if "step" not in entry:
+        return True
+    return all(isinstance(entry.get(key), int) and not isinstance(entry[key], bool) and entry[key] >= 0
+               for key in ("step", "quorum"))
 
 
 def resume_log(path: str, step: int) -> list[dict[str, Any]]:

@@ -53,6 +53,14 @@ class Joined:
     recovery: Recovery | None = None
 
 
+READ_BOUND = 0.5  # of the fault timeout: the longest a member's wait or get of a key waits before asking again
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether a store call failed on its own timeout (the key not there in time), not on a lost connection."""
+    return isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()
+
+
 class Reconnected(Exception):  # not a RuntimeError: none of the handlers of a failed collective takes it
     """The coordinator was lost and a new one answers at its address: the quorum in flight is not taken."""
 
@@ -158,32 +166,49 @@ class Replica:
 
     def _wait_for(self, key: str, gone: Callable[[], bool] | None = None) -> bytes | None:
         """The value of ``key`` once it is set (however long: below min_groups the lighthouse waits); None once
-        ``gone()`` says it was deleted, or will never be set."""
+        ``gone()`` says it was deleted, or will never be set.
+
+        [Note: bounded reads] Every wait and get here gives up after half the fault timeout and asks ``gone()``
+        again, so a process stopped (SIGSTOP) anywhere in it finds a key deleted meanwhile within one fault timeout
+        of waking. The get is the one to watch: TCPStore's get of a missing key waits for it, up to the store's own
+        timeout, which is the connection's (30 s, HANDSHAKE_S: protocol.connect), so a get made as the lighthouse
+        forgot the key held a woken group 26-34 s, past the run's end (issue 75)."""
+        bound = timedelta(seconds=self.timeout_s * READ_BOUND)
         while True:
             if self.heartbeat.lost:
                 raise self._lost(self.heartbeat.lost)
             try:
-                self.store.wait([key], timedelta(seconds=self.timeout_s))
+                self.store.wait([key], bound)
             except RuntimeError as error:
-                if not (isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()):
+                if not timed_out(error):
                     self._reconnect(error)
                 if gone is not None and gone():
                     return None
                 continue
             failure = None
             try:
-                value = self.store.get(key)
+                value = self._bounded_get(key, bound)
             except RuntimeError as error:
                 value, failure = b"", error
             if value:
                 return value
-            # deleted between the wait and the get (stopped there: SIGSTOP): the get fails, or, deleted inside it
-            # (between the client's own wait and its read), reads b"", as the store's libuv server answers a missing
-            # key (a woken process under load, once: its ticket's answer parsed as b"")
+            # deleted between the wait and the get (stopped there: SIGSTOP): the get times out, or, deleted inside
+            # it (between the client's own wait and its read), reads b"", as the store's libuv server answers a
+            # missing key (a woken process under load, once: its ticket's answer parsed as b"")
             if gone is not None and gone():
                 return None
-            if failure is not None:
+            if failure is not None and not timed_out(failure):
                 self._reconnect(failure)
+
+    def _bounded_get(self, key: str, bound: timedelta) -> bytes:
+        """The store's get of ``key``, waiting at most ``bound`` for it ([Note: bounded reads]): the store's timeout
+        lowered for this one call (the process groups made over the store read it with the timeout they had)."""
+        kept = self.store.timeout
+        self.store.set_timeout(bound)
+        try:
+            return self.store.get(key)
+        finally:
+            self.store.set_timeout(kept)
 
     def _decision(self, quorum_id: int) -> bytes:
         """decision/n once set, b"commit" or b"abort". A process stopped long enough finds quorum n forgotten (the

@@ -90,16 +90,25 @@ class RunsFile:
 
 
 def malformed(kept: Any) -> str | None:
-    """What is wrong with a runs file's content (None: nothing)."""
+    """What is wrong with a runs file's content (None: nothing). A step is a whole number at least 0 (JSON's true
+    is not one, though Python's bool is an int), a run id a string of at least one character."""
     if not isinstance(kept, dict) or set(kept) != set(KEYS):
         return f"a JSON object with exactly the keys {', '.join(KEYS)} expected"
-    if kept["run"] is not None and not isinstance(kept["run"], str):
+    if kept["run"] is not None and not run_id(kept["run"]):
         return f"run {kept['run']!r}: a run id or null expected"
     finished = kept["finished"]
-    if finished is not None and not (isinstance(finished, dict) and isinstance(finished.get("step"), int)
-                                     and isinstance(finished.get("run"), (str, type(None)))):
+    if finished is not None and not (isinstance(finished, dict) and step_number(finished.get("step"))
+                                     and (finished.get("run") is None or run_id(finished["run"]))):
         return f"finished {finished!r}: null or {{\"step\": N, \"group\": G, \"run\": id}} expected"
     runs = kept["finished_runs"]
-    if not isinstance(runs, dict) or not all(isinstance(step, int) for step in runs.values()):
+    if not isinstance(runs, dict) or not all(run_id(run) and step_number(step) for run, step in runs.items()):
         return f"finished_runs {runs!r}: {{run id: last step}} expected"
     return None
+
+
+def step_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def run_id(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)

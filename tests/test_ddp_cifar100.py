@@ -231,13 +231,17 @@ def test_eval_only_evaluates_the_checkpoint(resumed_runs):
     assert evaluated["metrics"]["val_loss"] == pytest.approx(trained["metrics"]["val_loss"], rel=1e-12)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "flipped, --eval-only"])
 def test_corrupt_checkpoint_is_an_error_not_a_fresh_start(resumed_runs, tmp_path, damage):
-    good = (resumed_runs["dir"] / "last.pt").read_bytes()
-    (tmp_path / "last.pt").write_bytes(b"not a checkpoint" if damage == "garbage" else good[:len(good) // 2])
-    argv = resumed_runs["base"] + ["--checkpoint-dir", str(tmp_path)]
+    good = bytearray((resumed_runs["dir"] / "last.pt").read_bytes())
+    good[len(good) // 2] ^= 0x10
+    (tmp_path / "last.pt").write_bytes(b"not a checkpoint" if damage == "garbage" else good[:len(good) // 2]
+                                       if damage == "truncated" else good)
+    argv = resumed_runs["base"] + ["--checkpoint-dir", str(tmp_path)] + (["--eval-only"] if "eval" in damage else [])
     messages = resumed_runs["group"].run(try_train_in_group, argv)
-    assert all(isinstance(m, str) and "cannot read checkpoint" in m for m in messages)
+    assert all(isinstance(m, str) and ("cannot read checkpoint" in m or "does not match its checksum" in m)
+               for m in messages), messages
+    assert all(str(tmp_path / "last.pt") in m and "/proc/self/fd" not in m for m in messages), messages  # the file
 
 
 # ----------------------------------------------------------------------------------------------------------

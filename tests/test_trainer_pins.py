@@ -157,8 +157,6 @@ PARSED = [  # argv, what differs from DEFAULTS after parsing
           commit_log="log")),
     (["--dataset", "text", "--model", "gpt"], dict(dataset="text", model="gpt", data_dir="TEXT", image_size=None,
                                                    augment="none", context=128)),
-    (["--dataset", "text", "--model", "gpt-tiny", "--context", "0"],  # 0: the model's context
-     dict(dataset="text", model="gpt-tiny", data_dir="TEXT", image_size=None, augment="none", context=64)),
     (["--dataset", "imagefolder"], dict(dataset="imagefolder", image_size=224, augment="imagenet")),
     (["--dataset", "synthetic"], dict(dataset="synthetic", augment="none")),
     (["--dataset", "synthetic", "--grad-sync", "diloco"], dict(dataset="synthetic", augment="none",
@@ -342,6 +340,10 @@ ERRORS = [
       "h:0"], "--coordinator's port must be between 1 and 65535, got 0"),
     ([*REPLICA_GROUP_0, "--commit-log", "/no/such/dir/x.jsonl"],
      "--commit-log /no/such/dir/x.jsonl: no such folder /no/such/dir"),
+    ([*REPLICA_GROUP_0, "--commit-log", "/tmp"],
+     "--commit-log /tmp is a folder: give the path of a file (this group's log)"),
+    (["--dataset", "text", "--model", "gpt-tiny", "--context", "0"],  # not the model's context, in silence
+     "--context must be positive and --val-fraction in (0, 1), got 0 and 0.1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--zero", "4"], "argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3)"),
     # after parsing: before the process group, at set-up, before the first step
@@ -355,6 +357,10 @@ ERRORS = [
     (["--device", "cpu", "--dataset", "synthetic", "--train-size", "16", "--val-size", "8", "--batch-size", "8",
       "--epochs", "1", "--profile", "PROFILE", "--profile-steps", "2:3"],
      "--profile-steps 2:3 starts past this run's 2 optimizer steps"),
+    (["--device", "cpu", "--dataset", "synthetic", "--train-size", "5", "--val-size", "4", "--batch-size", "4"],
+     "5 training samples over 1 process(es) give each 5 an epoch, which --batch-size 4 cuts into a last micro-batch "
+     "of one sample: --model net's BatchNorm cannot take its statistics over one sample (--norm custom); choose a "
+     "--batch-size (or a training set) that leaves 2 or more"),
 ]
 
 

@@ -90,6 +90,7 @@ def build(config: Config) -> Parts:
         data.placed = (config.replica_group * ctx.world_size + ctx.rank, config.replica_groups * ctx.world_size)
     # the model, the same on every rank: built whole, or on the meta device for the sync to materialize
     model, init = make_model(config, ctx, data)
+    check_batch_statistics(config, ctx, data, model)
     # the gradient sync (and the replicas' outer loop), torch.compile, the optimizer through the sync
     within, across, replica, replica_size = replica_groups(config, ctx)
     sync = make_sync(config, model, ctx, within, across, init)
@@ -107,6 +108,26 @@ def build(config: Config) -> Parts:
                  scaler=make_scaler(config, ctx.device), steps_per_epoch=steps_per_epoch,
                  schedule_steps=schedule_steps, outer=outer, replica=replica, replica_size=replica_size,
                  compile_counts=compile_counts, phases=phases)
+
+
+def check_batch_statistics(config: Config, ctx: utils.DistContext, data: Any, model: nn.Module) -> None:
+    """A BatchNorm model cannot train on a micro-batch of one sample where the statistics are taken over it alone
+    (--norm local: each process's; custom and torch: the processes' together): nn.BatchNorm1d and ours raise "more
+    than 1 value per channel" there, after a whole epoch, and a mean over one sample is no batch statistic anyway.
+    So an epoch whose last micro-batch leaves one (DistributedSampler's shard of ceil(N / W) samples, cut into
+    --batch-size pieces) is refused at the build, in one line, with the sizes that fix it; not dropped or merged,
+    which would change every other run's batches (docs/trainer.md)."""
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    together = 1 if config.norm == "local" else ctx.world_size
+    smallest = min(data.batch_sizes())
+    if smallest * together < 2:
+        processes = data.placement()[1]
+        raise UsageError(f"{len(data.train)} training samples over {processes} process(es) give each "
+                         f"{math.ceil(len(data.train) / processes)} an epoch, which --batch-size {config.batch_size} "
+                         f"cuts into a last micro-batch of one sample: --model {config.model}'s BatchNorm cannot take "
+                         f"its statistics over one sample (--norm {config.norm}); choose a --batch-size (or a training "
+                         f"set) that leaves 2 or more")
 
 
 def on_meta_device(config: Config, data: Any) -> bool:

@@ -623,6 +623,8 @@ def check_replica_groups(given: argparse.Namespace) -> None:
     folder = os.path.dirname(given.commit_log or "") or "."
     if given.commit_log is not None and not os.path.isdir(folder):
         raise UsageError(f"--commit-log {given.commit_log}: no such folder {folder}")
+    if given.commit_log is not None and os.path.isdir(given.commit_log):
+        raise UsageError(f"--commit-log {given.commit_log} is a folder: give the path of a file (this group's log)")
     if given.grad_sync not in ("custom", *OUTER_SYNCS):
         raise UsageError(f"fault-tolerant replica groups train --grad-sync custom (--zero 0-3 inside each group), "
                          f"diloco or localsgd; --grad-sync {given.grad_sync} is not supported")
@@ -671,7 +673,7 @@ def data_flags(given: argparse.Namespace) -> dict[str, Any]:
                             ("--workers", given.workers or None)):
             if value is not None:
                 raise UsageError(f"{name} is for image sets, not --dataset text")
-        context = given.context or GPT_SIZES[given.model]["context"]
+        context = GPT_SIZES[given.model]["context"] if given.context is None else given.context  # (0 is refused)
         if context < 1 or not 0 < given.val_fraction < 1:
             raise UsageError(f"--context must be positive and --val-fraction in (0, 1), got {context} and "
                              f"{given.val_fraction}")

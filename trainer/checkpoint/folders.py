@@ -132,7 +132,8 @@ def identity(path: str) -> tuple[int, int, int] | None:
 def opened(found: Found | None, before: tuple[int, int, int] | None) -> Iterator[str | None]:
     """A path to read ``found`` by: a folder's own; last.pt's open file (/proc/self/fd/N, where there is one), so a
     save that replaces it meanwhile changes nothing of what is read, or None where the name no longer names the file
-    ``before`` identified (replaced since: read the newer one)."""
+    ``before`` identified (replaced since: read the newer one). An error that names the alias is raised as a
+    UsageError naming the file (every reader of a checkpoint says its errors so: manager.py)."""
     if found is None or found.folder or not os.path.isdir("/proc/self/fd"):
         yield found.path if found is not None else None
         return
@@ -141,9 +142,15 @@ def opened(found: Found | None, before: tuple[int, int, int] | None) -> Iterator
     except FileNotFoundError:
         yield None
         return
+    alias = f"/proc/self/fd/{descriptor}"
     try:
         stat = os.fstat(descriptor)
-        yield f"/proc/self/fd/{descriptor}" if (stat.st_dev, stat.st_ino, stat.st_mtime_ns) == before else None
+        yield alias if (stat.st_dev, stat.st_ino, stat.st_mtime_ns) == before else None
+    except Exception as error:  # noqa: BLE001 - a reader's error names the file as the user named it, not its alias
+        text = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {error}"
+        if alias not in text:
+            raise
+        raise UsageError(" ".join(text.replace(alias, found.path).split())) from None
     finally:
         os.close(descriptor)
 
