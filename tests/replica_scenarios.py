@@ -55,7 +55,8 @@ from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
-STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 14, "streaming": 40}
+STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 14, "streaming": 40,
+         "stops": 1000}
 RESTART_TIMEOUT_S = 60.0  # restart: the groups' fault timeout, time enough for a new coordinator on a loaded machine
 # progress: a step waits this long for a group before it goes on without it, and group 1 must be in every step up to
 # its kill (under two busy loops and the other batch, a step once waited past 10 s: group 1 left out of step 2 asked
@@ -150,6 +151,42 @@ def alone(out: str, data: str) -> dict:
         run.wait_for(2, "recovery after the hang", rejoined(events["quorum_at_stop"]), 120)
         open(gate, "w").close()  # the pace off: the run ends at speed
     return {**finish(run, act, timeout_s=400), "events": events}
+
+
+def stops(out: str, data: str) -> dict:
+    """Not in the suite's batches (minutes: ``python tests/replica_scenarios.py OUT stops``): 3 groups,
+    --min-replica-groups 1, group 2 stopped (SIGSTOP) REPLICA_STOPS times (20) for STOP_S (8 s, past the fault
+    timeout) at random moments of its steps, and woken; after each, the seconds until it rejoined by recovery (a
+    quorum after the one the others committed as it stopped; ``asked_s``: from its waking to its request of that
+    quorum). The others are paced until the stops are over."""
+    import random
+    gate = os.path.join(out, "events-over")
+    count, pause = int(os.environ.get("REPLICA_STOPS", "20")), float(os.environ.get("REPLICA_STOP_S", "8"))
+    run = ReplicaRun(out, 3, flags(data, STEPS["stops"], "--checkpoint-every", "50"), entry="tests/float64_trainer.py",
+                     env={"FLOAT64_TRAINER_PACE": f"{PACE_S}:{gate}", "FLOAT64_TRAINER_JOIN_BARRIER": out},
+                     min_groups=1, fault_timeout_s=FAULT_TIMEOUT_S, max_restarts=2)
+    chance, events = random.Random(int(os.environ.get("REPLICA_STOPS_SEED", "0"))), []
+
+    def act() -> None:
+        run.wait_for_step(2, 3, 120)
+        for _ in range(count):
+            time.sleep(chance.uniform(0.0, 2 * PACE_S))  # anywhere in a step: asking, waiting, averaging, voting
+            quorum = max(entry["quorum"] for entry in run.committed(0))
+            stopped_at = time.time()
+            run.signal(2, signal.SIGSTOP)
+            time.sleep(pause)
+            run.signal(2, signal.SIGCONT)
+            continued_at = time.time()
+            run.wait_for(2, f"recovery after stop {len(events) + 1}", lambda entries: any(
+                e.get("recovered", {}).get("group") == 2 and e["recovered"]["quorum"] > quorum for e in entries), 120)
+            rejoined = time.time()
+            note = next(e["recovered"] for e in run.committed(2, steps_only=False)
+                        if e.get("recovered", {}).get("group") == 2 and e["recovered"]["quorum"] > quorum)
+            events.append({"stopped_at": stopped_at, "continued_at": continued_at, "quorum_at_stop": quorum,
+                           "asked_s": note["asked"] - continued_at, "rejoined_s": rejoined - continued_at,
+                           "quorum": note["quorum"]})
+        open(gate, "w").close()
+    return {**finish(run, act, timeout_s=400 + count * (pause + 30)), "events": events}
 
 
 def progress(out: str, data: str) -> dict:
@@ -258,14 +295,14 @@ def finish(run: ReplicaRun, act, timeout_s: float) -> dict:
 
 
 SCENARIOS = {"kills": kills, "sharded": sharded, "alone": alone, "progress": progress, "diloco": diloco,
-             "streaming": streaming, "coordinator": coordinator, "restart": restart}
+             "streaming": streaming, "coordinator": coordinator, "restart": restart, "stops": stops}
 # two batches, each a process of its own (tests/test_replica_faults.py): about as long each, on a loaded machine too
 BATCHES = (("sharded", "diloco", "coordinator"), ("kills", "alone", "progress", "streaming", "restart"))
 
 
 def main(out: str, names: list[str]) -> int:
     data = corpus(out)
-    for name, scenario in ((name, SCENARIOS[name]) for name in names or SCENARIOS):
+    for name, scenario in ((name, SCENARIOS[name]) for name in names or [n for batch in BATCHES for n in batch]):
         folder = os.path.join(out, name)
         os.makedirs(folder, exist_ok=True)
         try:
