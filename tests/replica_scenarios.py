@@ -51,6 +51,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import replica_runs  # noqa: E402
 from benchmarks.replica_runs import ReplicaRun  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
@@ -186,7 +187,26 @@ def stops(out: str, data: str) -> dict:
                            "asked_s": note["asked"] - continued_at, "rejoined_s": rejoined - continued_at,
                            "quorum": note["quorum"]})
         open(gate, "w").close()
-    return {**finish(run, act, timeout_s=400 + count * (pause + 30)), "events": events}
+    outcome = {**finish(run, act, timeout_s=400 + count * (pause + 30)), "events": events}
+    return {**outcome, "summary": stops_summary(outcome, run.groups, count, pause)}
+
+
+def stops_summary(outcome: dict, groups: int, count: int, pause: float) -> dict:
+    """The stops scenario's figures: each rejoin's seconds, every group's steps once, their final weights equal."""
+    import statistics
+
+    import torch
+    weights = [replica_runs.final_weights(outcome["checkpoints"][str(g)]) for g in range(groups)]
+    tensors = [{k: v for k, v in (w or {}).items() if torch.is_tensor(v)} for w in weights]
+    steps = {str(g): [e["step"] for e in outcome["logs"][str(g)] if "step" in e] for g in range(groups)}
+    rejoined, asked = ([e[key] for e in outcome["events"]] for key in ("rejoined_s", "asked_s"))
+    return {"stops": count, "stop_s": pause, "fault_timeout_s": FAULT_TIMEOUT_S, "rejoined": len(rejoined),
+            "rejoined_s_median": statistics.median(rejoined) if rejoined else None,
+            "rejoined_s_max": max(rejoined, default=None), "asked_s_max": max(asked, default=None),
+            "codes": outcome["codes"], "seconds": outcome["seconds"],
+            "every_step_once": all(s == list(range(STEPS["stops"])) for s in steps.values()),
+            "weights_equal": all(t and t.keys() == tensors[0].keys() and all(torch.equal(t[k], tensors[0][k])
+                                                                             for k in t) for t in tensors)}
 
 
 def progress(out: str, data: str) -> dict:
