@@ -162,13 +162,14 @@ class Lighthouse:
             return (f"this coordinator's run finished at step {finished['step']}, and this group keeps nothing of it "
                     f"(a new run, or a group without --commit-log or --checkpoint-dir): a new run needs a new "
                     f"coordinator (restart `{SERVE}`) or one started with --new-run")
-        end = self.finished_runs.get(request.get("run"))
+        end, holder = self.finished_runs.get(request.get("run")), None
         if finished is not None and request.get("run") in (None, finished.get("run"), self.run_id):
-            end = finished["step"]
+            end, holder = finished["step"], finished.get("group")
         if end is not None and request["step"] < end:
             return (f"{FINISHED} at step {end} while this group was away (it is at step {request['step']}): no group "
-                    f"is left to take the live state from, and nothing is left to train; the run's weights are the "
-                    f"other groups'")
+                    f"is left to take the live state from, and nothing is left to train; the run's weights are "
+                    + (f"group {holder}'s (and those of the groups that finished with it)" if holder is not None
+                       else "the other groups'"))
         return None
 
     # [Note: new run] A coordinator whose run finished refuses a new run's groups (a run that trained nothing and ended
@@ -211,9 +212,14 @@ class Lighthouse:
         return None
 
     def _refuse(self, request: dict[str, Any], why: str) -> None:
+        """The request's answer: refused, why; a group behind its run's end is given that end too (``_ended``: the
+        step, and the group that finished it where this run's), for the note it leaves in its checkpoint folder."""
+        finished = why.startswith(FINISHED)
+        end = self._finished() if finished else None
+        end = end if end is not None and request.get("run") in (None, end.get("run"), self.run_id) else None
         self.store.set(f"{PREFIX}ticket/{request['ticket']}",
                        json.dumps({"refused": f"replica group {request['group']} refused by the coordinator: {why}",
-                                   "finished": why.startswith(FINISHED)}))
+                                   "finished": finished, "end": end}))
 
     def _watch_heartbeats(self) -> None:
         size = max(self.places.values(), default=1)  # every planned group's: a restarted coordinator's first quorum

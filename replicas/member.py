@@ -310,7 +310,9 @@ class Replica:
                       f"forgotten while it was stopped: asking again", file=sys.stderr, flush=True)
         if b"refused" in answer[:12]:
             refusal = json.loads(answer)
-            raise (RunFinished if refusal.get("finished") else ReplicaRefused)(refusal["refused"])
+            if refusal.get("finished"):
+                raise RunFinished(refusal["refused"], refusal.get("end"))
+            raise ReplicaRefused(refusal["refused"])
         self.quorum, self.stale = Quorum.parse(answer), False
         if not self.taken:
             self._taken()

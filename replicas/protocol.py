@@ -45,6 +45,10 @@ class RunFinished(ReplicaRefused):
     """The run finished while this group was away: nothing is left for it to do. Not a failure: a torchrun that
     restarted the group after a fault need not restart it again (its process ends with 0)."""
 
+    def __init__(self, message: str, end: dict | None = None):
+        super().__init__(message)
+        self.end = end  # the run's end as the coordinator keeps it: {"step", "group", "run"} (None: not known)
+
 
 def connect(address: str, timeout_s: float, handshake_s: float = HANDSHAKE_S) -> TCPStore:
     """A client of the coordinator's store at HOST:PORT; one that cannot be reached in ``timeout_s`` is one line. A

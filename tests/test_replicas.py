@@ -104,6 +104,38 @@ def test_a_group_back_after_the_run_finished_ends_with_0_and_says_why(two_groups
                                                    "coordinator: the run finished at step 6"), late[0]["stderr"]
 
 
+def test_a_group_left_behind_marks_its_folder_and_every_reader_says_so(tmp_path, capsys):
+    """[Note: left behind] (trainer/checkpoint/folders.py): a group told the run finished at step 6 while its folder
+    holds step 4 marks the folder (rank 0), says which step it holds in its note, and the readers (the trainer's
+    current checkpoint, read_alone: --generate and the export) say the folder is not the run's result; a save into
+    it removes the mark."""
+    from types import SimpleNamespace
+
+    from trainer import checkpoint
+    from trainer.replica_groups import ReplicaGroups
+    from utils import UsageError
+    (tmp_path / "last.pt").write_bytes(b"a checkpoint of step 4")
+    groups = object.__new__(ReplicaGroups)
+    groups.parts = SimpleNamespace(config=SimpleNamespace(checkpoint_dir=str(tmp_path), replica_group=1),
+                                   ctx=SimpleNamespace(rank=0))
+    groups.replica = SimpleNamespace(durable=4, run="the-run")
+    said = groups._left_behind(replicas.RunFinished("replica group 1 refused by the coordinator: the run finished at "
+                                                    "step 6", {"step": 6, "group": 0, "run": "the-run"}))
+    mark = tmp_path / checkpoint.folders.BEHIND
+    assert isinstance(said, replicas.RunFinished) and str(said).endswith(
+        f"; its --checkpoint-dir {tmp_path} holds step 4, marked as not the run's end ({mark})"), str(said)
+    assert json.loads(mark.read_text()) == {"held_step": 4, "group": 1, "run": "the-run", "run_end_step": 6,
+                                            "end_group": 0}
+    note = (f"note: {tmp_path} holds step 4 of a run that finished at step 6 without this group: not the run's "
+            f"result, which is in replica group 0's checkpoints ({mark})")
+    assert checkpoint.current(str(tmp_path)).note == note
+    with pytest.raises(UsageError):  # (not a real last.pt: the reader refuses it, having said the note)
+        checkpoint.read_alone(str(tmp_path))
+    assert capsys.readouterr().err.splitlines()[0] == note
+    checkpoint.folders.clear_behind(str(tmp_path))  # what every save does first, on rank 0
+    assert checkpoint.current(str(tmp_path)).note is None
+
+
 def test_a_new_run_on_a_coordinator_whose_run_finished_is_refused_with_1(two_groups):
     """Not the late group's note and 0 (a new run that trained nothing, its checkpoint folder empty, ended as done):
     a group that keeps nothing of the run (no commit log nor checkpoint naming its id) is a new run, refused."""
@@ -148,6 +180,8 @@ def test_the_run_id_tells_a_group_of_the_run_from_another_run():
     store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 5, "group": 0, "run": run}))
     answers = [ask(ticket, which) for ticket, which in (("new", None), ("late", run), ("other", "elsewhere"))]
     assert [answer.get("finished") for answer in answers] == [False, True, False]
+    assert answers[1]["end"] == {"step": 5, "group": 0, "run": run}  # for its folder's mark ([Note: left behind])
+    assert "the run's weights are group 0's (and those of the groups that finished with it)" in answers[1]["refused"]
     assert "this coordinator's run finished at step 5" in answers[0]["refused"]
     assert "another run (elsewhere" in answers[2]["refused"]
 
@@ -167,6 +201,7 @@ def test_a_coordinator_started_with_new_run_starts_a_new_run_once_the_old_one_fi
     assert not store.check([f"{replicas.PREFIX}finished"])  # the new run's end will be its own
     late = ask("late", old["run"], step=2)
     assert late.get("finished") and "the run finished at step 5" in late["refused"]
+    assert late["end"] is None and "the run's weights are the other groups'" in late["refused"]  # (not the new run's)
     store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 9, "group": 0, "run": new["run"]}))
     assert ask("late-new", new["run"], step=3).get("finished")  # the new run's late group: its end, step 9
 

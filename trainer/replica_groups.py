@@ -54,6 +54,7 @@ import zero.checkpoint
 from diloco import ring_allreduce_compressed
 from trainer import faults
 from trainer.build import Parts
+from trainer import checkpoint
 from trainer.checkpoint import NO_SUMS, fingerprint, trajectory
 from trainer.config import OUTER_SYNCS, Config
 
@@ -132,7 +133,10 @@ class ReplicaGroups:
         """This step's quorum joined; whether this group received the live state in it (``take_live_state`` has
         then loaded it), noted in the commit log with its timings."""
         asked = time.time()
-        joined = self.replica.join(self.position.optimizer_steps)
+        try:
+            joined = self.replica.join(self.position.optimizer_steps)
+        except replicas.RunFinished as finished:
+            raise self._left_behind(finished) from None
         quorum, received = joined.quorum, joined.recovery
         if not self.run_kept and self.run_file and self.parts.ctx.rank == 0 and self.replica.run:
             with utils.atomic_write(self.run_file) as f:  # a restart of this group is of this run (protocol: run)
@@ -148,6 +152,21 @@ class ReplicaGroups:
                                              "transfer_s": received.seconds, "load_s": received.load_s,
                                              "bytes": received.bytes}})
         return received is not None
+
+    def _left_behind(self, finished: replicas.RunFinished) -> replicas.RunFinished:
+        """The run finished while this group was away: its --checkpoint-dir marked as not the run's end ([Note: left
+        behind] in trainer/checkpoint/folders.py: rank 0 writes it), and the note says which step it holds."""
+        directory = self.parts.config.checkpoint_dir
+        if not directory or finished.end is None or checkpoint.current(directory) is None:
+            return finished  # (no checkpoint: nothing a reader could take for the run's result)
+        held = self.replica.durable
+        record = {"held_step": held, "group": self.parts.config.replica_group, "run": self.replica.run,
+                  "run_end_step": finished.end["step"], "end_group": finished.end.get("group")}
+        path = os.path.join(directory, checkpoint.folders.BEHIND)
+        if self.parts.ctx.rank == 0:
+            checkpoint.mark_behind(directory, record)
+        return replicas.RunFinished(f"{finished}; its --checkpoint-dir {directory} holds step {held}, marked as not "
+                                    f"the run's end ({path})", finished.end)
 
     # diloco's meeting (diloco.DiLoCo.meet_through): a quorum per meeting, an average on a thread, a vote
     def join_meeting(self) -> bool:

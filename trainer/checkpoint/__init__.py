@@ -60,10 +60,10 @@ all a resumed run needs to continue bit for bit; a resumed image-folder run deco
 Bit-for-bit claims (resume, restarts, two nodes, custom == DDP) are facts of the CPU kernels. On CUDA, convolutions
 pick nondeterministic algorithms unless asked: --deterministic (build.make_deterministic) asks.
 """
-from trainer.checkpoint.folders import Found, current, make_current
+from trainer.checkpoint.folders import Found, current, make_current, mark_behind
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.reading import non_finite, read_alone, read_state
 from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, fingerprint, trajectory
 
 __all__ = ["Checkpointer", "Found", "NO_SUMS", "Position", "RunState", "current", "fingerprint", "make_current",
-           "non_finite", "read_alone", "read_state", "trajectory"]
+           "mark_behind", "non_finite", "read_alone", "read_state", "trajectory"]

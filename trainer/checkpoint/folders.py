@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ import utils
 from utils import UsageError
 
 FILE, LATEST = "last.pt", "latest"  # DIR/last.pt; DIR/latest names the current folder
+BEHIND = "not-the-runs-end.json"  # a replica group's folder left behind its run's end (mark_behind)
 FOLDER, PARTIAL = "step-", ".partial"  # DIR/step-N, written as DIR/step-N.partial
 REMOVING = ".removing"  # a superseded DIR/step-N is renamed so before it is deleted: no reader sees it half gone
 OURS = re.compile(r"step-(\d+)(\.partial|\.removing)?")  # the names this script writes, the only ones it removes
@@ -90,12 +92,54 @@ def current(directory: str) -> Found | None:
     """The checkpoint a run in ``directory`` resumes from: the folder DIR/latest names, or DIR/last.pt; the newer
     when both are there (a run stopped between making one current and removing the other). A finished folder newer
     than the named one (a run stopped between its rename and the pointer) is adopted once checked whole; a missing
-    or unreadable DIR/latest, or one naming no folder, falls back to the newest whole folder (``note`` says so)."""
+    or unreadable DIR/latest, or one naming no folder, falls back to the newest whole folder (``note`` says so), and
+    a folder marked behind its run's end (``mark_behind``) says that in ``note`` too."""
     file = os.path.join(directory, FILE)
     folder = current_folder(directory)
     if os.path.exists(file) and (folder is None or os.path.getmtime(file) > os.path.getmtime(folder.path)):
-        return Found(file, folder=False)
-    return folder
+        folder = Found(file, folder=False)
+    behind = behind_note(directory)
+    if folder is None or behind is None:
+        return folder
+    return folder._replace(note=f"{folder.note}; {behind}" if folder.note else behind)
+
+
+# [Note: left behind] A replica group back after its run finished (replicas.RunFinished) ends with 0 and its folder
+# as it was: a checkpoint of a step before the run's end, which a reader (--eval-only, --generate, the export, a
+# user's torch.load) would take for the run's result. So the group leaves DIR/not-the-runs-end.json beside it
+# (the step it holds, the run's end and the group whose checkpoints hold it), every reader of the folder notes it,
+# and the next save into the folder (a run that trains it again) removes it.
+def mark_behind(directory: str, record: dict) -> str:
+    """DIR/not-the-runs-end.json written (atomically) with ``record``; its path."""
+    path = os.path.join(directory, BEHIND)
+    with utils.atomic_write(path) as f:
+        json.dump(record, f)
+        f.write("\n")
+    return path
+
+
+def behind_note(directory: str) -> str | None:
+    """A reader's note where ``directory`` is marked behind its run's end (``mark_behind``), else None."""
+    path = os.path.join(directory, BEHIND)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        held, end, holder = record["held_step"], record["run_end_step"], record.get("end_group")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"note: {path} marks this folder as not its run's end (unreadable: see the file)"
+    where = f"replica group {holder}'s checkpoints" if holder is not None else "the other replica groups'"
+    return (f"note: {directory} holds step {held} of a run that finished at step {end} without this group: not the "
+            f"run's result, which is in {where} ({path})")
+
+
+def clear_behind(directory: str) -> None:
+    """A save into the folder: what it holds is trained again, no longer left behind."""
+    try:
+        os.unlink(os.path.join(directory, BEHIND))
+    except FileNotFoundError:
+        pass
 
 
 def current_folder(directory: str) -> Found | None:

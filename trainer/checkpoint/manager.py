@@ -287,6 +287,8 @@ class Checkpointer:
             self.save_folder(state)
         else:
             self.save_file(state)
+        if self.rank == 0:  # trained again: no longer left behind its run's end ([Note: left behind] in folders.py)
+            folders.clear_behind(self.directory)
         self.stalls.append(time.perf_counter() - start)
 
     def save_folder(self, state: dict[str, Any]) -> None:

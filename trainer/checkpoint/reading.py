@@ -7,12 +7,13 @@ checks none); a checkpoint that is torn, incomplete, corrupt or not this script'
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Iterable
 
 import torch
 
 import zero
-from trainer.checkpoint.folders import Found, current
+from trainer.checkpoint.folders import Found, behind_note, current
 from utils import UsageError
 
 RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "micro_batches_total", "fingerprint",
@@ -83,6 +84,9 @@ def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:
     dict, or a folder's run state and "model"), for --generate and for tools; None where there is none. A run may
     be saving into ``directory`` meanwhile: a folder removed while it is read (superseded by a newer one) is read
     again from the newer (last.pt is replaced atomically, and a mapped file outlives its name)."""
+    behind = behind_note(directory)  # [Note: left behind] in folders.py
+    if behind is not None:
+        print(behind, file=sys.stderr, flush=True)
     try:
         return read_whole_alone(directory)
     except UsageError as exc:  # what is wrong, and the checkpoint left alone: a reader's is no resume
