@@ -228,9 +228,25 @@ class Lighthouse:
         present = [key for key in keys if self.store.check([key])]
         now = time.monotonic()
         for key, value in zip(present, self.store.multi_get(present) if present else []):
+            if self._intruder(int(key.split("/")[-2]), value.split(b"/")[0].decode(), key):
+                continue
             if self.beats.get(key, (None, 0.0))[0] != value:
                 self.beats[key] = (value, now)
                 self.alive[int(key.split("/")[-2]), value.split(b"/")[0].decode()] = now
+
+    def _intruder(self, group: int, incarnation: str, key: str) -> bool:
+        """[Note: intruders] Whether a heartbeat is another process's than the one that claimed its group, while that
+        one is alive (``_claimed`` would refuse the other: two torchruns given one --replica-group, or one of another
+        --lr on a live group's number). Its beats are not the group's: counted, they made the live group's last beat
+        read as the intruder's, so that ``_may_hold`` denied it its state and, once the refused process exited (its
+        liveness connection closed), ``_gone`` took the live group for dead, out of the next quorums, in a run with
+        no fault. A claimant gone (dead, or silent past the silence it is given) leaves the key to its restart, whose
+        beats count at once, as before."""
+        claimant = self.claims.get(group)
+        if claimant is None or claimant == incarnation:
+            return False
+        silent = time.monotonic() - self.alive.get((group, claimant), -float("inf"))
+        return silent <= self._silence_given([key], claimant)
 
     def _silent_for(self, group: int) -> float:
         """Seconds since the staler of the group's places last beat (inf: never seen, or a place's process is gone:
