@@ -241,12 +241,15 @@ class Lighthouse:
         read as the intruder's, so that ``_may_hold`` denied it its state and, once the refused process exited (its
         liveness connection closed), ``_gone`` took the live group for dead, out of the next quorums, in a run with
         no fault. A claimant gone (dead, or silent past the silence it is given) leaves the key to its restart, whose
-        beats count at once, as before."""
+        beats count at once, as before. Only a claimant known alive by its liveness connection (held open) makes
+        another an intruder: without one, a restart cannot be told from a second claimant by its beats alone, and
+        its beats count as they always did."""
         claimant = self.claims.get(group)
-        if claimant is None or claimant == incarnation:
+        if claimant is None or claimant == incarnation or self.liveness is None:
             return False
-        silent = time.monotonic() - self.alive.get((group, claimant), -float("inf"))
-        return silent <= self._silence_given([key], claimant)
+        if self.liveness.closed(key, claimant) or not self.liveness.connected(key, claimant):
+            return False
+        return time.monotonic() - self.alive.get((group, claimant), -float("inf")) <= self._patience()
 
     def _silent_for(self, group: int) -> float:
         """Seconds since the staler of the group's places last beat (inf: never seen, or a place's process is gone:

@@ -69,7 +69,7 @@ def outcomes():
     for done in processes.results_of(sys.modules[__name__], timeout=WAIT_S).values():
         assert done.returncode == 0, done.stderr[-3000:]
     found = {}
-    for name in replica_scenarios.SCENARIOS:
+    for name in (name for batch in replica_scenarios.BATCHES for name in batch):
         with open(os.path.join(processes.folder(__name__), name, "outcome.json")) as f:
             found[name] = json.load(f)
         assert "error" not in found[name], found[name].get("error")

@@ -935,14 +935,14 @@ def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_on
     assert ask("first")["members"] == [0]
     store.set(f"{replicas.PREFIX}hb/0/0", "first/1")  # the first one beats on
     lighthouse._watch_heartbeats()
+    key = f"{replicas.PREFIX}hb/0/0"
+    lighthouse.liveness = GoneProcesses((), {(key, "first"), (key, "second")})  # both hold their connections
     refused = ask("second").get("refused", "")
     assert refused.startswith("replica group 0 refused by the coordinator: another process of it is running"), refused
     # the refused one's beat, still in the key, is not the group's ([Note: intruders]): once it exits (its liveness
     # connection closed), the live group is not taken for gone, nor denied its state
-    key = f"{replicas.PREFIX}hb/0/0"
-    lighthouse._watch_heartbeats()
     assert lighthouse.beats[key][0] == b"first/1", lighthouse.beats[key]
-    lighthouse.liveness = GoneProcesses({(key, "second")}, {(key, "first")})
+    lighthouse.liveness.ended.add((key, "second"))  # the refused one exits
     assert not lighthouse._gone(0) and lighthouse._may_hold(0, "first")
     lighthouse.liveness = None
     store.set(f"{replicas.PREFIX}decision/0", "abort")
