@@ -471,7 +471,8 @@ class Replica:
                 self._call(self.store.compare_set, PREFIX + "finished", "", end)
                 # until the coordinator has it where a restart of it finds it (its runs file): this process's exit
                 # would otherwise take the only other copy with it; at most the fault timeout
-                if self._wait_for(PREFIX + "finished_kept", gone=lambda: True) is None:
+                deadline = time.monotonic() + self.timeout_s  # (each wait is bounded by half of it)
+                if self._wait_for(PREFIX + "finished_kept", gone=lambda: time.monotonic() > deadline) is None:
                     print(f"replicas: group {self.group}: the coordinator {self.address} did not say within the fault "
                           f"timeout that it keeps the run's end (its --runs-file unwritable?): restarted, it may not "
                           f"know the run finished", file=sys.stderr, flush=True)
