@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from replicas.protocol import ReplicaRefused, one_line
+from replicas.protocol import ReplicaRefused, one_line, whole_number
 
 
 def append_log(path: str, entry: dict[str, Any]) -> None:
@@ -54,12 +54,8 @@ def read_log(path: str, steps_only: bool = True) -> list[dict[str, Any]]:
 
 
 def valid_entry(entry: dict[str, Any]) -> bool:
-    """A step's entry has a whole step and quorum, each at least 0 (booleans are not numbers here); a note has
-    none."""
-    if "step" not in entry:
-        return True
-    return all(isinstance(entry.get(key), int) and not isinstance(entry[key], bool) and entry[key] >= 0
-               for key in ("step", "quorum"))
+    """A step's entry has a whole step and quorum (``whole_number``); a note has none."""
+    return "step" not in entry or all(whole_number(entry.get(key)) for key in ("step", "quorum"))
 
 
 def resume_log(path: str, step: int) -> list[dict[str, Any]]:

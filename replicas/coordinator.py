@@ -163,8 +163,8 @@ class Lighthouse:
                     f"(a new run, or a group without --commit-log or --checkpoint-dir): a new run needs a new "
                     f"coordinator (restart `{SERVE}`) or one started with --new-run")
         end, holder = self.finished_runs.get(request.get("run")), None
-        if finished is not None and request.get("run") in (None, finished.get("run"), self.run_id):
-            end, holder = finished["step"], finished.get("group")
+        if (ours := self._end_of(request, finished)) is not None:
+            end, holder = ours["step"], ours.get("group")
         if end is not None and request["step"] < end:
             return (f"{FINISHED} at step {end} while this group was away (it is at step {request['step']}): no group "
                     f"is left to take the live state from, and nothing is left to train; the run's weights are "
@@ -211,12 +211,14 @@ class Lighthouse:
         self.claims[group] = incarnation
         return None
 
+    def _end_of(self, request: dict[str, Any], finished: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``finished`` (``_finished``) where the request is of that run, or names none; else None."""
+        return finished if finished and request.get("run") in (None, finished.get("run"), self.run_id) else None
+
     def _refuse(self, request: dict[str, Any], why: str) -> None:
-        """The request's answer: refused, why; a group behind its run's end is given that end too (``_ended``: the
-        step, and the group that finished it where this run's), for the note it leaves in its checkpoint folder."""
+        """The request's answer: refused, why; a group behind its run's end given that end, for its folder's mark."""
         finished = why.startswith(FINISHED)
-        end = self._finished() if finished else None
-        end = end if end is not None and request.get("run") in (None, end.get("run"), self.run_id) else None
+        end = self._end_of(request, self._finished()) if finished else None
         self.store.set(f"{PREFIX}ticket/{request['ticket']}",
                        json.dumps({"refused": f"replica group {request['group']} refused by the coordinator: {why}",
                                    "finished": finished, "end": end}))
@@ -228,22 +230,20 @@ class Lighthouse:
         present = [key for key in keys if self.store.check([key])]
         now = time.monotonic()
         for key, value in zip(present, self.store.multi_get(present) if present else []):
-            if self._intruder(int(key.split("/")[-2]), value.split(b"/")[0].decode(), key):
+            group, incarnation = int(key.split("/")[-2]), value.split(b"/")[0].decode()
+            if self._intruder(group, incarnation, key):
                 continue
             if self.beats.get(key, (None, 0.0))[0] != value:
                 self.beats[key] = (value, now)
-                self.alive[int(key.split("/")[-2]), value.split(b"/")[0].decode()] = now
+                self.alive[group, incarnation] = now
 
     def _intruder(self, group: int, incarnation: str, key: str) -> bool:
-        """[Note: intruders] Whether a heartbeat is another process's than the one that claimed its group, while that
-        one is alive (``_claimed`` would refuse the other: two torchruns given one --replica-group, or one of another
-        --lr on a live group's number). Its beats are not the group's: counted, they made the live group's last beat
-        read as the intruder's, so that ``_may_hold`` denied it its state and, once the refused process exited (its
-        liveness connection closed), ``_gone`` took the live group for dead, out of the next quorums, in a run with
-        no fault. A claimant gone (dead, or silent past the silence it is given) leaves the key to its restart, whose
-        beats count at once, as before. Only a claimant known alive by its liveness connection (held open) makes
-        another an intruder: without one, a restart cannot be told from a second claimant by its beats alone, and
-        its beats count as they always did."""
+        """[Note: intruders] Whether a heartbeat is another process's than the live claimant of its group (its liveness
+        connection open, its beat within the fault timeout): a second claimant ``_claimed`` refuses. Counted, its
+        beats made the live group's last beat read as the intruder's: ``_may_hold`` denied the group its state, and
+        once the refused process exited (its connection closed) ``_gone`` took the group for dead, out of quorums in
+        a run with no fault. A claimant gone, or one without a connection (a restart is then not told from a second
+        claimant), leaves the key's beats counted as before."""
         claimant = self.claims.get(group)
         if claimant is None or claimant == incarnation or self.liveness is None:
             return False

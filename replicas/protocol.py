@@ -14,6 +14,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import TCPStore
 
@@ -35,6 +36,12 @@ class GroupStops(RuntimeError):
 
 class CoordinatorLost(GroupStops):
     """The coordinator cannot be reached: one line, naming it."""
+
+
+def whole_number(value: Any) -> bool:
+    """A step or a quorum as the files read it: an int of at least 0 (JSON's true is not one, though Python's bool
+    is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class ReplicaRefused(ValueError):

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Any
 
-from replicas.protocol import SERVE, one_line
+from replicas.protocol import SERVE, one_line, whole_number
 
 KEYS = ("run", "finished", "finished_runs")
 
@@ -90,24 +90,20 @@ class RunsFile:
 
 
 def malformed(kept: Any) -> str | None:
-    """What is wrong with a runs file's content (None: nothing). A step is a whole number at least 0 (JSON's true
-    is not one, though Python's bool is an int), a run id a string of at least one character."""
+    """What is wrong with a runs file's content (None: nothing). A step is a whole number (``whole_number``), a run
+    id a string of at least one character."""
     if not isinstance(kept, dict) or set(kept) != set(KEYS):
         return f"a JSON object with exactly the keys {', '.join(KEYS)} expected"
     if kept["run"] is not None and not run_id(kept["run"]):
         return f"run {kept['run']!r}: a run id or null expected"
     finished = kept["finished"]
-    if finished is not None and not (isinstance(finished, dict) and step_number(finished.get("step"))
+    if finished is not None and not (isinstance(finished, dict) and whole_number(finished.get("step"))
                                      and (finished.get("run") is None or run_id(finished["run"]))):
         return f"finished {finished!r}: null or {{\"step\": N, \"group\": G, \"run\": id}} expected"
     runs = kept["finished_runs"]
-    if not isinstance(runs, dict) or not all(run_id(run) and step_number(step) for run, step in runs.items()):
+    if not isinstance(runs, dict) or not all(run_id(run) and whole_number(step) for run, step in runs.items()):
         return f"finished_runs {runs!r}: {{run id: last step}} expected"
     return None
-
-
-def step_number(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def run_id(value: Any) -> bool:

@@ -97,7 +97,7 @@ def reserve(store: Store, group: dist.ProcessGroup | None, need: int, what: str,
             make: Callable[[], None]) -> None:
     """Room for ``need`` more bytes a rank checked over the group, then ``make()`` run (it creates the slots, which
     reserves their blocks), a failure of it on any rank raised on every rank alike."""
-    room = memory_room() if isinstance(store.file, HostMemory) else disk_room(os.path.dirname(store.file.path))
+    room = memory_room() if store.file.tier == "cpu" else disk_room(os.path.dirname(store.file.path))
     agreed(room_problem(room, need, group, what), group)
     problem = None
     try:

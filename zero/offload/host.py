@@ -62,11 +62,8 @@ class HostMemory:
 
     def write(self, slot: Slot, buffer: torch.Tensor) -> None:
         self.slots[slot.offset].copy_(buffer[:slot.capacity])
-        slot.crc = 0  # written (Slot.crc None: never written); no checksum, as the module docstring says
 
-    def read(self, slot: Slot, buffer: torch.Tensor) -> None:
-        if slot.crc is None:
-            raise OffloadError(f"{self.label}: {slot.name} was never written, so it cannot be read")
+    def read(self, slot: Slot, buffer: torch.Tensor) -> None:  # (only once written: the store's take and prefetch)
         buffer[:slot.capacity].copy_(self.slots[slot.offset])
 
     def close(self) -> None:
