@@ -4,7 +4,9 @@ in a file per rank and streamed through a few buffers, with only the storage mov
 A user's model as users write them (a token embedding tied to the head, a frozen positional table, blocks in a
 ModuleList, the second under activation checkpointing) and a training recipe (decay and no-decay parameter groups,
 clipping that bites, gradient accumulation), trained with offload and without it, at stages 1-3, 1-3 processes,
-every element-wise torch.optim optimizer, float32 and bf16 weights over float32 masters; to a disk, and (AdamW on 2
+every element-wise torch.optim optimizer and the two whole-matrix ones (Muon beside AdamW, as Muon's recipe has it,
+and Adafactor, at every stage on 3 processes: their matrices cut across ranks), float32 and bf16 weights over float32
+masters; to a disk, and (AdamW on 2
 processes, every stage) to host memory, offload="cpu", whose slots on a CPU device are copies. The claims:
 - bit for bit: the weights, the optimizer's state dict and every step's clipping norm of the run with offload are
   the run's without it (torch.equal, no tolerance: [Note: only the storage moves] in zero/offload/shards.py);
@@ -43,8 +45,12 @@ from zero_testing import OPTIMIZERS, attempt, identical
 VOCAB, WIDTH, CONTEXT, BATCH, K, STEPS, MAX_NORM = 24, 12, 8, 4, 2, 3, 0.05
 BUCKET_MB = 600 / 2**20  # a few buckets at stages 1-2, runs cut across ranks and groups
 # (stage, world size, optimizer, param_dtype): every optimizer at stage 3 on 2 (weights, gradients and state all
-# offloaded), AdamW at every stage on 1-3 and SGD with momentum on 2, bf16 weights over fp32 masters at every stage
+# offloaded), AdamW at every stage on 1-3 and SGD with momentum on 2, Muon + AdamW and Adafactor at every stage on 3
+# (zero/matrix.py's step a bucket at a time, its collectives included), bf16 weights over fp32 masters at every stage
+WHOLE_MATRIX = {"Muon": (torch.optim.Muon, {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}),
+                "Adafactor": (torch.optim.Adafactor, {"lr": 1e-2, "weight_decay": 0.01})}
 CONFIGS = ([(3, 2, name, None) for name in OPTIMIZERS]
+           + [(stage, 3, name, None) for stage in (1, 2, 3) for name in WHOLE_MATRIX]
            + [(stage, world, name, None) for stage in (1, 2, 3) for world in (1, 2, 3)
               for name in ("AdamW", "SGD momentum") if (stage, world) != (3, 2) and (world == 2 or name == "AdamW")]
            + [(stage, 2, "AdamW", "bf16") for stage in (1, 2, 3)])
@@ -98,14 +104,27 @@ def parameter_groups(model):
 
 def build(stage, name, folder, offload, param_dtype=None, dtype=torch.float32, device="cpu"):
     """The model sharded at ``stage`` (``offload``: None, "disk" into ``folder``, or "cpu") and ``name``'s optimizer
-    over its groups, on ``device``."""
+    over its groups, on ``device``; "Muon": Muon on the blocks' matrices, AdamW on the rest (a list of the two)."""
     model = make_model(dtype).to(device)
     where = {"offload": offload, "offload_dir": folder if offload == "disk" else None} if offload else {}
     sharded = zero.shard(model, stage, bucket_mb=BUCKET_MB, param_dtype=param_dtype, **where)
-    cls, settings = OPTIMIZERS[name]
+    cls, settings = {**OPTIMIZERS, **WHOLE_MATRIX}[name]
     groups = parameter_groups(model)
+    if name == "Muon":
+        matrices = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
+        rest = [[p for p in group["params"] if all(p is not m for m in matrices)] for group in groups]
+        adamw_settings = OPTIMIZERS["AdamW"][1]
+        return model, sharded, [sharded.optimizer(cls, matrices, **settings),
+                                sharded.optimizer(torch.optim.AdamW, [{**groups[0], "params": rest[0]},
+                                                                      {"params": rest[1], "weight_decay": 0.0}],
+                                                  **adamw_settings)]
     groups[1]["lr"] = settings["lr"] * groups[1].pop("lr_factor")
     return model, sharded, sharded.optimizer(cls, groups, **settings)
+
+
+def each(optimizer):
+    """The optimizers ``build`` made, as a list."""
+    return optimizer if isinstance(optimizer, list) else [optimizer]
 
 
 def micro_batch(step, k, rank, world_size):
@@ -131,8 +150,10 @@ def steps(model, sharded, optimizer, first, count, measure=None):
         if step == first + count - 1 and measure is not None:  # what the rank holds between steps, as the trainer
             measure()                                         # measures it: before the step's own prefetch
         norms.append(sharded.clip_grad_norm_(MAX_NORM))
-        optimizer.step()
-        optimizer.zero_grad()
+        for one in each(optimizer):
+            one.step()
+        for one in each(optimizer):
+            one.zero_grad()
     return norms
 
 
@@ -145,11 +166,13 @@ def run_config(stage, name, param_dtype, folder, offload, device="cpu"):
     def measure():
         held.update(zero.state_bytes(model, optimizer, sharded), frozen=sum(
             t.untyped_storage().nbytes() for t in sharded.held_shards()), runs=sum(
-            len(group["params"]) for group in optimizer.param_groups), element_wise=sum(
-            torch.is_tensor(v) and v.dim() > 0 for state in optimizer.state.values() for v in state.values()))
+            len(group["params"]) for one in each(optimizer) for group in one.param_groups), element_wise=sum(
+            torch.is_tensor(v) and v.dim() == 1 for one in each(optimizer) for state in one.state.values()
+            for v in state.values()))  # (Adafactor's row_var and col_var, kept whole, are 2-D and more)
     norms = steps(model, sharded, optimizer, 0, STEPS, measure)
     traffic = sharded.store.traffic if offload else None
-    out = {"norms": torch.stack(norms), "weights": sharded.model_state_dict(), "state": optimizer.state_dict(),
+    out = {"norms": torch.stack(norms), "weights": sharded.model_state_dict(),
+           "state": [one.state_dict() for one in each(optimizer)],
            "held": held, "read": traffic.read_bytes if traffic else 0, "written": traffic.written_bytes if traffic
            else 0, "files": sorted(os.listdir(folder)) if offload else None,
            "host": sharded.store.file.tier == "cpu" if offload else None}
@@ -194,7 +217,8 @@ def test_offload_is_the_in_memory_run_bit_for_bit(config_runs, config):
             assert memory["norms"].min() > MAX_NORM  # the clipping bites at every step
             assert identical(offloaded["weights"], memory["weights"]), rank
             assert identical(offloaded["state"], memory["state"]), rank
-            assert rank > 0 or config[2] == "SGD" or offloaded["state"]["state"]  # rank 0 gathered it (others {})
+            assert rank > 0 or config[2] == "SGD" or all(state["state"] for state in offloaded["state"])  # rank
+            # 0 gathered it (the others {})
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -288,27 +312,28 @@ def test_a_read_asked_while_its_write_is_in_flight_reads_what_was_written(tmp_pa
 MORE = 2
 
 
-def save_and_go_on(rank, world_size, root, stage, offload, dtype_name):
+def save_and_go_on(rank, world_size, root, stage, offload, dtype_name, name="AdamW"):
     """STEPS steps, a checkpoint (from the store, with offload), MORE steps: the weights and state at the end."""
     folder = os.path.join(root, f"offload-{rank}")
     os.makedirs(folder, exist_ok=True)
-    model, sharded, optimizer = build(stage, "AdamW", folder, offload, dtype=getattr(torch, dtype_name))
+    model, sharded, optimizer = build(stage, name, folder, offload, dtype=getattr(torch, dtype_name))
     steps(model, sharded, optimizer, 0, STEPS)
     zero.checkpoint.save(os.path.join(root, "checkpoint"), sharded, optimizer, extra={"step": STEPS})
     steps(model, sharded, optimizer, STEPS, MORE)
-    out = {"weights": sharded.model_state_dict(), "state": optimizer.state_dict()}
+    out = {"weights": sharded.model_state_dict(), "state": [one.state_dict() for one in each(optimizer)]}
     sharded.close()
     return out
 
 
-def load_and_go_on(rank, world_size, root, stage, offload, dtype_name):
+def load_and_go_on(rank, world_size, root, stage, offload, dtype_name, name="AdamW"):
     """The checkpoint loaded (into the store, with offload), then MORE steps."""
     folder = os.path.join(root, f"offload-{world_size}-{stage}-{offload}-{rank}")
     os.makedirs(folder, exist_ok=True)
-    model, sharded, optimizer = build(stage, "AdamW", folder, offload, dtype=getattr(torch, dtype_name))
+    model, sharded, optimizer = build(stage, name, folder, offload, dtype=getattr(torch, dtype_name))
     extra = zero.checkpoint.load(os.path.join(root, "checkpoint"), sharded, optimizer)
     steps(model, sharded, optimizer, STEPS, MORE)
-    out = {"weights": sharded.model_state_dict(), "state": optimizer.state_dict(), "extra": extra}
+    out = {"weights": sharded.model_state_dict(), "state": [one.state_dict() for one in each(optimizer)],
+           "extra": extra}
     sharded.close()
     return out
 
@@ -352,6 +377,31 @@ def test_a_checkpoint_of_the_store_resumes_anywhere(checkpoint_runs, name):
             assert max((resumed["weights"][k] - v).abs().max().item()
                        for k, v in uninterrupted["weights"].items()) < 1e-12
         assert identical(runs["in memory"]["weights"], uninterrupted["weights"])
+
+
+def whole_matrix_checkpoints(rank, world_size, root):
+    """Muon + AdamW and Adafactor at stage 3 on 3 processes, offloaded: a checkpoint streamed out of the store, and
+    the run resumed from it into the store and into memory."""
+    out = {}
+    for name in WHOLE_MATRIX:
+        folder = os.path.join(root, name)
+        out[name] = {"saved": save_and_go_on(rank, world_size, folder, 3, "disk", "float32", name),
+                     **{f"resumed {offload}": load_and_go_on(rank, world_size, folder, 3, offload, "float32", name)
+                        for offload in ("disk", None)}}
+    return out
+
+
+def test_a_whole_matrix_optimizers_checkpoint_streams_out_and_back_in(local_group, tmp_path):
+    """Muon's momentum, Adafactor's vectors' variance (in the store) and its row_var, col_var and step counts (kept
+    whole in memory) go through the checkpoint: the resumed runs, offloaded or in memory, end bit for bit as the
+    uninterrupted one."""
+    for rank, results in enumerate(local_group(3).run(whole_matrix_checkpoints, str(tmp_path), timeout_s=180)):
+        for name, runs in results.items():
+            for resumed in ("resumed disk", "resumed None"):
+                assert runs[resumed]["extra"] == {"step": STEPS}
+                assert identical(runs[resumed]["weights"], runs["saved"]["weights"]), (rank, name, resumed)
+                assert identical(runs[resumed]["state"], runs["saved"]["state"]), (rank, name, resumed)
+            assert rank > 0 or all(state["state"] for state in runs["saved"]["state"])
 
 
 def test_dcp_to_torch_save_reads_the_stores_checkpoint_as_the_in_memory_ones(checkpoint_runs, tmp_path):
@@ -494,8 +544,10 @@ def trainer_runs(local_group):
     a torchrun's would run it: ddp_cifar100.main), beside the killed run under torchrun."""
     from trainer_testing import main_in_group
     (out_dir() / "files").mkdir(exist_ok=True)
+    (out_dir() / "files-muon").mkdir(exist_ok=True)
     flags = {"memory": [], "offload": ["--offload", "disk", "--offload-dir", str(out_dir() / "files")],
-             "host": ["--offload", "cpu"]}
+             "host": ["--offload", "cpu"], "muon memory": ["--optimizer", "muon"],
+             "muon": ["--optimizer", "muon", "--offload", "disk", "--offload-dir", str(out_dir() / "files-muon")]}
 
     def in_process():
         return {name: local_group(2).run(main_in_group, trainer_argv(name, *extra)[1:], timeout_s=240)[0]
@@ -513,17 +565,19 @@ def final_state(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["offload", "host", "killed"])
+@pytest.mark.parametrize("name", ["offload", "host", "muon", "killed"])
 def test_the_trainer_with_offload_ends_as_without_it(trainer_runs, name):
-    memory, ours = json.loads((out_dir() / "memory.json").read_text()), None
-    if name in ("offload", "host"):
+    """(--optimizer muon: Muon and AdamW, each offloaded, against the same recipe in memory.)"""
+    memory = json.loads((out_dir() / ("muon memory.json" if name == "muon" else "memory.json")).read_text())
+    ours = None
+    if name in ("offload", "host", "muon"):
         ours = json.loads((out_dir() / f"{name}.json").read_text())
         assert (ours["train_loss"], ours["val_loss"]) == (memory["train_loss"], memory["val_loss"])
         assert ours["state_bytes"]["optimizer"] < memory["state_bytes"]["optimizer"] / 100
         tiers = {rank["tier"] for rank in ours["offload"]["ranks"]}
-        assert tiers == {"disk" if name == "offload" else "cpu"}, tiers
+        assert tiers == {"cpu" if name == "host" else "disk"}, tiers
     else:
         assert "resuming from" in trainer_runs["killed"].stdout and "optimizer step 2" in trainer_runs["killed"].stdout
-    assert identical(final_state(name), final_state("memory"))
+    assert identical(final_state(name), final_state("muon memory" if name == "muon" else "memory"))
     if name != "host":
-        assert os.listdir(out_dir() / ("files" if name == "offload" else "files-killed")) == []
+        assert os.listdir(out_dir() / {"offload": "files", "muon": "files-muon"}.get(name, "files-killed")) == []

@@ -576,7 +576,6 @@ def check_offload(given: argparse.Namespace) -> None:
         "--async-checkpoint": given.async_checkpoint and "it stages the whole state in memory to write it",
         "--replicas": given.replicas is not None and "hybrid sharding with offload is not built yet",
         "--replica-groups": given.replica_groups is not None and "replica groups with offload are not built yet",
-        "--optimizer muon": given.optimizer == "muon" and "Muon steps whole matrices across the ranks at once",
         "--zero3-accumulate unsharded": given.zero3_accumulate == "unsharded" and
                                         "it keeps every unit's full gradient in memory over the window",
         "--amp fp16": given.amp == "fp16" and stage == 3 and "its scaler unscales the gradients in memory, where "

@@ -14,7 +14,7 @@ order). What is element-wise stays on the pieces; what needs the whole matrix tr
   computes on the very bf16 matrix an unsharded Muon computes on, and returns the very bf16 update it applies.
 - Adafactor ([Note: Adafactor's statistics]): each matrix's row and column sums of the squared gradient and each
   parameter's sums of squares (of the weights before the step, for the step size; of the update, for its clipping)
-  are summed over the ranks in two all-reduces of a few numbers per parameter; the factored statistics
+  are summed over the ranks in two all-reduces (a bucket's parameters each) of a few numbers per parameter; the factored statistics
   (``row_var``, ``col_var``, a few hundred numbers per matrix) are kept whole on every rank holding a piece, each
   of which updates them identically, and the second moment of a vector stays on its pieces, element-wise.
 
@@ -51,13 +51,15 @@ class WholeParameter:
     end), the stretch of the parameter's elements in its chunk, numbered in the parameter's layout order in the flat
     (its memory order: Bucket.view), ascending ranks. ``piece``: this rank's own, the inner optimizer's tensor (a
     view of the weights' shard, its .grad a view of the gradient shard), or None. ``owner``: Muon's, the rank that
-    orthogonalizes it ([Note: Muon's placement])."""
+    orthogonalizes it ([Note: Muon's placement]). ``bucket``: the index of the bucket it lies in (the whole of it:
+    a parameter is in one bucket)."""
     index: int  # in torch.optim's numbering of this optimizer
     group: int
     name: str
     shape: torch.Size
     strides: tuple[int, ...]  # its layout in the flat
     pieces: list[tuple[int, int, int]]
+    bucket: int
     piece: nn.Parameter | None = None
     owner: int = -1
 
@@ -83,7 +85,8 @@ def whole_parameters(params: list[tuple[nn.Parameter, int, str]], bucket_of: dic
         holders = range(offset // width, (offset + p.numel() - 1) // width + 1)
         stretches = [(r, max(offset, r * width) - offset, min(offset + p.numel(), (r + 1) * width) - offset)
                      for r in holders]
-        out.append(WholeParameter(index, group, name, p.shape, tuple(strides), stretches, pieces.get(id(p))))
+        out.append(WholeParameter(index, group, name, p.shape, tuple(strides), stretches, bucket.index,
+                                  pieces.get(id(p))))
     return out
 
 
@@ -92,7 +95,12 @@ class PieceOptimizer:
     WholeParameters and the group's collectives. ``gradients_attached`` is False from a zero_grad(set_to_none) until
     the stage gives the pieces their gradient views back (before the next forward): a step in between steps nothing,
     as torch.optim skips a parameter without .grad, and every rank decides alike (a rank may hold no piece at all
-    and still takes part in the step's collectives)."""
+    and still takes part in the step's collectives).
+
+    ``step_bucket(b)``: the step of bucket ``b``'s parameters alone, collectives included (a parameter lies in one
+    bucket, and neither optimizer reads across parameters): what offload's streamed step runs, one bucket at a time,
+    with that bucket's tensors read in (zero/offload/shards.py). Every rank runs it for every bucket the optimizer
+    has a parameter in, in the same order, piece or none."""
 
     torch_class: type[torch.optim.Optimizer]
 
@@ -103,6 +111,9 @@ class PieceOptimizer:
         defaults = self.torch_class(whole_groups, **settings).defaults
         torch.optim.Optimizer.__init__(self, params, defaults)  # type: ignore[arg-type]
         self.whole_parameters, self.comm = parameters, comm
+        self.in_bucket: dict[int, list[WholeParameter]] = {}
+        for p in parameters:
+            self.in_bucket.setdefault(p.bucket, []).append(p)
         # the masters' dtype and device: what every rank's messages are made of, pieces or none
         self.dtype, self.device = master.dtype, master.device
         self.gradients_attached = False  # until the first forward (the stage's before_forward)
@@ -112,8 +123,19 @@ class PieceOptimizer:
         if set_to_none:
             self.gradients_attached = False
 
-    def _held(self) -> list[WholeParameter]:
-        return [p for p in self.whole_parameters if p.piece is not None]
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure_loss(closure)
+        if self.gradients_attached:
+            self._step_all()
+        return loss
+
+    def _step_all(self) -> None:
+        for b in sorted(self.in_bucket):
+            self.step_bucket(b)
+
+    def step_bucket(self, b: int) -> None:
+        raise NotImplementedError
 
 
 def closure_loss(closure: Any) -> Any:
@@ -212,20 +234,29 @@ class ShardedMuon(PieceOptimizer, torch.optim.Muon):
         self._build(params, whole_groups, settings, parameters, comm, master)
         self.newton_schulz_load = assign_owners(parameters, comm.size)
         self.plan = ExchangePlan.of(parameters, comm.rank, comm.size)
+        self.bucket_plans = {b: ExchangePlan.of(ps, comm.rank, comm.size) for b, ps in self.in_bucket.items()}
 
     def exchange_bytes(self) -> int:
         """Bytes this rank sends per step in the two all-to-alls (bf16, what leaves it)."""
         out, back = self.plan.send_counts(), self.plan.recv_counts()
         return 2 * (sum(out) - out[self.comm.rank] + sum(back) - back[self.comm.rank])
 
+    def _step_all(self) -> None:
+        self._exchange_step(self.whole_parameters, self.plan)  # one exchange there and back for every matrix
+
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure_loss(closure)
-        if not self.gradients_attached:
-            return loss
+    def step_bucket(self, b: int) -> None:
+        self._exchange_step(self.in_bucket[b], self.bucket_plans[b])  # the same bytes, moved per bucket
+
+    def _exchange_step(self, parameters: list[WholeParameter], plan: ExchangePlan) -> None:
+        """``parameters`` stepped, their matrices sent by ``plan`` (theirs): each matrix's Newton-Schulz the same on
+        the same bf16 values however many travel together, so a bucket at a time is the step at once, bit for
+        bit."""
         # the momentum and Nesterov's mix on this rank's pieces (torch's _single_tensor_muon, line for line)
         updates: dict[int, torch.Tensor] = {}
-        for p in self._held():
+        for p in parameters:
+            if p.piece is None:
+                continue
             group, grad = self.param_groups[p.group], p.piece.grad
             state = self.state[p.piece]
             if "momentum_buffer" not in state:
@@ -235,16 +266,16 @@ class ShardedMuon(PieceOptimizer, torch.optim.Muon):
             update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
             updates[p.index] = update.to(torch.bfloat16)  # Newton-Schulz's own first step
         device = self.device
-        out_counts, back_counts = self.plan.send_counts(), self.plan.recv_counts()
+        out_counts, back_counts = plan.send_counts(), plan.recv_counts()
 
         # to the owners: each owned matrix whole, in bf16, laid out as the parameter
-        outgoing = torch.cat([updates[p.index] for owned in self.plan.to_owner for p in owned] or
+        outgoing = torch.cat([updates[p.index] for owned in plan.to_owner for p in owned] or
                              [torch.empty(0, dtype=torch.bfloat16, device=device)])
         pending, incoming = self.comm.all_to_all(outgoing, out_counts, back_counts, "all_to_all to the owners")
         pending.wait()
         wholes: dict[int, torch.Tensor] = {}
         at = 0
-        for held in self.plan.from_holder:
+        for held in plan.from_holder:
             for p, start, end in held:
                 whole = wholes.setdefault(p.index, torch.empty(p.numel, dtype=torch.bfloat16, device=device))
                 whole[start:end] = incoming[at:at + end - start]
@@ -257,12 +288,12 @@ class ShardedMuon(PieceOptimizer, torch.optim.Muon):
             whole.as_strided(p.shape, p.strides).copy_(orthogonal)  # back into the layout order, in place
 
         # back to the holders, who apply it as torch does
-        returning = torch.cat([wholes[p.index][start:end] for held in self.plan.from_holder for p, start, end in held]
+        returning = torch.cat([wholes[p.index][start:end] for held in plan.from_holder for p, start, end in held]
                               or [torch.empty(0, dtype=torch.bfloat16, device=device)])
         pending, orthogonal_pieces = self.comm.all_to_all(returning, back_counts, out_counts, "all_to_all back")
         pending.wait()
         at = 0
-        for owned in self.plan.to_owner:
+        for owned in plan.to_owner:
             for p in owned:
                 group = self.param_groups[p.group]
                 lr = _to_scalar(group["lr"])
@@ -270,7 +301,6 @@ class ShardedMuon(PieceOptimizer, torch.optim.Muon):
                 p.piece.mul_(1 - lr * group["weight_decay"])
                 p.piece.add_(orthogonal_pieces[at:at + p.piece.numel()], alpha=-adjusted_lr)
                 at += p.piece.numel()
-        return loss
 
 
 def factor_indices(p: WholeParameter, start: int, end: int, device: torch.device
@@ -297,10 +327,12 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
     move ``row_var`` and ``col_var``, and the mean of ``row_var`` (the estimate row_var col_var / mean); and ||update||
     (update / max(1, RMS(update) / d)). A vector's (and a 0-dim parameter's) second moment is element-wise. So a step
     is: on the pieces, the sums of squares of the weights, and per matrix the row and column sums of g^2 (each
-    element into its row and column, ``factor_indices``); ONE all-reduce of all of them (per parameter 1 + rows +
-    columns numbers: small); then on every rank holding a piece the same lerp of the whole ``row_var`` and
+    element into its row and column, ``factor_indices``); ONE all-reduce of all of them for a bucket's parameters
+    (per parameter 1 + rows + columns numbers: small); then on every rank holding a piece the same lerp of the whole ``row_var`` and
     ``col_var`` (kept whole there, so they stay equal), the piece's estimate row_var[i] col_var[j] / mean and its
-    update, and its sum of squares; a SECOND all-reduce of those (one number per parameter); then the add. The
+    update, and its sum of squares; a SECOND all-reduce of those (one number per parameter); then the add. A bucket at a time, in every
+    mode (``step_bucket``): offload steps one bucket's tensors at a time, and an all-reduce's order of summation may
+    follow the tensor's length, so the step in memory sums in the same pieces. The
     step count, eps1 (None: the dtype's eps), rho_t, the beta2 schedule step^beta2_decay and maximize are torch's.
     What differs from one process is the order of the sums: torch squares a row's norm where this adds the squares
     of a row's pieces and then the ranks', a rounding apart (test_zero_matrix argues what that amounts to). The
@@ -312,32 +344,33 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
     def __init__(self, params: list[dict[str, Any]], *, whole_groups: list[dict[str, Any]],
                  parameters: list[WholeParameter], comm: Collectives, master: torch.Tensor, **settings: Any):
         self._build(params, whole_groups, settings, parameters, comm, master)
-        # where each parameter's sums sit in the first all-reduce: its weights' sum of squares, then (matrices) its
-        # rows' and its columns' sums of g^2
-        self.sums_at: list[tuple[int, slice, slice]] = []
-        length = 0
-        for p in parameters:
-            rows, columns = (p.numel // p.shape[-1], p.numel // p.shape[-2]) if len(p.shape) >= 2 else (0, 0)
-            self.sums_at.append((length, slice(length + 1, length + 1 + rows),
-                                 slice(length + 1 + rows, length + 1 + rows + columns)))
-            length += 1 + rows + columns
-        self.sums_length = length
+        # where each parameter's sums sit in its bucket's first all-reduce: its weights' sum of squares, then
+        # (matrices) its rows' and its columns' sums of g^2; and its place in the second
+        self.sums_at: dict[int, tuple[int, slice, slice, int]] = {}
+        self.sums_length: dict[int, int] = {}
+        for b, in_bucket in self.in_bucket.items():
+            length = 0
+            for place, p in enumerate(in_bucket):
+                rows, columns = (p.numel // p.shape[-1], p.numel // p.shape[-2]) if len(p.shape) >= 2 else (0, 0)
+                self.sums_at[p.index] = (length, slice(length + 1, length + 1 + rows),
+                                         slice(length + 1 + rows, length + 1 + rows + columns), place)
+                length += 1 + rows + columns
+            self.sums_length[b] = length
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure_loss(closure)
-        if not self.gradients_attached or not self.whole_parameters:
-            return loss
-        held = self._held()
+    def step_bucket(self, b: int) -> None:
+        """Bucket ``b``'s parameters stepped, with its own two all-reduces (a bucket at a time in every mode, so that
+        offload's streamed step sums in the very order of the step in memory)."""
+        held = [p for p in self.in_bucket[b] if p.piece is not None]
 
         # the first all-reduce: each parameter's sum of squares of its weights (before the decay, as torch reads
         # them), and a matrix's sums of g^2 by row and by column
-        sums = torch.zeros(self.sums_length, dtype=self.dtype, device=self.device)
+        sums = torch.zeros(self.sums_length[b], dtype=self.dtype, device=self.device)
         grads: dict[int, torch.Tensor] = {}
         factors: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for p in held:
             grads[p.index] = grad = -p.piece.grad if self.param_groups[p.group]["maximize"] else p.piece.grad
-            weights_at, rows_at, columns_at = self.sums_at[p.index]
+            weights_at, rows_at, columns_at, _ = self.sums_at[p.index]
             sums[weights_at] = p.piece.square().sum()
             if len(p.shape) >= 2:
                 factors[p.index] = rows, columns, _ = factor_indices(p, *p.span(self.comm.rank), self.device)
@@ -347,11 +380,11 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
         dist.all_reduce(sums, group=self.comm.group)
 
         # each piece's update, as torch makes it, from the whole statistics
-        update_sums = torch.zeros(len(self.whole_parameters), dtype=self.dtype, device=self.device)
+        update_sums = torch.zeros(len(self.in_bucket[b]), dtype=self.dtype, device=self.device)
         updates: dict[int, tuple[torch.Tensor, float]] = {}
         for p in held:
             group, grad = self.param_groups[p.group], grads[p.index]
-            weights_at, rows_at, columns_at = self.sums_at[p.index]
+            weights_at, rows_at, columns_at, place = self.sums_at[p.index]
             lr = _to_scalar(group["lr"])
             eps1, eps2 = group["eps"]
             if eps1 is None:
@@ -377,16 +410,16 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
                 var_estimate = variance.clone()
             update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
             update.mul_(grad)
-            update_sums[p.index] = update.square().sum()
+            update_sums[place] = update.square().sum()
             updates[p.index] = (update, alpha)
 
         # the second all-reduce: the updates' norms, for their clipping
         dist.all_reduce(update_sums, group=self.comm.group)
         for p in held:
             update, alpha = updates[p.index]
-            denom = max(1.0, update_sums[p.index].sqrt().item() / ((p.numel ** 0.5) * self.param_groups[p.group]["d"]))
+            norm = update_sums[self.sums_at[p.index][3]].sqrt().item()
+            denom = max(1.0, norm / ((p.numel ** 0.5) * self.param_groups[p.group]["d"]))
             p.piece.add_(update, alpha=-alpha / denom)
-        return loss
 
     def _state_of(self, p: WholeParameter) -> dict[str, Any]:
         """The piece's state, made as torch's _init_group makes a parameter's (the factored statistics in the whole

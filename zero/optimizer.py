@@ -155,7 +155,7 @@ class ShardedOptimizer:
     (``WHOLE_MATRIX``, zero/matrix.py): Muon (the element-wise parts on the pieces, each matrix's Newton-Schulz once,
     on its owner, by torch's own function, the pieces brought there and back by all-to-alls in bf16: to the last
     bit of torch's) and Adafactor (the row and column statistics and the norms summed over the ranks in two small
-    all-reduces: torch's arithmetic, its sums in another order). Their runs are cut at every parameter's boundary
+    all-reduces a bucket: torch's arithmetic, its sums in another order). Their runs are cut at every parameter's boundary
     (pieces), the buckets and chunks stay what they are: the stages' memory and traffic are unchanged, and what a
     matrix needs whole travels on its own. Refused in one line at ``sharded.optimizer`` (``WHOLE_PARAMETER``):
     LBFGS (dot products over the whole gradient, and a closure), SparseAdam (sparse gradients); so is any class not
@@ -214,11 +214,6 @@ class ShardedOptimizer:
         and undeclared classes are refused here ([Note: which optimizers])."""
         check_optimizer_class(optimizer_class, self.stage)
         self.settle()
-        if self.streamed is not None and optimizer_class in WHOLE_MATRIX:
-            raise ValueError(f"sharded.optimizer: {optimizer_class.__name__} with offload is not built yet: its step "
-                             f"reads every piece of a matrix across the ranks at once (zero/matrix.py), where "
-                             f"offload streams one bucket at a time; use AdamW, SGD or another element-wise "
-                             f"optimizer, or no offload")
         groups = as_groups(params)
         layout = Layout({}, [], optimizer_class, per_parameter=optimizer_class in WHOLE_MATRIX)
         for g, group in enumerate(groups):
@@ -249,8 +244,11 @@ class ShardedOptimizer:
             pieces = {id(run.covers[0].param): run.param for run in layout.runs}
             parameters = whole_parameters([(p, g, self.names[id(p)]) for p, g, _ in ordered], self.bucket_of,
                                           self.world_size, pieces)
-            optimizer = WHOLE_MATRIX[optimizer_class](inner, whole_groups=groups, parameters=parameters,
-                                                      comm=self.comm, master=self.weights[0], **settings)
+            piece_class = WHOLE_MATRIX[optimizer_class]
+            optimizer = (piece_class if self.streamed is None else offloaded_class(piece_class))(
+                inner, whole_groups=groups, parameters=parameters, comm=self.comm,
+                master=torch.empty(0, dtype=self.weights[0].dtype, device=self.device), **settings)  # (stage 3's
+            # offloaded weights are placeholders: their dtype, the masters' device)
         else:
             optimizer = (optimizer_class if self.streamed is None else offloaded_class(optimizer_class))(inner,
                                                                                                     **settings)
@@ -316,17 +314,18 @@ class ShardedOptimizer:
         view of the gradient shard, put back, zeroed, where zero_grad() set it to None and the shard stays. (Offloaded
         gradients are bound by the step alone, and let go of by zero_grad(): zero/offload/shards.py.)"""
         self.finish_steps()
+        for optimizer in self.layouts:
+            if isinstance(optimizer, PieceOptimizer):
+                optimizer.gradients_attached = True
         if self.offloaded_gradients:
             return
         self.drop_released_gradients()
-        for optimizer, layout in self.layouts.items():
+        for layout in self.layouts.values():
             for run in layout.runs:
                 if run.param.grad is None and self.grads[run.bucket.index] is not None:
                     view = self._piece(self.grads, run)
                     view.zero_()
                     run.param.grad = view
-            if isinstance(optimizer, PieceOptimizer):
-                optimizer.gradients_attached = True
 
     def drop_released_gradients(self) -> None:
         """With ``lazy_gradients``: each gradient shard whose runs all had their .grad set to None by zero_grad()

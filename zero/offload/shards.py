@@ -53,6 +53,7 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.nn as nn
 
+from zero.matrix import PieceOptimizer
 from zero.offload.folder import reserve
 from zero.offload.store import Store
 from zero.optimizer_kinds import state_kinds
@@ -226,13 +227,21 @@ class Streamed:
         sums) moved into the store at once."""
         optimizer.streamed = self
         number = self.numbers[id(optimizer)] = len(self.numbers)
-        keys = [[key for key, elementwise in state_kinds(layout.torch_class, group, self.shards.device).items()
-                 if elementwise] for group in optimizer.param_groups]
+        probed: dict[tuple[int, int], list[str]] = {}
+
+        def keys(run: Any) -> list[str]:  # a whole-matrix optimizer's keys follow its parameter's dimensions
+            dim = max(run.covers[0].param.dim(), 1) if layout.per_parameter else 1
+            if (run.group, dim) not in probed:
+                probed[run.group, dim] = [key for key, elementwise in state_kinds(
+                    layout.torch_class, optimizer.param_groups[run.group], self.shards.device, dim).items()
+                    if elementwise]
+            return probed[run.group, dim]
+
         slots = {}
         for b, runs in self._by_bucket(layout).items():
             lo, hi = self.shards.chunk_bounds(self.shards.buckets[b])
             for _, run in runs:
-                slots.update((("state", number, b, key), (hi - lo, run.param.dtype)) for key in keys[run.group])
+                slots.update((("state", number, b, key), (hi - lo, run.param.dtype)) for key in keys(run))
         need = sum(numel * dtype.itemsize for numel, dtype in slots.values())
         reserve(self.store, self.shards.comm.group, need, f"{layout.torch_class.__name__}'s state",
                 lambda: [self.store.ensure(name, numel, dtype) for name, (numel, dtype) in slots.items()])
@@ -254,7 +263,11 @@ class Streamed:
         self.settle_all()
         layout = self.shards.layouts[optimizer]
         by_bucket = self._by_bucket(layout)
-        order = [b for b in layout.buckets if b in by_bucket]
+        pieces = isinstance(optimizer, PieceOptimizer)
+        if pieces and not optimizer.gradients_attached:  # a step between zero_grad() and a forward: none
+            return loss
+        # a whole-matrix optimizer's step has collectives: every rank steps every bucket of its parameters
+        order = [b for b in layout.buckets if pieces or b in by_bucket]
         if self.weights_offloaded:  # stage 3: recorded, with the hyperparameters as they are now
             settings = [{key: value.clone() if torch.is_tensor(value) else value for key, value in group.items()
                          if key != "params"} for group in optimizer.param_groups]
@@ -263,11 +276,11 @@ class Streamed:
             return loss
         number = self.numbers[id(optimizer)]
         if order:
-            self._read_ahead(number, order[0], by_bucket[order[0]])
+            self._read_ahead(number, order[0], by_bucket.get(order[0], []))
         for i, b in enumerate(order):
             if i + 1 < len(order):
-                self._read_ahead(number, order[i + 1], by_bucket[order[i + 1]])
-            self._step_bucket(Pending(optimizer, None, own_step), b, by_bucket[b])
+                self._read_ahead(number, order[i + 1], by_bucket.get(order[i + 1], []))
+            self._step_bucket(Pending(optimizer, None, own_step), b, by_bucket.get(b, []))
         return loss
 
     def _step_bucket(self, pending: Pending, b: int, runs: list[tuple[int, Any]],
@@ -286,7 +299,10 @@ class Streamed:
             for g, group in enumerate(optimizer.param_groups):
                 group["params"] = [run.param for _, run in runs if run.group == g]
                 group.update(pending.settings[g] if pending.settings else {})
-            pending.own_step(optimizer)
+            if isinstance(optimizer, PieceOptimizer):
+                optimizer.step_bucket(b)  # (it steps its pieces in the bucket, whatever the groups' params)
+            else:
+                pending.own_step(optimizer)
         finally:
             for group, params, values in zip(optimizer.param_groups, everything, now):
                 group.update(values, params=params)
@@ -304,7 +320,7 @@ class Streamed:
             return None
         weights = None
         for pending in entries:
-            runs = self._by_bucket(self.shards.layouts[pending.optimizer])[b]
+            runs = self._by_bucket(self.shards.layouts[pending.optimizer]).get(b, [])
             weights = self._step_bucket(pending, b, runs, weights)
         if b in self.let_go_later:
             self._let_go(b, zeros=self.let_go_later.pop(b))
@@ -321,7 +337,7 @@ class Streamed:
         """The slots bucket ``b``'s pending steps read, asked of the store ahead of them."""
         for pending in self.pending.get(b, []):
             layout = self.shards.layouts[pending.optimizer]
-            self._read_ahead(self.numbers[id(pending.optimizer)], b, self._by_bucket(layout)[b])
+            self._read_ahead(self.numbers[id(pending.optimizer)], b, self._by_bucket(layout).get(b, []))
 
     def _by_bucket(self, layout: Any) -> dict[int, list[tuple[int, Any]]]:
         """The optimizer's runs (with their numbers) by bucket."""
