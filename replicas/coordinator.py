@@ -29,7 +29,6 @@ class Asked:
     at: float  # the lighthouse's clock when it came
 
 
-
 class Lighthouse:
     """Forms the quorums (the package docstring, step 1) from the join requests in the store's event queue, and aborts a
     quorum whose member went silent. It keeps no state that the members need besides the store's keys: quorum/n
@@ -131,7 +130,7 @@ class Lighthouse:
         return self._ended(request)
 
     def _finished(self) -> dict[str, Any] | None:
-        """This run's end, as a group that finished it wrote it ({"step", "group", "run"}; None: not finished)."""
+        """This run's end as its finishing group wrote it ({"step", "group", "run", "quorum"}; None: not yet)."""
         return json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
 
     def _resume(self, kept: dict[str, Any]) -> None:
@@ -156,17 +155,20 @@ class Lighthouse:
 
     def _ended(self, request: dict[str, Any]) -> str | None:
         """Why a request may not join for its run's end (None: not so): a new run once this one finished, a group
-        behind the end of its run (this one, or one before it on this coordinator: told so, with exit 0)."""
+        behind the end of its run (this one, or one before it here: told so, exit 0), before its step or at it
+        without its last commit (a streaming DiLoCo group late to the last meeting: its steps run ahead of them)."""
         finished = self._finished()
         if finished is not None and request.get("run") is None:
             return (f"this coordinator's run finished at step {finished['step']}, and this group keeps nothing of it "
                     f"(a new run, or a group without --commit-log or --checkpoint-dir): a new run needs a new "
                     f"coordinator (restart `{SERVE}`) or one started with --new-run")
-        end, holder = self.finished_runs.get(request.get("run")), None
+        end, holder, last = self.finished_runs.get(request.get("run")), None, None
         if (ours := self._end_of(request, finished)) is not None:
-            end, holder = ours["step"], ours.get("group")
-        if end is not None and request["step"] < end:
-            return (f"{FINISHED} at step {end} while this group was away (it is at step {request['step']}): no group "
+            end, holder, last = ours["step"], ours.get("group"), ours.get("quorum")
+        short = request["step"] == end and last is not None and (request.get("last_commit") or -1) < last
+        if end is not None and (request["step"] < end or short):
+            return (f"{FINISHED} at step {end} while this group was away (it is at step {request['step']}"
+                    + (f", without the run's last commit, quorum {last}" if short else "") + "): no group "
                     f"is left to take the live state from, and nothing is left to train; the run's weights are "
                     + (f"group {holder}'s (and those of the groups that finished with it)" if holder is not None
                        else "the other groups'"))

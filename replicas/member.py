@@ -462,7 +462,7 @@ class Replica:
         from, and is told so in one line instead of training on alone. The mark is the coordinator's store's, so a
         coordinator lost and restarted would forget it: until this process closes, its heartbeat sets it again on
         every new one."""
-        end = json.dumps({"step": step, "group": self.group, "run": self.run})
+        end = json.dumps({"step": step, "group": self.group, "run": self.run, "quorum": last_commit(self.log)})
         self.heartbeat.carried = (PREFIX + "finished", end) if self.place == 0 else None
         if self.place == 0 and self.log_path:  # not continued by a new run (resume_log)
             self.note({"finished": step})

@@ -54,7 +54,7 @@ class RunFinished(ReplicaRefused):
 
     def __init__(self, message: str, end: dict | None = None):
         super().__init__(message)
-        self.end = end  # the run's end as the coordinator keeps it: {"step", "group", "run"} (None: not known)
+        self.end = end  # the run's end as the coordinator keeps it: {"step", "group", "run", "quorum"} (None: none)
 
 
 def connect(address: str, timeout_s: float, handshake_s: float = HANDSHAKE_S) -> TCPStore:

@@ -1,9 +1,10 @@
 """What a coordinator keeps of its runs on disk (``python -m replicas serve --runs-file PATH``), for a coordinator
 restarted after every group that could tell it has gone: the run's id, its end (the finished mark a group that
-finished wrote: {"step", "group", "run"}, or null) and the ends of the runs before it on this coordinator
-({run id: last step}, from --new-run). The store's keys die with the coordinator; the groups still connected carry
-the run's id and its end to a new one (liveness.py, Heartbeat.carried), but a group that finished and exited carries
-nothing, and a new coordinator that knew nothing would let a late group of the finished run train alone.
+finished wrote: {"step", "group", "run", "quorum"}, the last the quorum that committed its last step; or null) and
+the ends of the runs before it on this coordinator ({run id: last step}, from --new-run). The store's keys die
+with the coordinator; the groups still connected carry the run's id and its end to a new one (liveness.py,
+Heartbeat.carried), but a group that finished and exited carries nothing, and a new coordinator that knew
+nothing would let a late group of the finished run train alone.
 
 One JSON object, written whole to a temporary file in the same folder, flushed to disk and renamed over the old one
 (a reader, a restart after a crash mid-write included, sees the old content or the new, never half). Membership and
@@ -98,8 +99,10 @@ def malformed(kept: Any) -> str | None:
         return f"run {kept['run']!r}: a run id or null expected"
     finished = kept["finished"]
     if finished is not None and not (isinstance(finished, dict) and whole_number(finished.get("step"))
-                                     and (finished.get("run") is None or run_id(finished["run"]))):
-        return f"finished {finished!r}: null or {{\"step\": N, \"group\": G, \"run\": id}} expected"
+                                     and (finished.get("run") is None or run_id(finished["run"]))
+                                     and (finished.get("quorum") is None or whole_number(finished["quorum"]))):
+        return (f"finished {finished!r}: null or {{\"step\": N, \"group\": G, \"run\": id, \"quorum\": Q}} "
+                f"expected")
     runs = kept["finished_runs"]
     if not isinstance(runs, dict) or not all(run_id(run) and whole_number(step) for run, step in runs.items()):
         return f"finished_runs {runs!r}: {{run id: last step}} expected"

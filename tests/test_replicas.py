@@ -155,10 +155,10 @@ def lighthouse_by_hand(new_run=False, runs_file=None):
     lighthouse = replicas.Lighthouse(store, new_run=new_run,
                                      runs_file=replicas.RunsFile(str(runs_file)) if runs_file else None)
 
-    def ask(ticket, run, step=0):
+    def ask(ticket, run, step=0, last_commit=None):
         store.set(f"{replicas.PREFIX}hb/0/0", f"{ticket}/0")
         store.queue_push(replicas.PREFIX + "events", json.dumps({
-            "ticket": f"0/{ticket}/1", "group": 0, "step": step, "last_commit": None, "durable": 0,
+            "ticket": f"0/{ticket}/1", "group": 0, "step": step, "last_commit": last_commit, "durable": 0,
             "identity": "same", "run": run, "size": 1, "planned": 1, "min_groups": 1, "fault_timeout": 30.0}))
         lighthouse._take_requests()
         lighthouse._watch_heartbeats()
@@ -184,6 +184,20 @@ def test_the_run_id_tells_a_group_of_the_run_from_another_run():
     assert "the run's weights are group 0's (and those of the groups that finished with it)" in answers[1]["refused"]
     assert "this coordinator's run finished at step 5" in answers[0]["refused"]
     assert "another run (elsewhere" in answers[2]["refused"]
+
+
+def test_a_group_at_the_ends_step_without_the_last_commit_is_behind_the_end():
+    """A streaming DiLoCo group's steps run ahead of its meetings: one late to the run's last meeting asks at the
+    end's step with an older last commit. It is behind the end (refused, told the run finished), as a group at an
+    earlier step is. (Once seen under load: such a group formed a quorum of
+    its own, and the run ended twice with two sets of weights.)"""
+    store, ask = lighthouse_by_hand()
+    run = ask("first", None)["run"]
+    store.set(f"{replicas.PREFIX}finished", json.dumps({"step": 40, "group": 1, "run": run, "quorum": 21}))
+    late = ask("late", run, step=40, last_commit=19)
+    assert late.get("finished") and late["end"]["quorum"] == 21, late
+    assert "the run finished at step 40 while this group was away (it is at step 40, without the run's last " \
+           "commit, quorum 21)" in late["refused"]
 
 
 def test_a_coordinator_started_with_new_run_starts_a_new_run_once_the_old_one_finished():
@@ -358,12 +372,13 @@ def test_serve_refuses_a_runs_file_it_cannot_use_in_one_line(tmp_path, capsys):
     kept = {"run": "abc", "finished_runs": {}}
     for name, finished in (("true", {"step": True, "group": 0, "run": "abc"}),  # read as "finished at step 1"
                            ("negative", {"step": -3, "group": 0, "run": "abc"}),
-                           ("no id", {"step": 3, "group": 0, "run": ""})):
+                           ("no id", {"step": 3, "group": 0, "run": ""}),
+                           ("quorum", {"step": 3, "group": 0, "run": "abc", "quorum": True})):
         (tmp_path / f"{name}.json").write_text(json.dumps({**kept, "finished": finished}))
     (tmp_path / "empty run.json").write_text(json.dumps({**kept, "run": "", "finished": None}))
     for path, why in ((tmp_path / "list.json", "not a runs file (a JSON object with exactly the keys"),
                       *((tmp_path / f"{name}.json", "not a runs file (finished {") for name in
-                        ("true", "negative", "no id")),
+                        ("true", "negative", "no id", "quorum")),
                       (tmp_path / "empty run.json", "not a runs file (run '': a run id or null expected)"),
                       (tmp_path, "a file's path expected"),
                       (tmp_path / "nowhere" / "runs.json", f"its folder {tmp_path / 'nowhere'} does not exist")):
