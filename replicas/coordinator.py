@@ -44,8 +44,7 @@ class Lighthouse:
         self.finished_runs: dict[str, int] = {}  # run id -> its last step: the runs before this one ([Note: new run])
         self.quorum: dict[str, Any] | None = None  # the last one formed
         self.frontier: tuple[int, int] | None = None  # (step, quorum) of the last step committed ([Note: lineage])
-        self.holders: dict[str, str] = {}  # group -> incarnation: the processes that committed it (they hold that
-        # state until they commit again)
+        self.holders: dict[str, str] = {}  # group -> incarnation: the processes holding the last committed step
         self.asked: dict[int, Asked] = {}  # group -> its request for the next quorum
         self.checkpointed: dict[int, int] = {}  # group -> the step its newest checkpoint holds, from its requests
         # ([Note: progress]): what it brings back if it restarts
@@ -162,14 +161,13 @@ class Lighthouse:
             return (f"this coordinator's run finished at step {finished['step']}, and this group keeps nothing of it "
                     f"(a new run, or a group without --commit-log or --checkpoint-dir): a new run needs a new "
                     f"coordinator (restart `{SERVE}`) or one started with --new-run")
-        end, holder, last = self.finished_runs.get(request.get("run")), None, None
-        if (ours := self._end_of(request, finished)) is not None:
-            end, holder, last = ours["step"], ours.get("group"), ours.get("quorum")
+        ours = self._end_of(request, finished) or {"step": self.finished_runs.get(request.get("run"))}
+        end, holder, last = ours["step"], ours.get("group"), ours.get("quorum")
         short = request["step"] == end and last is not None and (request.get("last_commit") or -1) < last
         if end is not None and (request["step"] < end or short):
             return (f"{FINISHED} at step {end} while this group was away (it is at step {request['step']}"
                     + (f", without the run's last commit, quorum {last}" if short else "") + "): no group "
-                    f"is left to take the live state from, and nothing is left to train; the run's weights are "
+                    "is left to take the live state from, and nothing is left to train; the run's weights are "
                     + (f"group {holder}'s (and those of the groups that finished with it)" if holder is not None
                        else "the other groups'"))
         return None

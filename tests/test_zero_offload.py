@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import pathlib
-import shutil
 import sys
 
 import pytest

@@ -31,7 +31,9 @@ Where each part is, by concern (FSDP2's ``_fully_shard/`` and DCP's split):
     zero/broadcast.py     a whole state dict given on the group's rank 0, sent to every rank
     zero/stages.py        stages 1 and 2 (what each adds to stage 0), and what 1-3 share
     zero/stage3.py        stage 3: units gathered around their forward and backward, prefetch, frozen parameters
-    zero/optimizer.py     the optimizer side of stages 1-3: runs of the shards, groups, clipping, state dicts
+    zero/units.py         stage 3's units (Unit, UnitState), the end of a unit's backward, no model.state_dict()
+    zero/optimizer.py     the optimizer side of stages 1-3: runs of the shards, groups, clipping, the step
+    zero/optimizer_state.py  the runs' layout, and the optimizer's state in torch.optim's ordinary form and back
     zero/optimizer_kinds.py  which optimizers the shards carry, and what state each keeps
     zero/matrix.py        Muon and Adafactor on pieces of whole matrices
     zero/precision.py     param_dtype and reduce_dtype over fp32 masters
@@ -55,14 +57,14 @@ from typing import Any
 EXPORTS = {
     "shard": "zero.api", "default_units": "zero.api", "stage_3_units": "zero.api", "state_bytes": "zero.api",
     "GradientSync": "zero.stage0", "DataParallel": "zero.stage0", "Bucket": "zero.buckets",
-    "ZeroStage1": "zero.stages", "ZeroStage2": "zero.stages", "ZeroStage3": "zero.stage3", "Unit": "zero.stage3",
-    "UnitState": "zero.stage3", "ShardedOptimizer": "zero.optimizer", "ShardRun": "zero.optimizer",
+    "ZeroStage1": "zero.stages", "ZeroStage2": "zero.stages", "ZeroStage3": "zero.stage3", "Unit": "zero.units",
+    "UnitState": "zero.units", "ShardedOptimizer": "zero.optimizer", "ShardRun": "zero.optimizer_state",
     "ELEMENTWISE": "zero.optimizer_kinds", "WHOLE_PARAMETER": "zero.optimizer_kinds",
     "check_optimizer_class": "zero.optimizer_kinds", "state_kinds": "zero.optimizer_kinds",
     "missing_optimizer_state": "zero.optimizer_kinds",
 }
-SUBMODULES = ("api", "stage0", "buckets", "broadcast", "stages", "stage3", "optimizer", "optimizer_kinds", "matrix",
-              "precision", "hybrid", "init", "pieces", "checkpoint", "offload")
+SUBMODULES = ("api", "stage0", "buckets", "broadcast", "stages", "stage3", "units", "optimizer", "optimizer_state",
+              "optimizer_kinds", "matrix", "precision", "hybrid", "init", "pieces", "checkpoint", "offload")
 
 __all__ = [*EXPORTS, *SUBMODULES]
 

@@ -13,15 +13,15 @@ order). What is element-wise stays on the pieces; what needs the whole matrix tr
   another. bf16 loses nothing: torch's Newton-Schulz casts its input to bf16 first and returns bf16, so the owner
   computes on the very bf16 matrix an unsharded Muon computes on, and returns the very bf16 update it applies.
 - Adafactor ([Note: Adafactor's statistics]): each matrix's row and column sums of the squared gradient and each
-  parameter's sums of squares (of the weights before the step, for the step size; of the update, for its clipping)
-  are summed over the ranks in two all-reduces (a bucket's parameters each) of a few numbers per parameter; the factored statistics
-  (``row_var``, ``col_var``, a few hundred numbers per matrix) are kept whole on every rank holding a piece, each
-  of which updates them identically, and the second moment of a vector stays on its pieces, element-wise.
+  parameter's sums of squares (of the weights before the step, for the step size; of the update, for its clipping) are
+  summed over the ranks in two all-reduces (a bucket's parameters each) of a few numbers per parameter; the factored
+  statistics (``row_var``, ``col_var``, a few hundred numbers per matrix) are kept whole on every rank holding a
+  piece, each of which updates them identically, and the second moment of a vector stays on its pieces, element-wise.
 
 Stage 3 never gathers a parameter for either: only gradients-sized pieces (Muon) or their sums (Adafactor) move.
 The optimizers are torch's own classes underneath (``isinstance(opt, torch.optim.Muon)``; LR schedulers and
-hyperparameters per group work as ever), validated by torch's own constructor over the whole parameters, with
-their state dicts in torch.optim's own form (zero/optimizer.py gathers and cuts them: Muon's ``momentum_buffer`` and
+hyperparameters per group work as ever), validated by torch's own constructor over the whole parameters, with their
+state dicts in torch.optim's own form (zero/optimizer_state.py gathers and cuts them: Muon's ``momentum_buffer`` and
 Adafactor's ``variance`` element-wise like any moment, ``row_var`` / ``col_var`` whole, in torch's shapes).
 
 Anchors it answers (issue 44): Moonlight's distributed Muon gathers every matrix's update on every rank and
@@ -326,18 +326,18 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
     each matrix of a >2-D tensor, over its last two dimensions) the mean of g^2 along each row and each column, which
     move ``row_var`` and ``col_var``, and the mean of ``row_var`` (the estimate row_var col_var / mean); and ||update||
     (update / max(1, RMS(update) / d)). A vector's (and a 0-dim parameter's) second moment is element-wise. So a step
-    is: on the pieces, the sums of squares of the weights, and per matrix the row and column sums of g^2 (each
-    element into its row and column, ``factor_indices``); ONE all-reduce of all of them for a bucket's parameters
-    (per parameter 1 + rows + columns numbers: small); then on every rank holding a piece the same lerp of the whole ``row_var`` and
-    ``col_var`` (kept whole there, so they stay equal), the piece's estimate row_var[i] col_var[j] / mean and its
-    update, and its sum of squares; a SECOND all-reduce of those (one number per parameter); then the add. A bucket at a time, in every
-    mode (``step_bucket``): offload steps one bucket's tensors at a time, and an all-reduce's order of summation may
-    follow the tensor's length, so the step in memory sums in the same pieces. The
+    is: on the pieces, the sums of squares of the weights, and per matrix the row and column sums of g^2 (each element
+    into its row and column, ``factor_indices``); ONE all-reduce of all of them for a bucket's parameters (per
+    parameter 1 + rows + columns numbers: small); then on every rank holding a piece the same lerp of the whole
+    ``row_var`` and ``col_var`` (kept whole there, so they stay equal), the piece's estimate row_var[i] col_var[j] /
+    mean and its update, and its sum of squares; a SECOND all-reduce of those (one number per parameter); then the
+    add. A bucket at a time, in every mode (``step_bucket``): offload steps one bucket's tensors at a time, and an
+    all-reduce's order of summation may follow the tensor's length, so the step in memory sums in the same pieces. The
     step count, eps1 (None: the dtype's eps), rho_t, the beta2 schedule step^beta2_decay and maximize are torch's.
-    What differs from one process is the order of the sums: torch squares a row's norm where this adds the squares
-    of a row's pieces and then the ranks', a rounding apart (test_zero_matrix argues what that amounts to). The
-    small sums go through torch.distributed's all-reduce on the group under either collectives, as the clipping
-    norm does. A rank keeps its pieces' updates between the two all-reduces (its shard's size, transiently)."""
+    What differs from one process is the order of the sums: torch squares a row's norm where this adds the squares of
+    a row's pieces and then the ranks', a rounding apart (test_zero_matrix argues what that amounts to). The small
+    sums go through torch.distributed's all-reduce on the group under either collectives, as the clipping norm does. A
+    rank keeps its pieces' updates between the two all-reduces (its shard's size, transiently)."""
 
     torch_class = torch.optim.Adafactor
 
@@ -439,6 +439,6 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
 # The whole-matrix optimizers zero steps exactly at stages 1-3: torch's class -> the class over pieces
 WHOLE_MATRIX: dict[type[torch.optim.Optimizer], type[PieceOptimizer]] = {
     torch.optim.Muon: ShardedMuon, torch.optim.Adafactor: ShardedAdafactor}
-# The parameter dimensions a probe of the state (zero.optimizer.state_kinds) must try: Muon steps matrices only;
+# The parameter dimensions a probe of the state (zero.optimizer_kinds.state_kinds) must try: Muon steps matrices only;
 # Adafactor keeps a vector's variance, and a matrix's row_var and col_var
 PROBE_DIMS: dict[type[torch.optim.Optimizer], tuple[int, ...]] = {torch.optim.Muon: (2,), torch.optim.Adafactor: (1, 2)}

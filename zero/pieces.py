@@ -8,7 +8,7 @@ parameter it is a contiguous range [start, end) of the parameter's elements in i
 
 - ``covers(bucket, lo, hi)``: the parameters a range of a flat covers, each a Cover (its elements [start, end), at
   the range's element ``at``). The one translation from flat runs to parameters: the stages' pieces
-  (``flat_pieces``), the sharded optimizer's runs (zero/optimizer.py's ShardRun.covers) and their checkpoints all
+  (``flat_pieces``), the sharded optimizer's runs (zero/optimizer_state.py's ShardRun.covers) and their checkpoints all
   go through it.
 - ``Piece``: what a rank holds of one tensor of the model's state, a 1-D view of the rank's own memory over a range
   of the tensor's memory order; ``Shards``: every piece of one tensor on this rank, as n-D boxes.

@@ -19,7 +19,8 @@ import torch.nn as nn
 from collectives import Collectives
 from zero.buckets import Bucket
 from zero.hybrid import Replicas
-from zero.offload.shards import Gradients, meta_like
+from zero.offload.gradients import Gradients
+from zero.offload.shards import meta_like
 from zero.offload.store import Store
 from zero.optimizer import ShardedOptimizer
 from zero.pieces import OptimizerView, Piece, flat_pieces

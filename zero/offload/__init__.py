@@ -6,6 +6,7 @@ memory. Where each part is, as DCP's storage layer sits under its planner:
     zero/offload/store.py    named tensors over the file: read ahead, written behind, by two I/O threads
     zero/offload/folder.py   the folder and the disk's room, one verdict for every rank
     zero/offload/shards.py   what a stage keeps there, and the optimizer's step streamed bucket by bucket
+    zero/offload/gradients.py  stage 3's gradient shards there, with their norms and clipping factors
     zero/offload/slots.py    a checkpoint's window on the store: its boxes read and written slot by slot
 """
 from zero.offload.files import OffloadError, OffloadRefused

@@ -7,17 +7,19 @@ which the forward, the backward and the step read unit by unit. The weights kept
 gathered units, stay in memory: they are what the compute reads, and the forward and backward read them whole.
 
 [Note: only the storage moves] Every tensor the arithmetic touches is the in-memory run's, element for element: the
-same runs (zero/optimizer.py's ShardRun: a bucket's chunk cut at its parameter groups), stepped by torch.optim's own
-step over the same tensors' values, in the same order of operations, so the weights are bit for bit the in-memory
+same runs (zero/optimizer_state.py's ShardRun: a bucket's chunk cut at its parameter groups), stepped by torch.optim's
+own step over the same tensors' values, in the same order of operations, so the weights are bit for bit the in-memory
 run's. What changes is where each tensor lives between its uses, and when the step runs over which runs: the step is
 run one bucket at a time (``Streamed.step``), with each parameter group's ``params`` narrowed to that bucket's runs,
-and every torch.optim step treats its parameters one by one on the CPU (its for-loop implementation) or elementwise
-in a multi-tensor kernel on a GPU: either way an element's update reads only that element's weight, gradient and
-state, and the scalars of its parameter (its step count), which stay in memory. So stepping bucket by bucket steps
-each element exactly as stepping all at once does. The gradient clipping's norm is each bucket's norm, the same
-tensors' ``vector_norm``, taken when a bucket's gradient of the window is complete (``Gradients.add``), and its scale
-is multiplied into each gradient shard when the step reads it, as ``torch._foreach_mul_`` would have multiplied it
-in place: one rounding, the same one.
+and every torch.optim step treats its parameters one by one on the CPU (its for-loop implementation) or elementwise in
+a multi-tensor kernel on a GPU: either way an element's update reads only that element's weight, gradient and state,
+and the scalars of its parameter (its step count), which stay in memory. So stepping bucket by bucket steps each
+element exactly as stepping all at once does. The gradient clipping's norm is each bucket's norm, the same tensors'
+``vector_norm``, taken when a bucket's gradient of the window is complete (``Gradients.add``), and its scale is
+multiplied into each gradient shard when the step reads it, as ``torch._foreach_mul_`` would have multiplied it in
+place: one rounding, the same one. A whole-matrix optimizer (Muon, Adafactor: zero/matrix.py) is stepped a bucket's
+parameters at a time with that bucket's own collectives (``step_bucket``), on every rank for every bucket of its
+parameters, piece or none; its step in memory goes bucket by bucket too, so it sums in the same pieces.
 
 [Note: placeholders] Between its uses an offloaded tensor is a placeholder, never a tensor whose memory is gone: the
 stage's own lists (``weights[b]``, ``grads[b]``) hold meta tensors (a read raises "meta tensor" rather than reading
@@ -26,7 +28,7 @@ of its own device, is a NaN of the right length (one element, expanded: a read g
 refused, and it costs one element). The step puts the real tensors in place for a bucket and the placeholders back
 after it (``Streamed._bind``, ``_unbind``). The optimizer's element-wise state (AdamW's moments) is not in
 ``optimizer.state`` between steps at all: its scalars (the step count) are, and ``Streamed.keys`` says which
-element-wise keys each run has in the store; ``optimizer.state_dict()`` reads them from there (zero/optimizer.py).
+element-wise keys each run has in the store; ``optimizer.state_dict()`` reads them from there (zero/optimizer_state.py).
 
 [Note: the order of the reads] The step reads each bucket's tensors ahead of their use: while bucket i is stepped,
 bucket i+1's are being read; the writes of bucket i go behind while bucket i+1 steps. The forward and backward of
@@ -55,6 +57,7 @@ import torch.nn as nn
 
 from zero.matrix import PieceOptimizer
 from zero.offload.folder import reserve
+from zero.offload.gradients import Gradients
 from zero.offload.store import Store
 from zero.optimizer_kinds import state_kinds
 
@@ -100,69 +103,6 @@ def offloaded_class(optimizer_class: type[torch.optim.Optimizer]) -> type[torch.
 
 
 OFFLOADED: dict[type[torch.optim.Optimizer], type[torch.optim.Optimizer]] = {}
-
-
-class Gradients:
-    """Stage 3's gradient shards in the store: each bucket's accumulated gradient of the window under ("grads", b),
-    its norm when complete, the clipping scales not yet multiplied into it, and which optimizers let go of it."""
-
-    def __init__(self, store: Store):
-        self.store = store
-        self.norms: dict[int, torch.Tensor] = {}  # bucket -> its gradient's 2-norm, taken when complete
-        self.scales: dict[int, list[torch.Tensor]] = {}  # bucket -> clip_grad_norm_'s factors not yet applied
-        self.zeroed: set[int] = set()  # buckets zero_grad(set_to_none=False) left as zeros
-
-    def add(self, b: int, chunk: torch.Tensor, first: bool, final: bool, master: torch.dtype) -> None:
-        """This micro-batch's reduced chunk into bucket ``b``'s gradient shard: copied in (the window's first, as
-        ``chunk.to(master, copy=True)``), or added to it (zeros included: 0 + g, as the in-memory shard); its norm
-        taken once the window's last micro-batch is in (``final``)."""
-        name = ("grads", b)
-        if name not in self.store:
-            self.store.create(name, chunk.numel(), master)
-        if first:
-            grad = self.store.fresh(name)
-            grad.copy_(chunk)
-        else:
-            grad = self.take(b)
-            grad.add_(chunk)
-        self.zeroed.discard(b)
-        self.scales.pop(b, None)
-        if final:
-            self.norms[b] = torch.linalg.vector_norm(grad, 2.0)
-        self.store.put(name, grad)
-
-    def take(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s gradient shard with the clipping scales applied (the store keeps the unscaled values and
-        the scales until the shard is written again)."""
-        if b in self.zeroed:
-            return self.store.fresh(("grads", b)).zero_()
-        grad = self.store.take(("grads", b))
-        for scale in self.scales.get(b, []):
-            grad.mul_(scale)
-        return grad
-
-    def norms_of(self, buckets: list[int], norm_type: float) -> list[torch.Tensor]:
-        """Each bucket's gradient's ``norm_type``-norm: the ones taken when complete, or read again."""
-        if norm_type == 2.0 and all(b in self.norms for b in buckets):
-            return [self.norms[b] for b in buckets]
-        norms = []
-        for b in buckets:
-            grad = self.take(b)
-            norms.append(torch.linalg.vector_norm(grad, norm_type))
-            self.store.discard(grad)
-        return norms
-
-    def scale(self, buckets: list[int], factor: torch.Tensor) -> None:
-        for b in buckets:
-            self.scales.setdefault(b, []).append(factor)
-            self.norms.pop(b, None)
-
-    def drop(self, b: int, zeros: bool) -> None:
-        """Bucket ``b``'s gradient let go of (or left as zeros: set_to_none=False)."""
-        self.store.forget(("grads", b))
-        self.norms.pop(b, None)
-        self.scales.pop(b, None)
-        (self.zeroed.add if zeros else self.zeroed.discard)(b)
 
 
 @dataclass
@@ -423,7 +363,7 @@ class Streamed:
             self.store.put(name, held.pop(name))
 
     # ------------------------------------------------------------------------------------------------------
-    # The state dicts (zero/optimizer.py's [Note: the whole model's state]; zero/checkpoint/)
+    # The state dicts (zero/optimizer_state.py's [Note: the whole model's state]; zero/checkpoint/)
     # ------------------------------------------------------------------------------------------------------
     def state_chunk(self, optimizer: torch.optim.Optimizer, b: int, key: str, length: int, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
