@@ -28,7 +28,10 @@ import functools
 import json
 import os
 import pathlib
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -474,6 +477,56 @@ def test_a_folder_that_cannot_hold_the_state_is_refused_in_one_line_on_every_ran
         assert "TB needed in offload folder" in results[0][1] or "GB needed in offload folder" in results[0][1]
     if case == "in use":
         assert "rank 1" in results[0][1] and not (folder / "rank0.offload").exists()
+
+
+READ_ONLY_RUN = """
+import os, sys, torch.distributed as dist, torch.nn as nn
+sys.path[:0] = [{root!r}, {tests!r}]
+import zero
+from zero_testing import attempt
+dist.init_process_group("gloo", store=dist.FileStore({store!r}, 1), rank=0, world_size=1)
+shard = lambda folder: zero.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 3, offload="disk",
+                                  offload_dir=folder)
+shard({warm!r}).close()  # every module the refusal needs imported while root can read them (/root is 0o700)
+if {drop!r}:  # not root: root writes anywhere its mode bits say not to
+    os.setgid(65534)
+    os.setuid(65534)
+print(attempt(lambda: shard({folder!r})))
+"""
+
+
+@pytest.mark.parametrize("case", ["read-only file system", "permission denied"])
+def test_a_folder_it_cannot_write_is_refused_in_one_line(case):
+    """A folder on a file system mounted read-only (a bind mount made read-only, in a mount namespace of the run's
+    own: `unshare -m`), and one whose mode bars this user (the run as nobody, 0o555): refused at zero.shard in one
+    line saying which, before any file is made. Root alone can make either here; elsewhere the test is skipped."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root (a mount namespace, or another user)")
+    base = pathlib.Path(tempfile.mkdtemp(prefix="offload-read-only-"))  # (nobody must reach it: not under pytest's
+    try:                                                                 # 0o700 tmp_path)
+        source, folder = base / "source", base / "offload"
+        source.mkdir()
+        folder.mkdir()
+        os.chmod(source, 0o555)
+        os.chmod(folder, 0o755 if case == "read-only file system" else 0o555)
+        os.chmod(base, 0o755)  # (mkdtemp's is 0o700)
+        (base / "warm").mkdir()
+        code = READ_ONLY_RUN.format(root=processes.ROOT, tests=os.path.dirname(__file__), store=str(base / "store"),
+                                    warm=str(base / "warm"), folder=str(folder), drop=case == "permission denied")
+        command = [sys.executable, "-c", code]
+        if case == "read-only file system":
+            command = ["unshare", "-m", "sh", "-c", f'mount --bind "{source}" "{folder}" && mount -o remount,bind,ro '
+                       f'"{folder}" && exec "{sys.executable}" -c "$0"', code]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if case == "read-only file system" and "mount" in done.stderr and done.returncode != 0:
+            pytest.skip(f"no mount namespace here: {done.stderr.strip()}")
+        assert done.returncode == 0, done.stderr[-2000:]
+        kind, message = eval(done.stdout.strip().splitlines()[-1])
+        assert kind == "OffloadRefused" and f"is not writable ({case})" in message and "\n" not in message, message
+        assert os.listdir(folder) == [] and os.listdir(source) == []
+    finally:
+        shutil.rmtree(base)
 
 
 @pytest.mark.parametrize("change", ["flipped", "truncated"])
