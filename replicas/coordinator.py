@@ -8,10 +8,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from torch.distributed import TCPStore
 
+from replicas.forgetting import Forgetter, forget
 from replicas.liveness import LivenessServer
 from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S
 from replicas.runs_file import RunsFile
@@ -40,14 +42,15 @@ class Lighthouse:
     def __init__(self, store: TCPStore, new_run: bool = False, host: str = "0.0.0.0",
                  runs_file: RunsFile | None = None):
         self.store, self.new_run, self.host, self.runs_file = store, new_run, host, runs_file
-        self.liveness: LivenessServer | None = None  # the members' connections, while ``run`` runs (liveness.py)
+        self.liveness: LivenessServer | None = None  # while ``run`` runs: the members' connections (liveness.py),
+        self.forgetter: Forgetter | None = None  # and what deletes decided quorums' keys (forgetting.py)
+        self.finished_read: tuple[dict[str, Any] | None] | None = None  # the run's end, read once a batch
         self.finished_runs: dict[str, int] = {}  # run id -> its last step: the runs before this one ([Note: new run])
         self.quorum: dict[str, Any] | None = None  # the last one formed
         self.frontier: tuple[int, int] | None = None  # (step, quorum) of the last step committed ([Note: lineage])
         self.holders: dict[str, str] = {}  # group -> incarnation: the processes holding the last committed step
         self.asked: dict[int, Asked] = {}  # group -> its request for the next quorum
-        self.checkpointed: dict[int, int] = {}  # group -> the step its newest checkpoint holds, from its requests
-        # ([Note: progress]): what it brings back if it restarts
+        self.checkpointed: dict[int, int] = {}  # group -> its newest checkpoint's step ([Note: progress])
         self.beats: dict[str, tuple[bytes, float]] = {}  # heartbeat key -> (value, when it last changed)
         self.claims: dict[int, str] = {}  # group -> the incarnation whose requests it takes (a second claimant's not)
         self.alive: dict[tuple[int, str], float] = {}  # (group, incarnation) -> when a place of it last beat
@@ -57,8 +60,7 @@ class Lighthouse:
         self.seen = -1  # the last quorum id a request names (a coordinator restarted numbers its quorums past it)
         self.last_members: tuple[int, list[int]] = (-1, [])  # the latest quorum a request was in, and its members
         self.planned = 0  # R, from the requests
-        self.decided_at: float | None = None
-        self.said: str | None = None
+        self.decided_at, self.said = None, None  # (the open quorum's decision seen; the last line said)
         self.run_id: str | None = None  # the run's id: the first quorum's requests' (a restarted coordinator), or new
         self.acknowledged: dict[str, Any] | None = None  # the run's end as finished_kept last said it
         if runs_file is not None and runs_file.kept is not None:
@@ -66,7 +68,7 @@ class Lighthouse:
 
     def run(self, stop: threading.Event | None = None) -> None:
         watched = 0.0
-        self.liveness = LivenessServer(self.store, self.host)
+        self.liveness, self.forgetter = LivenessServer(self.store, self.host), Forgetter(self.store)
         try:
             while stop is None or not stop.is_set():
                 asked = self._take_requests()
@@ -82,38 +84,39 @@ class Lighthouse:
                 time.sleep(TICK_S)
         finally:
             self.liveness.close()
+            self.forgetter.close()
 
     def _take_requests(self) -> int:
         """The requests in the queue (how many). Once a quorum exists, one of another identity or size is refused at
         once, and so is a second claimant of a group whose process beats (``_claimed``); a newer start of a group
         whose process is gone replaces the older's request (which is told so)."""
-        queue, taken = PREFIX + "events", 0
-        while self.store.queue_len(queue):
-            taken += 1
-            request = json.loads(self.store.queue_pop(queue, False))
-            group = request["group"]
-            if request.get("run") is None and self.new_run and self._finished() is not None:
-                self._start_new_run()
-            # (before any quorum: a restarted coordinator's, or a new run's, the end of a run is still said first)
-            why = self._unfit(request, self.quorum) if self.quorum is not None else self._ended(request)
-            why = why or self._claimed(group, request["ticket"].split("/")[1])
-            older = self.asked.get(group)
-            if why is None and older is not None and older.request["ticket"].split("/")[1] != \
-                    request["ticket"].split("/")[1]:
-                self._refuse(older.request, f"replaced by a newer start of replica group {group}")
-            if why is not None:
-                self._refuse(request, why)
-                continue
-            self.places[group] = request["size"]
-            self.planned = max(self.planned, request["planned"])
-            self.seen = max(self.seen, *(request.get(key) for key in ("seen", "last_commit")
-                                         if request.get(key) is not None), -1)
-            if request.get("seen") is not None:
-                self.last_members = max(self.last_members, (request["seen"], request["with"]))
-            if request.get("durable") is not None:
-                self.checkpointed[group] = request["durable"]
-            self.asked[group] = Asked(request, time.monotonic())
-            self.first_asked = self.first_asked or time.monotonic()
+        queue, taken, self.finished_read = PREFIX + "events", 0, None
+        while waiting := self.store.queue_len(queue):  # (its length once a batch: a round trip a call)
+            for _ in range(waiting):
+                taken += 1
+                request = json.loads(self.store.queue_pop(queue, False))
+                group, incarnation = request["group"], request["ticket"].split("/")[1]
+                if request.get("run") is None and self.new_run and self._finished() is not None:
+                    self._start_new_run()
+                # (before any quorum: a restarted coordinator's, or a new run's, the end of a run is said first)
+                why = self._unfit(request, self.quorum) if self.quorum is not None else self._ended(request)
+                why = why or self._claimed(group, incarnation)
+                older = self.asked.get(group)
+                if why is None and older is not None and older.request["ticket"].split("/")[1] != incarnation:
+                    self._refuse(older.request, f"replaced by a newer start of replica group {group}")
+                if why is not None:
+                    self._refuse(request, why)
+                    continue
+                self.places[group] = request["size"]
+                self.planned = max(self.planned, request["planned"])
+                self.seen = max(self.seen, *(request.get(key) for key in ("seen", "last_commit")
+                                             if request.get(key) is not None), -1)
+                if request.get("seen") is not None:
+                    self.last_members = max(self.last_members, (request["seen"], request["with"]))
+                if request.get("durable") is not None:
+                    self.checkpointed[group] = request["durable"]
+                self.asked[group] = Asked(request, time.monotonic())
+                self.first_asked = self.first_asked or time.monotonic()
         return taken
 
     def _unfit(self, request: dict[str, Any], reference: dict[str, Any]) -> str | None:
@@ -128,9 +131,13 @@ class Lighthouse:
                 f"{self.run_id}): give it a new --commit-log and --checkpoint-dir, or its run's coordinator")
         return self._ended(request)
 
-    def _finished(self) -> dict[str, Any] | None:
-        """This run's end as its finishing group wrote it ({"step", "group", "run", "quorum"}; None: not yet)."""
-        return json.loads(self.store.get(PREFIX + "finished")) if self.store.check([PREFIX + "finished"]) else None
+    def _finished(self, fresh: bool = False) -> dict[str, Any] | None:
+        """This run's end as its finishing group wrote it ({"step", "group", "run", "quorum"}; None: not yet): read
+        once a batch of requests (a read a request cost a round trip each, G a step), or ``fresh``."""
+        if fresh or self.finished_read is None:
+            self.finished_read = (json.loads(self.store.get(PREFIX + "finished"))
+                                  if self.store.check([PREFIX + "finished"]) else None,)
+        return self.finished_read[0]
 
     def _resume(self, kept: dict[str, Any]) -> None:
         """What the runs file keeps, on a coordinator started anew: the run's id, the runs before it, and the run's
@@ -144,7 +151,7 @@ class Lighthouse:
         changed since it was last written (no file: nothing); then the run's end acknowledged (finished_kept) once it
         is where this coordinator's restart finds it, the file or, without one, the store: the group that finished
         waits for it before it exits, which would take the only other copy with it."""
-        finished, kept = self._finished(), True
+        finished, kept = self._finished(fresh=True), True
         if self.runs_file is not None:
             self.runs_file.write({"run": self.run_id, "finished": finished, "finished_runs": self.finished_runs})
             kept = self.runs_file.kept is not None and self.runs_file.kept["finished"] == finished
@@ -184,11 +191,12 @@ class Lighthouse:
         seen = max(self.seen, self.quorum["id"] if self.quorum is not None else -1)
         self.store.delete_key(PREFIX + "finished")
         self.store.delete_key(PREFIX + "finished_kept")
+        self.finished_read = None
         for group in list(self.asked):  # the old run's requests, never answered: told it finished
             self._refuse(self.asked.pop(group).request, f"{FINISHED} at step {finished['step']}")
-        liveness, runs_file = self.liveness, self.runs_file  # (the liveness server, while ``run`` runs, serves the
-        self.__init__(self.store, self.new_run, self.host)  # new run too) membership and the frontier anew
-        self.finished_runs, self.seen, self.liveness, self.runs_file = runs, seen, liveness, runs_file
+        kept = self.liveness, self.forgetter, self.runs_file  # (the liveness server and the forgetter, while
+        self.__init__(self.store, self.new_run, self.host)  # ``run`` runs, serve the new run too) membership anew
+        self.finished_runs, self.seen, (self.liveness, self.forgetter, self.runs_file) = runs, seen, kept
         self._keep()
         self._say(f"the run {finished.get('run')} finished at step {finished['step']}: a new run starts (--new-run)")
 
@@ -227,7 +235,7 @@ class Lighthouse:
         size = max(self.places.values(), default=1)  # every planned group's: a restarted coordinator's first quorum
         keys = [f"{PREFIX}hb/{g}/{j}" for g in set(range(self.planned)) | set(self.places)  # waits for those that
                 for j in range(self.places.get(g, size))]  # beat (_first_waits)
-        present = [key for key in keys if self.store.check([key])]
+        present = [key for key in keys if key in self.beats or self.store.check([key])]  # (never deleted)
         now = time.monotonic()
         for key, value in zip(present, self.store.multi_get(present) if present else []):
             group, incarnation = int(key.split("/")[-2]), value.split(b"/")[0].decode()
@@ -435,8 +443,8 @@ class Lighthouse:
         self.store.multi_set([f"{PREFIX}answered/{g}" for g in requests], tickets)
         self.tickets[n] = tickets
         self.quorum, self.decided_at, self.said = quorum, None, None
-        if previous is not None:
-            self._forget(previous["id"] - 1)
+        if previous is not None:  # quorum n - 2's keys deleted (forgetting.py)
+            (self.forgetter or partial(forget, self.store))(n - 2, self.tickets.pop(n - 2, []))
 
     # [Note: lineage] A step number alone does not say which state a group holds. A member of the last quorum may
     # be slow to ask again (a loaded machine); past the fault timeout the lighthouse forms the next quorum without
@@ -476,14 +484,6 @@ class Lighthouse:
     # tests/test_replica_faults.py's progress scenario). A process without a connection (a liveness server it cannot
     # reach, or a restarted coordinator's that it has not reached yet) is still judged by STALE_S: its death would go
     # unseen for a fault timeout otherwise.
-
-    def _forget(self, n: int) -> None:
-        """The keys of quorum n, long decided (the store would otherwise grow by a few keys a step); ``forgotten``
-        says so first, for a member that was stopped while waiting for them (Replica._decision; a ticket's member
-        finds answered/G past it, Replica._forgotten)."""
-        self.store.set(PREFIX + "forgotten", str(n))
-        for key in (f"quorum/{n}", f"votes/{n}", f"decision/{n}", *(f"ticket/{t}" for t in self.tickets.pop(n, []))):
-            self.store.delete_key(PREFIX + key)
 
     def _say(self, text: str) -> None:
         if text != self.said:
