@@ -381,7 +381,7 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
 
         # each piece's update, as torch makes it, from the whole statistics
         update_sums = torch.zeros(len(self.in_bucket[b]), dtype=self.dtype, device=self.device)
-        updates: dict[int, tuple[torch.Tensor, float]] = {}
+        updates: dict[int, tuple[torch.Tensor, float, int]] = {}  # index -> (update, alpha, its place)
         for p in held:
             group, grad = self.param_groups[p.group], grads[p.index]
             weights_at, rows_at, columns_at, place = self.sums_at[p.index]
@@ -411,13 +411,13 @@ class ShardedAdafactor(PieceOptimizer, torch.optim.Adafactor):
             update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
             update.mul_(grad)
             update_sums[place] = update.square().sum()
-            updates[p.index] = (update, alpha)
+            updates[p.index] = (update, alpha, place)
 
         # the second all-reduce: the updates' norms, for their clipping
         dist.all_reduce(update_sums, group=self.comm.group)
         for p in held:
-            update, alpha = updates[p.index]
-            norm = update_sums[self.sums_at[p.index][3]].sqrt().item()
+            update, alpha, place = updates[p.index]
+            norm = update_sums[place].sqrt().item()
             denom = max(1.0, norm / ((p.numel ** 0.5) * self.param_groups[p.group]["d"]))
             p.piece.add_(update, alpha=-alpha / denom)
 
