@@ -66,7 +66,6 @@ import torch.nn.functional as F
 import replicas
 import utils
 from data import derive_seed
-from trainer import faults
 from trainer.build import Parts, build
 from trainer.checkpoint import NO_SUMS, Checkpointer, Position
 from trainer.config import Config, parse_args
@@ -92,7 +91,7 @@ def train(config: Config) -> dict[str, Any]:
     try:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpointer.restore()
-        faults.watch(parts, lambda: position.optimizer_steps)  # faults inside the sync's collectives, where named
+        parts.faults.watch(parts.sync, lambda: position.optimizer_steps)  # inside the sync's collectives, where named
         if config.coordinator:  # fault-tolerant replica groups: this group trains with the others through it
             parts.replicas = ReplicaGroups(parts, checkpointer.fingerprint, position.optimizer_steps)
             checkpointer.when_published(parts.replicas.replica.saved)  # what a restart of this group brings back
@@ -120,7 +119,7 @@ def train(config: Config) -> dict[str, Any]:
                 start, entry = time.perf_counter(), meter.eval_entry(position)
                 meter.record_eval({**entry, **validate(parts)}, time.perf_counter() - start)
             # fault injection (see the module docstring)
-            faults.at("after", parts.ctx.rank, position.optimizer_steps, config.replica_group)
+            parts.faults.at("after", position.optimizer_steps)
             # the epoch's end (or --max-steps'): validate and record it, checkpoint it when finished, show it
             if epoch.over(position) or stop_requested(config, position):
                 finished, train_time = epoch.over(position), epoch.close(meter)
@@ -228,13 +227,13 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
         with utils.profiled(f"micro-batch {count}/{len(window)} ({'sync' if last else 'no sync'})"):
             with utils.profiled("forward"), torch.autocast(**amp):
                 logits = sync.module(inputs)  # the model, or DDP around it
-                faults.at("forward", parts.ctx.rank, position.optimizer_steps, config.replica_group)
+                parts.faults.at("forward", position.optimizer_steps)
                 per_sample = per_sample_loss(logits.float() if parts.amp_dtype else logits, labels)
-                if faults.named("nan", parts.ctx.rank, position.optimizer_steps, config.replica_group):
+                if parts.faults.named("nan", position.optimizer_steps):
                     per_sample = per_sample * float("nan")  # fault injection: a non-finite loss (trainer/finite.py)
             with utils.profiled("backward"):
                 scaler.scale(per_sample.sum() / window_samples).backward()
-                faults.at("backward", parts.ctx.rank, position.optimizer_steps, config.replica_group)
+                parts.faults.at("backward", position.optimizer_steps)
         window_sums.add(per_sample, logits, labels)
     # replica groups: the gradients averaged across the quorum's groups too, and applied only if it commits
     if parts.replicas is not None and not parts.replicas.commit(parts.replicas.average(), position, window):
@@ -250,7 +249,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
             meter.grad_norms.append(sync.clip_grad_norm_(config.clip_grad_norm))
         meter.measure_state()
         scaler.step(optimizer)  # --zero 1-3: this rank's shards, then the model made whole again
-        faults.at("optimizer", parts.ctx.rank, position.optimizer_steps, config.replica_group)
+        parts.faults.at("optimizer", position.optimizer_steps)
         # a non-finite loss or norm stops the run (read a step later, or before a save: trainer/finite.py)
         meter.finite.step(position.optimizer_steps + 1, window_sums.loss,
                           meter.grad_norms[-1] if config.clip_grad_norm else None, scaler, optimizer)

@@ -33,9 +33,10 @@ PACE = "FLOAT64_TRAINER_PACE"
 
 
 def paced(at, seconds: float, gate: str):
-    """trainer/faults.py's hook, then at the end of a step a sleep of ``seconds`` while ``gate`` does not exist."""
-    def at_then_wait(point: str, rank: int, step: int, group: int | None = None) -> None:
-        at(point, rank, step, group)
+    """trainer/faults.py's FaultPlan.at, then at the end of a step a sleep of ``seconds`` while ``gate`` does not
+    exist."""
+    def at_then_wait(plan: faults.FaultPlan, point: str, step: int) -> None:
+        at(plan, point, step)
         if point == "after" and not os.path.exists(gate):
             time.sleep(seconds)
     return at_then_wait
@@ -66,5 +67,5 @@ if __name__ == "__main__":
                                                        os.environ["FLOAT64_TRAINER_JOIN_BARRIER"])
     if os.environ.get(PACE):
         seconds, gate = os.environ[PACE].split(":", 1)
-        faults.at = paced(faults.at, float(seconds), gate)  # the trainer calls faults.at by its module
+        faults.FaultPlan.at = paced(faults.FaultPlan.at, float(seconds), gate)  # every plan's, this process's
     sys.exit(ddp_cifar100.main())

@@ -119,25 +119,25 @@ def argv_of(corpus, directory, zero_stage, *flags):
 
 def runs_in_group(rank, world_size, corpus, root):
     """The synchronous references at --zero 3 and 0, an async run without a fault, and an async run whose writes
-    fail from step 3 on (trainer.faults.at patched in this worker: the disk full as the writer starts)."""
+    fail from step 3 on (trainer.faults.FaultPlan.at patched in this worker: the disk full as the writer starts)."""
     out = {name: train_in_group(rank, world_size, argv_of(corpus, os.path.join(root, name), stage, *flags))
            for name, stage, flags in (("sync 3", 3, ()), ("sync 0", 0, ()), ("async 3", 3, ("--async-checkpoint",)))}
     for name in out:
         out[name]["metrics"] = {key: out[name]["metrics"][key] for key in ("checkpoint_stalls_s",
                                                                            "checkpoint_final_wait_s")}
     from trainer import faults
-    at = faults.at
+    at = faults.FaultPlan.at
 
-    def disk_full_from_step_3(point, rank_, step, group=None):
+    def disk_full_from_step_3(plan, point, step):
         if point == "write" and step >= 3:
             full_of_space()
-        at(point, rank_, step, group)
-    faults.at = disk_full_from_step_3
+        at(plan, point, step)
+    faults.FaultPlan.at = disk_full_from_step_3
     try:
         out["full"] = main_in_group(rank, world_size, argv_of(corpus, os.path.join(root, "full"), 3,
                                                              "--async-checkpoint"))
     finally:
-        faults.at = at
+        faults.FaultPlan.at = at
     return out
 
 

@@ -359,6 +359,47 @@ def test_a_killed_worker_is_restarted_and_resumes_exactly(training_runs, run):
                         f"killed after step 7 and {run}ed")
 
 
+def test_the_fault_plan_is_read_once_and_bound_to_its_process(local_group, monkeypatch):
+    """DDP_CIFAR100_FAULT is parsed once, into this process's plan (its rank, its replica group, torchrun's attempt):
+    a fault of another rank, group or attempt is not in it, and the environment changed afterwards changes nothing;
+    a malformed one stops the trainer at its build in one line, on every rank."""
+    from trainer.faults import FaultPlan
+    environment = {"DDP_CIFAR100_FAULT": "1/0:3:save, 0:*:nan, 2/1:4:send:1, 0:5", "TORCHELASTIC_RESTART_COUNT": "0"}
+    plan = FaultPlan.of(0, 1, environment)
+    assert [(f.point, f.step) for f in plan.faults] == [("save", 3), ("nan", None), ("after", 5)]
+    assert plan.named("save", 3) and not plan.named("save", 4) and plan.named("nan", 123)
+    assert [f.point for f in FaultPlan.of(0, 2, environment).faults] == ["nan", "after"]  # group 1's is not group 2's
+    assert FaultPlan.of(1, 2, environment).faults == ()  # attempt 1's, not this attempt's
+    assert [f.point for f in FaultPlan.of(1, 2, dict(environment, TORCHELASTIC_RESTART_COUNT="1")).faults] == ["send"]
+    monkeypatch.setenv("DDP_CIFAR100_FAULT", "0:2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    read = FaultPlan.of(0, None)
+    monkeypatch.setenv("DDP_CIFAR100_FAULT", "0:3")
+    assert read.named("after", 2) and not read.named("after", 3)
+    assert not FaultPlan().named("after", 2)
+    results = local_group(2).run(failing_in_group, TINY + ["--epochs", "1", "--max-steps", "1"],
+                                 {"DDP_CIFAR100_FAULT": "0:two"})
+    for result in results:
+        assert result["code"] == 2, result
+    lines = results[0]["stderr"].strip().splitlines()
+    assert lines == ["ddp_cifar100.py: error: DDP_CIFAR100_FAULT: '0:two' is not [GROUP/]RANK:STEP[:POINT[:ATTEMPT]]"], \
+        results[0]["stderr"]
+
+
+def failing_in_group(rank, world_size, argv, environment):
+    """main_in_group with ``environment`` set in this worker for the call."""
+    kept = {key: os.environ.get(key) for key in environment}
+    os.environ.update(environment)
+    try:
+        return main_in_group(rank, world_size, argv)
+    finally:
+        for key, value in kept.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.mark.slow
 def test_two_nodes_match_one_node(training_runs):
     agents = [training_runs["runs"][f"two nodes/{node}"] for node in (0, 1)]

@@ -75,17 +75,17 @@ def paced_train(rank, world_size, argv, gate, pace_s=PACE_S):
     """train_in_group in float64, each optimizer step ending with ``pace_s`` of sleep until the file ``gate``
     exists (tests/float64_trainer.py's pace): the run cannot end before a late group has joined, however slowly it
     starts."""
-    at = faults.at
+    at = faults.FaultPlan.at
 
-    def at_then_wait(point, rank, step, group=None):
-        at(point, rank, step, group)
+    def at_then_wait(plan, point, step):
+        at(plan, point, step)
         if point == "after" and not os.path.exists(gate):
             time.sleep(pace_s)
-    faults.at = at_then_wait
+    faults.FaultPlan.at = at_then_wait
     try:
         return train_in_group(rank, world_size, argv, "float64")
     finally:
-        faults.at = at
+        faults.FaultPlan.at = at
 
 
 @pytest.fixture(scope="module", params=[1, 3])

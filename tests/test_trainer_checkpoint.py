@@ -616,21 +616,21 @@ def test_what_a_killed_write_of_last_pt_leaves_is_removed_at_the_next_start_and_
 
 def background_writes_fail_in_group(rank, world_size, argv):
     """main_in_group with every rank's background writes failing from step 3 on (the disk full as the writer
-    starts: trainer.faults.at patched in this worker), rank 1's a second and a half later than rank 0's."""
+    starts: trainer.faults.FaultPlan.at patched in this worker), rank 1's a second and a half later than rank 0's."""
     import time
     from trainer import faults
-    at = faults.at
+    at = faults.FaultPlan.at
 
-    def disk_full_from_step_3(point, rank_, step, group=None):
+    def disk_full_from_step_3(plan, point, step):
         if point == "write" and step >= 3:
-            time.sleep(1.5 * rank_)
+            time.sleep(1.5 * rank)
             raise OSError(errno.ENOSPC, "No space left on device")
-        at(point, rank_, step, group)
-    faults.at = disk_full_from_step_3
+        at(plan, point, step)
+    faults.FaultPlan.at = disk_full_from_step_3
     try:
         return main_in_group(rank, world_size, argv)
     finally:
-        faults.at = at
+        faults.FaultPlan.at = at
 
 
 def test_a_background_save_that_fails_on_the_ranks_at_different_times_is_one_line(local_group, corpus, tmp_path):

@@ -36,6 +36,7 @@ from references import DDPSync, FSDPSync
 from trainer.checkpoint import current
 from trainer.config import DTYPES, OURS, OUTER_SYNCS, Config
 from trainer.export import InitFrom
+from trainer.faults import FaultPlan
 from utils import UsageError
 from zero.broadcast import broadcast_state
 from zero.stage0 import DataParallel
@@ -62,6 +63,7 @@ class Parts:
     replica_size: int  # ... and how many ranks each replica has
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
     phases: utils.PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
+    faults: FaultPlan  # the faults asked of this process, on purpose (trainer/faults.py; none: FaultPlan())
     replicas: Any = None  # fault-tolerant replica groups (trainer/replica_groups.py), made once the run is restored
 
     @property
@@ -83,6 +85,10 @@ def build(config: Config) -> Parts:
     except ValueError as exc:  # e.g. --device cuda on a machine without a GPU: before any collective
         raise UsageError(str(exc)) from None
     comm_device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    try:  # the faults asked of this process (trainer/faults.py): read once, here
+        faults = FaultPlan.of(ctx.rank, config.replica_group)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if config.deterministic:
         make_deterministic()
     data = load_data(config, ctx, comm_device)
@@ -107,7 +113,7 @@ def build(config: Config) -> Parts:
                  optimizer=optimizer, scheduler=make_scheduler(config, optimizer, schedule_steps),
                  scaler=make_scaler(config, ctx.device), steps_per_epoch=steps_per_epoch,
                  schedule_steps=schedule_steps, outer=outer, replica=replica, replica_size=replica_size,
-                 compile_counts=compile_counts, phases=phases)
+                 compile_counts=compile_counts, phases=phases, faults=faults)
 
 
 def check_batch_statistics(config: Config, ctx: utils.DistContext, data: Any, model: nn.Module) -> None:

@@ -55,36 +55,39 @@ def parse(text: str) -> list[Fault]:
     return faults
 
 
-def at(point: str, rank: int, step: int, group: int | None = None) -> None:
-    """SIGKILL this process if DDP_CIFAR100_FAULT names this point of this step for it (module docstring)."""
-    if named(point, rank, step, group):
-        os.kill(os.getpid(), signal.SIGKILL)
+@dataclass(frozen=True)
+class FaultPlan:
+    """This process's faults (module docstring), read once at the start: DDP_CIFAR100_FAULT's faults that name its
+    rank, its replica group (None: not a replica group's) and torchrun's attempt (TORCHELASTIC_RESTART_COUNT). The
+    loop, the checkpointer and the replica groups are given it (trainer/build.py's Parts.faults) and ask it at each
+    point; nothing reads the environment again. A plan with no faults answers no to every point."""
+    faults: tuple[Fault, ...] = ()
 
+    @classmethod
+    def of(cls, rank: int, group: int | None, environ: Any = os.environ) -> FaultPlan:
+        """The faults in ``environ`` for this process (a malformed DDP_CIFAR100_FAULT: ValueError, one line)."""
+        attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return cls(tuple(fault for fault in parse(environ.get(ENV, "")) if fault.rank == rank
+                         and fault.group in (None, group) and fault.attempt == attempt))
 
-def named(point: str, rank: int, step: int, group: int | None = None) -> bool:
-    """Whether DDP_CIFAR100_FAULT names this point of this step for this process, in this attempt."""
-    text = os.environ.get(ENV)
-    if not text:
-        return False
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return any((fault.point, fault.rank, fault.attempt) == (point, rank, attempt) and fault.step in (None, step)
-               and fault.group in (None, group) for fault in parse(text))
+    def named(self, point: str, step: int) -> bool:
+        """Whether a fault of this plan is at ``point`` with ``step`` optimizer steps done."""
+        return any(fault.point == point and fault.step in (None, step) for fault in self.faults)
 
+    def at(self, point: str, step: int) -> None:
+        """SIGKILL this process where the plan names this point of this step."""
+        if self.named(point, step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
-def watch(parts: Any, steps: Callable[[], int]) -> None:
-    """Where DDP_CIFAR100_FAULT names a point inside the sync's own collectives (WATCHED), have the sync's
-    collectives.Collectives (``parts.sync.comm``; PyTorch's syncs have none) call ``at`` as each one is launched;
-    where it names "offload", have the sync's offload store (zero/offload/) call it as each write of the optimizer's
-    state is asked for. ``steps()``: the optimizer steps done."""
-    text, comm = os.environ.get(ENV), getattr(parts.sync, "comm", None)
-    rank, group = parts.ctx.rank, parts.config.replica_group
-    store = getattr(parts.sync, "store", None)
-    if store is not None and text and any(fault.point == "offload" for fault in parse(text)):
-        store.on_put = lambda name: at("offload", rank, steps(), group) if name[0] == "state" else None
-    if comm is None or not text or not any(fault.point in WATCHED for fault in parse(text)):
-        return
-
-    def launched(kind: str) -> None:
-        if kind in WATCHED:
-            at(kind, rank, steps(), group)
-    comm.launched = launched
+    def watch(self, sync: Any, steps: Callable[[], int]) -> None:
+        """Where the plan names a point inside the sync's own collectives (WATCHED), have the sync's
+        collectives.Collectives (``sync.comm``; PyTorch's syncs have none) call ``at`` as each one is launched (its
+        ``launched`` hook); where it names "offload", have the sync's offload store (zero/offload/) call it as each
+        write of the optimizer's state is asked for (its ``on_put`` hook). ``steps()``: the optimizer steps
+        done."""
+        points = {fault.point for fault in self.faults}
+        store, comm = getattr(sync, "store", None), getattr(sync, "comm", None)
+        if store is not None and "offload" in points:
+            store.on_put = lambda name: self.at("offload", steps()) if name[0] == "state" else None
+        if comm is not None and points & set(WATCHED):
+            comm.launched = lambda kind: self.at(kind, steps()) if kind in WATCHED else None

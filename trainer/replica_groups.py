@@ -52,7 +52,6 @@ import trainer
 import utils
 import zero.checkpoint
 from diloco import ring_allreduce_compressed
-from trainer import faults
 from trainer.build import Parts
 from trainer import checkpoint
 from trainer.checkpoint import NO_SUMS, fingerprint, trajectory
@@ -112,7 +111,7 @@ class ReplicaGroups:
 
     def _fault(self, point: str) -> None:
         """trainer/faults.py's injection, inside the average and the state transfer."""
-        faults.at(point, self.parts.ctx.rank, self.position.optimizer_steps, self.parts.config.replica_group)
+        self.parts.faults.at(point, self.position.optimizer_steps)
 
     def join(self, position: Any, history: list[dict[str, Any]], epoch: Any) -> bool:
         """This step's quorum; whether the live state was taken (``position`` and ``history`` then hold the

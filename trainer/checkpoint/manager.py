@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import utils
 import zero
-from trainer import faults
+from trainer.faults import FaultPlan
 from trainer.checkpoint import folders
 from trainer.checkpoint.folders import FILE, FOLDER, PARTIAL, Found
 from trainer.checkpoint.reading import READ_ATTEMPTS, non_finite, read_state, usage_error
@@ -50,8 +50,9 @@ class Checkpointer:
     calls it. ``phases``: the run's PhasePeaks (restore and save end theirs: utils.measured_phase)."""
 
     def __init__(self, config: Config, sync: Any, optimizer: Any, states: dict[str, Any], run: RunState,
-                 comm_device: torch.device, phases: utils.PhasePeaks):
+                 comm_device: torch.device, phases: utils.PhasePeaks, faults: FaultPlan = FaultPlan()):
         self.config, self.directory = config, config.checkpoint_dir
+        self.faults = faults  # trainer/faults.py's: a save's points "write" and "save"
         self.sync, self.optimizer, self.states, self.run = sync, optimizer, states, run
         self.comm_device, self.phases = comm_device, phases
         self.rank = run.rank  # this process's rank in the run (its world's: utils.DistContext)
@@ -69,7 +70,8 @@ class Checkpointer:
         record = trajectory(parts.config, parts.data, parts.schedule_steps)
         run = RunState(parts.config, record, parts.ctx.world_size, parts.ctx.rank)
         states = {"scheduler": parts.scheduler if parts.scheduler is not None else NoState(), "scaler": parts.scaler}
-        return cls(parts.config, parts.sync, parts.optimizer, states, run, parts.comm_device, parts.phases)
+        return cls(parts.config, parts.sync, parts.optimizer, states, run, parts.comm_device, parts.phases,
+                   parts.faults)
 
     @property
     def fingerprint(self) -> str:
@@ -320,7 +322,7 @@ class Checkpointer:
             return
         problem = disk_error(lambda: write(None))
         if problem is None:
-            faults.at("save", self.rank, state["optimizer_steps"], self.config.replica_group)
+            self.faults.at("save", state["optimizer_steps"])
         if problem is None and self.rank == 0:  # DCP's save returns once every rank's data and the .metadata are
             problem = disk_error(publish)  # written
         self.settle(name, problem)
@@ -348,13 +350,13 @@ class Checkpointer:
         stops every rank at the same step soon after, or at the next save, in one line (``failed``,
         ``wait_for_saves``); the save's
         DIR/step-N.partial is then left for the next start to remove."""
-        rank, step, group = self.rank, state["optimizer_steps"], self.config.replica_group
+        rank, step, faults = self.rank, state["optimizer_steps"], self.faults
         writer = self.writer
-        writer.before_write = lambda: faults.at("write", rank, step, group)
+        writer.before_write = lambda: faults.at("write", step)
         write(writer)
 
         def published() -> None:
-            faults.at("save", rank, step, group)
+            faults.at("save", step)
             if rank == 0:
                 publish()
             for subscriber in self.subscribers:
