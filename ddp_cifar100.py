@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import trainer
@@ -76,11 +77,21 @@ from trainer.replica_groups import ReplicaGroups
 from utils import UsageError
 from zero.offload import OffloadError, OffloadRefused
 
-__all__ = ["Config", "UsageError", "main", "parse_args", "train"]
+__all__ = ["Config", "Trained", "UsageError", "main", "parse_args", "train"]
 
 
-def train(config: Config) -> dict[str, Any]:
-    """Run the training (or evaluation) ``config`` describes; returns the metrics and, on every rank, the model."""
+@dataclass(frozen=True)
+class Trained:
+    """What ``train`` gives back, on every rank: the metrics (what --metrics-out writes: rank 0's are the run's),
+    and for callers in the same process (tests) the model, whole again (``sync.close()``), and --grad-sync
+    diloco's outer state (its shared point and momentum; None without it)."""
+    metrics: dict[str, Any]
+    model: torch.nn.Module
+    outer: dict[str, Any] | None
+
+
+def train(config: Config) -> Trained:
+    """Run the training (or evaluation) ``config`` describes; returns its metrics and, on every rank, the model."""
     wall_start = time.perf_counter()
     parts = build(config)  # process group, data, model, sync, optimizer, schedule, scaler
     meter = Meter(parts)  # step times, --log-every's window, TensorBoard
@@ -88,25 +99,26 @@ def train(config: Config) -> dict[str, Any]:
     checkpointer.before_saving(meter.finite.settle)  # nothing non-finite saved: the last step's check read first
     checkpointer.when_published(meter.finite.saved)  # ... and its stop names the checkpoint that stays current
     meter.finite.watch(checkpointer.failed, checkpointer.wait_for_saves)  # a failed background save: every rank stops
+    replica_groups: ReplicaGroups | None = None  # fault-tolerant replica groups: made once the run is restored
     try:
         # resume from --checkpoint-dir's checkpoint when there is one; say what runs; start --profile's window
         position, history, saved_sums = checkpointer.restore()
         parts.faults.watch(parts.sync, lambda: position.optimizer_steps)  # inside the sync's collectives, where named
         if config.coordinator:  # fault-tolerant replica groups: this group trains with the others through it
-            parts.replicas = ReplicaGroups(parts, checkpointer.fingerprint, position.optimizer_steps)
-            checkpointer.when_published(parts.replicas.replica.saved)  # what a restart of this group brings back
-        meter.start(position)
+            replica_groups = ReplicaGroups(parts, checkpointer.fingerprint, position.optimizer_steps)
+            checkpointer.when_published(replica_groups.replica.saved)  # what a restart of this group brings back
+        meter.start(position, replica_groups)
         epoch, final = None, None
         while not config.eval_only and position.epoch < config.epochs and not stop_requested(config, position):
             # replica groups: this step's quorum; a group behind it takes the live state and goes on from there
-            if parts.replicas is not None and parts.replicas.join(position, history, epoch):
-                epoch, saved_sums = None, parts.replicas.sums
+            if replica_groups is not None and replica_groups.join(position, history, epoch):
+                epoch, saved_sums = None, replica_groups.sums
             # an epoch begins (or goes on from the checkpoint's micro-batch)
             if epoch is None:
                 epoch = Epoch(parts, meter, position, saved_sums if position.micro_batch else NO_SUMS)
             # one optimizer step: the window of micro-batches, forward and backward, clipping, the update (with
             # replica groups, if the quorum commits it; else the same micro-batches again, in the next quorum)
-            if not optimizer_step(parts, meter, position, epoch):
+            if not optimizer_step(parts, meter, position, epoch, replica_groups):
                 epoch.rewind(parts, position)
                 continue
             # a checkpoint inside the epoch when due (the epoch's end is checkpointed after its validation): the
@@ -134,8 +146,8 @@ def train(config: Config) -> dict[str, Any]:
                 meter.show_epoch(final, position.optimizer_steps)
                 epoch = None
         checkpointer.finish()  # --async-checkpoint: the last save written before the run ends
-        if parts.replicas is not None:  # a replica group that comes back later has no one left to rejoin
-            parts.replicas.finish(position)
+        if replica_groups is not None:  # a replica group that comes back later has no one left to rejoin
+            replica_groups.finish(position)
         meter.close()  # the profiler's window written, TensorBoard flushed
         # the final figures: the last epoch's, or one evaluation when nothing was trained
         if final is None:  # --eval-only, or a checkpoint with nothing left to train
@@ -150,15 +162,13 @@ def train(config: Config) -> dict[str, Any]:
             meter.stop_profiler()  # stopped by an error: leave no profiler running in this process
             if parts.outer is not None:
                 parts.outer.close()
-            if parts.replicas is not None:
-                parts.replicas.close()
+            if replica_groups is not None:
+                replica_groups.close()
             parts.data.close()
             checkpointer.close()  # stopped by an error: its save in flight left unpublished; the lock released
     if parts.ctx.rank == 0 and config.metrics_out:
         utils.write_json(config.metrics_out, metrics)
-    metrics["model"] = parts.model  # for in-process callers (tests), whole (sync.close()); not part of the JSON
-    metrics["outer"] = parts.outer.state_dict() if parts.outer is not None else None  # (diloco's outer state, too)
-    return metrics
+    return Trained(metrics, parts.model, parts.outer.state_dict() if parts.outer is not None else None)
 
 
 class Epoch:
@@ -204,9 +214,10 @@ def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @utils.measured_phase("steps")
-def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch) -> bool:
+def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch,
+                   replica_groups: ReplicaGroups | None = None) -> bool:
     """The window of up to K micro-batches from ``position``, then one update (the module docstring's g); False
-    where replica groups' quorum did not commit it (nothing applied, nothing counted)."""
+    where the fault-tolerant ``replica_groups``' quorum did not commit it (nothing applied, nothing counted)."""
     config, sync, optimizer, scaler = parts.config, parts.sync, parts.optimizer, parts.scaler
     window = range(position.micro_batch, min(position.micro_batch + config.grad_accum, len(epoch.sizes)))
     window_samples = sum(epoch.sizes[j] for j in window)  # the n of the module docstring
@@ -236,7 +247,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
                 parts.faults.at("backward", position.optimizer_steps)
         window_sums.add(per_sample, logits, labels)
     # replica groups: the gradients averaged across the quorum's groups too, and applied only if it commits
-    if parts.replicas is not None and not parts.replicas.commit(parts.replicas.average(), position, window):
+    if replica_groups is not None and not replica_groups.commit(replica_groups.average(), position, window):
         optimizer.zero_grad()
         return False
     epoch.sums.merge(window_sums)

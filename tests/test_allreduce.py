@@ -521,8 +521,8 @@ def train_with_each_allreduce(rank: int, world_size: int) -> dict:
     try:
         states = {}
         for name in ("torch", "ring", "butterfly"):
-            metrics = trainer.train(trainer.parse_args(TRAIN + ["--allreduce", name]))
-            states[name] = {k: v.detach().clone() for k, v in metrics["model"].state_dict().items()}
+            model = trainer.train(trainer.parse_args(TRAIN + ["--allreduce", name])).model
+            states[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     finally:
         allreduce.SEGMENT_ELEMENTS = previous
     return states

@@ -382,8 +382,8 @@ def test_the_fault_plan_is_read_once_and_bound_to_its_process(local_group, monke
     for result in results:
         assert result["code"] == 2, result
     lines = results[0]["stderr"].strip().splitlines()
-    assert lines == ["ddp_cifar100.py: error: DDP_CIFAR100_FAULT: '0:two' is not [GROUP/]RANK:STEP[:POINT[:ATTEMPT]]"], \
-        results[0]["stderr"]
+    expected = "ddp_cifar100.py: error: DDP_CIFAR100_FAULT: '0:two' is not [GROUP/]RANK:STEP[:POINT[:ATTEMPT]]"
+    assert lines == [expected], results[0]["stderr"]
 
 
 def failing_in_group(rank, world_size, argv, environment):

@@ -65,8 +65,8 @@ def train_gpt(rank, world_size, argv, variants, size, dtype):
     try:
         runs = {}
         for name, extra in variants:
-            metrics = trainer.train(trainer.parse_args(argv + extra))
-            model = metrics.pop("model")
+            trained = trainer.train(trainer.parse_args(argv + extra))
+            metrics, model = trained.metrics, trained.model
             state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
             runs[name] = {"state": {k: v.detach().clone() for k, v in state.items()},  # FSDP2: DTensors
                           "tied": model.head.weight is model.token_embedding.weight, "metrics": metrics}

@@ -47,10 +47,10 @@ def runs_in_group(rank, world_size, variants, checkpoint_root):
         torch.set_default_dtype(getattr(torch, dtype))
         directory = f"{checkpoint_root}/{name.replace(' ', '-')}"
         try:
-            metrics = trainer.train(trainer.parse_args(extra + ["--checkpoint-dir", directory]))
+            trained = trainer.train(trainer.parse_args(extra + ["--checkpoint-dir", directory]))
         finally:
             torch.set_default_dtype(previous)
-        model = metrics.pop("model")
+        metrics, model = trained.metrics, trained.model
         first = next(model.parameters())
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                  for k, v in model.state_dict().items()}

@@ -314,13 +314,13 @@ def count_collectives(rank, world_size, argv):
         setattr(Collectives, name, counting(name))
     trainer_build.build_model, zero.shard = instrumented_build_model, kept_shard
     try:
-        metrics = trainer.train(trainer.parse_args(argv))
+        trained = trainer.train(trainer.parse_args(argv))
     finally:
         for name, fn in real.items():
             setattr(Collectives, name, fn)
         trainer_build.build_model, zero.shard = real_build_model, real_shard
-    model = metrics.pop("model")
-    return {"calls": calls, "micro_batches": micro_batch[0] + 1, "steps": metrics["optimizer_steps"],
+    model = trained.model
+    return {"calls": calls, "micro_batches": micro_batch[0] + 1, "steps": trained.metrics["optimizer_steps"],
             "buffers_made": getattr(syncs[0], "buffers_made", None),
             "grads_left": [p.grad is None for p in model.parameters()]}
 

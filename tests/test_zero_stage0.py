@@ -46,7 +46,7 @@ def count_all_reduces(rank, world_size, argv):
 
     dist.all_reduce, trainer_build.build_model = counting_all_reduce, instrumented_build_model
     try:
-        metrics = trainer.train(trainer.parse_args(argv))
+        metrics = trainer.train(trainer.parse_args(argv)).metrics
     finally:
         dist.all_reduce, trainer_build.build_model = real_all_reduce, real_build_model
     return {"calls": calls, "micro_batches": micro_batch[0] + 1, "optimizer_steps": metrics["optimizer_steps"]}

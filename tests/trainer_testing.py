@@ -27,10 +27,10 @@ def train_in_group(rank, world_size, argv, dtype="float32"):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
     try:
-        metrics = trainer.train(trainer.parse_args(argv))
+        trained = trainer.train(trainer.parse_args(argv))
     finally:
         torch.set_default_dtype(previous)
-    model, outer = metrics.pop("model"), metrics.pop("outer")
+    metrics, model, outer = trained.metrics, trained.model, trained.outer
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     return {"state": {k: v.detach().clone() for k, v in state.items()}, "metrics": metrics,  # FSDP2: DTensors
             "outer": outer}  # diloco's outer state (its shared point, momentum, ...), else None

@@ -64,7 +64,6 @@ class Parts:
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
     phases: utils.PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
     faults: FaultPlan  # the faults asked of this process, on purpose (trainer/faults.py; none: FaultPlan())
-    replicas: Any = None  # fault-tolerant replica groups (trainer/replica_groups.py), made once the run is restored
 
     @property
     def device(self) -> torch.device:

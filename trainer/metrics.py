@@ -129,6 +129,7 @@ class Meter:
     evals: list[dict[str, Any]] = field(default_factory=list)  # --eval-every's evaluations (rank 0's figures)
     baselines: dict[str, float] = field(default_factory=dict)  # text: gzip's and the unigram's bits/byte (rank 0)
     first_step: int = 0  # the optimizer step this run started from (a resumed run: the checkpoint's)
+    replicas: Any = None  # fault-tolerant replica groups (trainer/replica_groups.py): their averages' bytes count
     train_start: float = 0.0  # perf_counter() when training began ...
     eval_seconds: float = 0.0  # ... and the seconds --eval-every's evaluations have taken since
     train_time: float = 0.0  # seconds in epochs' steps
@@ -145,9 +146,10 @@ class Meter:
         if parts.ctx.rank == 0 and (self.writer is not None or sys.stderr.isatty()):  # someone will see them
             self.recent = RecentSteps(torch.zeros((), dtype=torch.float64, device=parts.device))
 
-    def start(self, position: Position) -> None:
-        """Training begins at ``position``: the run's first lines, the peak memory's count and the profiler."""
-        self.first_step = position.optimizer_steps
+    def start(self, position: Position, replicas: Any = None) -> None:
+        """Training begins at ``position`` (with fault-tolerant ``replicas``, where the run has them): the run's first
+        lines, the peak memory's count and the profiler."""
+        self.first_step, self.replicas = position.optimizer_steps, replicas
         announce(self)
         utils.reset_peak_memory(self.parts.device)
         self.profiler = start_profiler(self.parts, position)
@@ -357,7 +359,7 @@ def bytes_sent(meter: Meter, position: Position) -> int:
     if sent is None:
         steps = position.optimizer_steps - meter.first_step
         sent = steps * data_parallel_bytes(trainable_parameters(parts), parts.ctx.world_size)
-    across = parts.replicas.sent_bytes if parts.replicas is not None else 0  # replica groups' averages
+    across = meter.replicas.sent_bytes if meter.replicas is not None else 0  # replica groups' averages
     return sent + across + (parts.outer.sent_bytes() if parts.outer is not None else 0)
 
 
@@ -378,8 +380,8 @@ def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
     state = meter.state_bytes or {"params": 0, "grads": 0, "optimizer": 0}
     figures["state_bytes"] = {key: int(busiest(value)) for key, value in state.items()}
     sync_sent, steps = parts.sync.sent_bytes(), position.optimizer_steps - meter.first_step
-    if sync_sent is not None and parts.replicas is not None:  # replica groups: the averages across them too
-        sync_sent += parts.replicas.sent_bytes
+    if sync_sent is not None and meter.replicas is not None:  # replica groups: the averages across them too
+        sync_sent += meter.replicas.sent_bytes
     figures["sent_bytes_per_step"] = None if sync_sent is None or not steps else busiest(sync_sent) / steps
     if hasattr(parts.sync, "sent_bytes_by_group"):  # zero's stages 1-3 (every rank's sync has it, or none's)
         by_group = parts.sync.sent_bytes_by_group()
