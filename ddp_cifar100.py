@@ -51,15 +51,21 @@ from typing import Any, Iterator
 import trainer
 from trainer import refusals, warm_start  # (import no torch)
 
-# before torch is imported: a restart of a replica group the coordinator refused says the same line and stops
-# (trainer/refusals.py); a restart of a --warm-restarts torchrun is forked by the zygote its first start kept and
-# this process only stands for it (trainer/warm_start.py); a lost coordinator is said in one line, not after a C++
-# stack per failed store call (c10d's client logs each at warning level; the level is read once, as torch is imported)
-if __name__ == "__main__":
-    refusals.exit_if_refused(sys.argv[1:])
-    warm_start.serve_restart(sys.argv, trainer.STARTED)
-if "--coordinator" in sys.argv:
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+def before_torch(argv: list[str]) -> None:
+    """The script's start, before torch is imported (so that none of it waits for torch's import): a restart of a
+    replica group the coordinator refused says the same line and stops (trainer/refusals.py); a restart of a
+    --warm-restarts torchrun is forked by the zygote its first start kept, and this process only stands for it
+    (trainer/warm_start.py); with --coordinator, a lost coordinator is said in one line, not after a C++ stack per
+    failed store call (c10d's client logs each at warning level, and reads the level once, as torch is imported)."""
+    refusals.exit_if_refused(argv[1:])
+    warm_start.serve_restart(argv, trainer.STARTED)
+    if "--coordinator" in argv:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+if __name__ == "__main__":  # (imported, the script does nothing)
+    before_torch(sys.argv)
 import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn.functional as F
