@@ -80,12 +80,12 @@ from replicas.cli import main, serve
 from replicas.commit_log import append_log, read_log, write_log
 from replicas.coordinator import FIRST_WAIT_S, LINEAGE_WAITS, Lighthouse
 from replicas.liveness import Heartbeat
-from replicas.member import Joined, Recovery, Replica
+from replicas.member import Joined, Replica
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STALE_S, CoordinatorLost, GroupStops,
                                Quorum, ReplicaRefused, RunFinished, connect, one_line, reconnect)
 from replicas.runs_file import RunsFile, RunsFileError
-from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, SocketTransport, StateTransport, TensorPlace,
-                               TornTransfer, join_tensors, messages_of, split_tensors)
+from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, Recovery, SocketTransport, StateTransport,
+                               TensorPlace, TornTransfer, join_tensors, messages_of, split_tensors)
 
 __all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "RECONNECT_S",
            "STALE_S", "CoordinatorLost", "GroupStops", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum",

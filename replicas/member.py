@@ -28,21 +28,10 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from collectives import Collectives
 from replicas.commit_log import adopt, append_log, last_commit, lock_log, resume_log, run_of, write_log
-from replicas.protocol import (CONNECT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused,
-                               RunFinished, connect, one_line, reconnect)
+from replicas.protocol import (CONNECT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused, connect,
+                               one_line, reconnect, refusal)
 from replicas.liveness import Heartbeat
-from replicas.transfer import Received, SocketTransport, StateTransport, TornTransfer, advertised_host
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """The live state a process received in joining a quorum: the quorum's step, the group it came from, the
-    seconds it took to arrive and to load, and its tensors' bytes."""
-    step: int
-    source: int
-    seconds: float
-    load_s: float
-    bytes: int
+from replicas.transfer import Received, Recovery, SocketTransport, StateTransport, TornTransfer, advertised_host
 
 
 @dataclass(frozen=True)
@@ -214,10 +203,12 @@ class Replica:
         """decision/n once set, b"commit" or b"abort". A process stopped long enough finds quorum n forgotten (the
         lighthouse deletes its keys at quorum n + 2): it was decided without this group, which takes it as not
         taken; the next quorum gives it the state it missed ([Note: lineage]), as after an abort."""
-        def forgotten() -> bool:
-            return (self._call(self.store.check, [PREFIX + "forgotten"])
-                    and int(self._call(self.store.get, PREFIX + "forgotten")) >= quorum_id)
-        return self._wait_for(f"{PREFIX}decision/{quorum_id}", gone=forgotten) or b"abort"
+        return self._wait_for(f"{PREFIX}decision/{quorum_id}", gone=lambda: self._deleted(quorum_id)) or b"abort"
+
+    def _deleted(self, quorum_id: int) -> bool:
+        """Whether the lighthouse has forgotten quorum n, its keys deleted or about to be (forgetting.py)."""
+        return (self._call(self.store.check, [PREFIX + "forgotten"])
+                and int(self._call(self.store.get, PREFIX + "forgotten")) >= quorum_id)
 
     # 1. join
     def join(self, step: int) -> Joined:
@@ -271,9 +262,9 @@ class Replica:
         quorum's decision apart (place 0 read "commit" and another did not, the coordinator lost between): that
         place cannot take the state it lacks from its peers, so the group stops (torchrun restarts it from its
         checkpoints) rather than train on two states."""
-        if quorum.steps[self.group] != step:
+        if quorum.step_of(self.group) != step:
             print(f"replicas: group {self.group}: place {self.place} is at step {step} and place 0 at step "
-                  f"{quorum.steps[self.group]} (a decision read apart while the coordinator was lost): the group "
+                  f"{quorum.step_of(self.group)} (a decision read apart while the coordinator was lost): the group "
                   f"stops, to start again from its checkpoints", file=sys.stderr, flush=True)
             raise self._lost("its places read the last decision apart")
 
@@ -290,10 +281,10 @@ class Replica:
     def _ask(self, step: int) -> Quorum:
         """Ask the lighthouse (place 0 asks, every place waits for the answer to the same ticket), saying the step
         this group's state is at and the quorum that committed the step before it ([Note: lineage]). A ticket
-        answered while this process was stopped (SIGSTOP), its quorum since forgotten, went on without it: ask
-        again."""
-        answer = None
-        while answer is None:
+        answered while this process was stopped (SIGSTOP), its quorum forgotten before it was read, went on without
+        it: ask again."""
+        quorum = None
+        while quorum is None:
             self.requests += 1
             ticket = f"{self.group}/{self.incarnation}/{self.requests}"
             if self.place == 0:
@@ -302,18 +293,16 @@ class Replica:
                            "size": self.size, "planned": self.planned,
                            "min_groups": self.min_groups, "fault_timeout": self.timeout_s,
                            "seen": self.quorum.id if self.quorum is not None else None,  # for a new lighthouse
-                           "with": self.quorum.members if self.quorum is not None else []}
+                           "with": self.quorum.members if self.stale and self.quorum else []}  # [Note: small answers]
                 self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
             answer = self._wait_for(f"{PREFIX}ticket/{ticket}", gone=lambda: self._forgotten(ticket))
-            if answer is None and self.place == 0:
+            if answer is not None and (refused := refusal(answer)) is not None:
+                raise refused
+            quorum = self._read_quorum(int(answer)) if answer is not None else None
+            if quorum is None and self.place == 0:
                 print(f"replicas: group {self.group}: the answer to its request {self.requests} came and was "
                       f"forgotten while it was stopped: asking again", file=sys.stderr, flush=True)
-        if b"refused" in answer[:12]:
-            refusal = json.loads(answer)
-            if refusal.get("finished"):
-                raise RunFinished(refusal["refused"], refusal.get("end"))
-            raise ReplicaRefused(refusal["refused"])
-        self.quorum, self.stale = Quorum.parse(answer), False
+        self.quorum, self.stale = quorum, False
         if not self.taken:
             self._taken()
         if self.quorum.back_from is not None and self.place == 0:
@@ -321,6 +310,18 @@ class Replica:
                   f"{self.quorum.step} (quorum {self.quorum.id}): no group that holds a later state is alive or came "
                   f"back in time", file=sys.stderr, flush=True)
         return self.quorum
+
+    def _read_quorum(self, n: int) -> Quorum | None:
+        """Quorum n, its ticket's answer: quorum/n, and members/n unless they are those of quorum n - 1, which this
+        process holds from this store ([Note: small answers] in protocol.py). None: forgotten before it was read (a
+        process stopped after reading its ticket), each read bounded as the ticket's ([Note: bounded reads])."""
+        record = self._wait_for(f"{PREFIX}quorum/{n}", gone=lambda: self._deleted(n))
+        raw = json.loads(record) if record is not None else None
+        held = self.quorum if self.quorum is not None and not self.stale else None
+        if raw is not None and raw["same_members"] and held is not None and held.id == n - 1:
+            return Quorum.of(raw, held.members)
+        members = self._wait_for(f"{PREFIX}members/{n}", gone=lambda: self._deleted(n)) if raw is not None else None
+        return Quorum.of(raw, json.loads(members)) if members is not None else None
 
     def _taken(self) -> None:
         """The coordinator took this process: its run's id kept (a new group's: the run's, from the quorum), and its
@@ -339,7 +340,7 @@ class Replica:
 
     def _forgotten(self, ticket: str) -> bool:
         """Whether the lighthouse answered ``ticket`` and has since forgotten its quorum (deleted the answer with
-        the quorum's keys, Lighthouse._forget): answered/G names this ticket or a later one of this process, and the
+        the quorum's keys, forgetting.py): answered/G names this ticket or a later one of this process, and the
         ticket's key is gone. Read in that order: the lighthouse sets the ticket's key before answered/G."""
         key = f"{PREFIX}answered/{self.group}"
         if not self._call(self.store.check, [key]):
