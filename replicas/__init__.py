@@ -70,7 +70,8 @@ Not back in time: every process says so in one line (CoordinatorLost) and stops;
 
 The files, one concern each: protocol.py (the store's keys, the timings, the errors, the quorum as published),
 coordinator.py (the lighthouse; forgetting.py deletes its decided quorums' keys off its loop), cli.py (``python -m
-replicas serve``: the store and the lighthouse), member.py (Replica: join, average, commit, finish), liveness.py (its
+replicas serve``: the store and the lighthouse), member.py (Replica: join, average, commit, finish), asking.py (its
+calls to the coordinator: claim, requests, answers, decisions, bounded reads), liveness.py (its
 heartbeat and its connection), transfer.py (the live state's transfer: the StateTransport interface, its
 implementations over a TCP connection of its own and over the process group, the wire format), commit_log.py (the log
 that replays the run) and runs_file.py (what the coordinator keeps of its runs on disk, ``serve --runs-file``: their

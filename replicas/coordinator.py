@@ -15,7 +15,7 @@ from torch.distributed import TCPStore
 
 from replicas.forgetting import Forgetter, forget
 from replicas.liveness import LivenessServer
-from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S, published
+from replicas.protocol import CLAIMED, FINISHED, PREFIX, SERVE, STALE_S, difference, published
 from replicas.runs_file import RunsFile
 
 FIRST_WAIT_S = 5.0  # the least the first quorum waits for every planned group (else the fault timeout)
@@ -106,6 +106,9 @@ class Lighthouse:
                     self._refuse(older.request, f"replaced by a newer start of replica group {group}")
                 if why is not None:
                     self._refuse(request, why)
+                    continue
+                if request.get("claim"):  # taken ([Note: claims] in member.py): its quorum request comes next
+                    self.store.set(f"{PREFIX}ticket/{request['ticket']}", CLAIMED)
                     continue
                 self.places[group] = request["size"]
                 self.planned = max(self.planned, request["planned"])
@@ -490,11 +493,3 @@ class Lighthouse:
             print(f"replicas serve: {text}", flush=True)
             self.said = text
 
-
-def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str:
-    """The first setting, in the record's order, where a group's identity record differs from the run's: "--lr
-    0.02, where the run's is 0.05" (the fingerprints alone where a request carries no record)."""
-    for key in dict.fromkeys([*(record or {}), *(run or {})]):
-        if record is not None and run is not None and record.get(key) != run.get(key):
-            return f"{key} {record.get(key)}, where the run's is {run.get(key)}"
-    return "its fingerprint differs"

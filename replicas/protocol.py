@@ -1,12 +1,13 @@
 """What the coordinator and the members share: the store's keys and timings, the errors a member raises, the
 connection to the coordinator's store, and the quorum as the lighthouse publishes it.
 
-The store's keys, all under PREFIX: events (the queue of join requests), ticket/T (the lighthouse's answer to
-request T: a quorum's id, or a refusal), answered/G (group G's last answered ticket), quorum/n, members/n, votes/n and
-decision/n (quorum n but its members, its members, its commit votes, its first decision: "commit" or "abort"; [Note:
-small answers]), forgotten (the last quorum whose keys were deleted), finished (the step where a group finished the
-run, and the run's id), finished_kept (the same, once the coordinator has it where its restart finds it), hb/G/J
-(place J of group G's heartbeat: INCARNATION/COUNT) and pg/N/J/... (the process groups of quorum N's place J)."""
+The store's keys, all under PREFIX: events (the queue of join requests and claims), ticket/T (the lighthouse's
+answer to request T: a quorum's id, CLAIMED, or a refusal), answered/G (group G's last answered ticket), quorum/n,
+members/n, votes/n and decision/n (quorum n but its members, its members, its commit votes, its first decision:
+"commit" or "abort"; [Note: small answers]), forgotten (the last quorum whose keys were deleted), finished (the step
+where a group finished the run, and the run's id), finished_kept (the same, once the coordinator has it where its
+restart finds it), hb/G/J (place J of group G's heartbeat: INCARNATION/COUNT, once its claim is taken) and
+pg/N/J/... (the process groups of quorum N's place J)."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's proces
 HANDSHAKE_S = 30.0  # the least time a listening coordinator's store has to answer a new client: under two busy loops
 # its handshake once took over 10 s, and the client logged a C++ stack per try it timed out
 SERVE = "python -m replicas serve"  # the coordinator's command
+CLAIMED = b"claimed"  # a claim's answer where the lighthouse takes it ([Note: claims] in member.py)
 
 
 class GroupStops(RuntimeError):
@@ -159,3 +161,12 @@ def published(quorum: dict[str, Any], previous: dict[str, Any] | None, tickets: 
     record["same_members"] = previous is not None and previous["members"] == quorum["members"]
     return {f"{PREFIX}quorum/{n}": json.dumps(record), f"{PREFIX}members/{n}": json.dumps(quorum["members"]),
             **{f"{PREFIX}ticket/{ticket}": str(n) for ticket in tickets}}
+
+
+def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str:
+    """The first setting, in the record's order, where a group's identity record differs from the run's: "--lr
+    0.02, where the run's is 0.05" (the fingerprints alone where a request carries no record)."""
+    for key in dict.fromkeys([*(record or {}), *(run or {})]):
+        if record is not None and run is not None and record.get(key) != run.get(key):
+            return f"{key} {record.get(key)}, where the run's is {run.get(key)}"
+    return "its fingerprint differs"

@@ -783,7 +783,7 @@ def test_a_decision_forgotten_while_the_member_was_stopped_is_taken_as_not_taken
     for n, decision in ((4, "commit"), (5, "abort")):
         store.set(f"{replicas.PREFIX}decision/{n}", decision)
         assert member._decision(n) == decision.encode()  # as set, while the quorum is remembered
-    replicas.forgetting.forget(store, 4, [])  # quorum 4 forgotten before the member asked: its wait times out, and says so
+    replicas.forgetting.forget(store, 4, [])  # quorum 4 forgotten before the member asked: it says so
     began = time.monotonic()
     assert member._decision(4) == b"abort" and time.monotonic() - began < 1.5
     store.set(f"{replicas.PREFIX}decision/6", "commit")
@@ -1100,6 +1100,61 @@ def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_on
     lighthouse.liveness.open.add((f"{replicas.PREFIX}hb/0/0", "warm"))
     lighthouse.alive[0, "warm"] -= 2.0
     assert ask("third").get("refused", "").startswith("replica group 0 refused by the coordinator: another process")
+
+
+def test_a_refused_process_writes_nothing_under_its_groups_name():
+    """[Note: claims] (replicas/asking.py): a second claimant of a live group and a group of another configuration
+    are refused at their claim, before they beat: no heartbeat key of theirs, no liveness connection, no request of
+    theirs in a quorum; the live group's heartbeat key says its own incarnation all along and it goes on."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse, stop = replicas.Lighthouse(store), threading.Event()
+    thread = threading.Thread(target=lighthouse.run, args=(stop,), daemon=True)
+    thread.start()
+    address, key = f"127.0.0.1:{store.port}", f"{replicas.PREFIX}hb/0/0"
+    live = replicas.Replica(address, 0, 1, "same", dict, lambda state: None, min_groups=1, fault_timeout_s=30.0)
+    seen, watching = set(), threading.Event()
+
+    def watch():  # every value group 0's heartbeat key takes while the others are refused
+        reader = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+        while not watching.is_set():
+            if reader.check([key]):
+                seen.add(reader.get(key).split(b"/")[0].decode())
+            time.sleep(0.002)
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        assert live.join(0).quorum.members == [0]
+        deadline = time.monotonic() + 30  # its heartbeat and liveness connection seen by the lighthouse
+        while not (lighthouse.liveness.connected(key, live.incarnation) and (0, live.incarnation) in lighthouse.alive):
+            assert time.monotonic() < deadline, "the live group's heartbeat not seen in 30 s"
+            time.sleep(0.01)
+        watcher.start()
+        refusals = {}
+        for group, identity in ((0, "same"), (1, "other")):
+            intruder = replicas.Replica(address, group, 1, identity, dict, lambda state: None, min_groups=1,
+                                        fault_timeout_s=30.0)
+            with pytest.raises(replicas.ReplicaRefused) as refused:
+                intruder.join(0)
+            refusals[group] = str(refused.value)
+            assert intruder.heartbeat is None
+            hb = f"{replicas.PREFIX}hb/{group}/0"
+            assert not lighthouse.liveness.connected(hb, intruder.incarnation)
+            assert not lighthouse.liveness.closed(hb, intruder.incarnation)
+            assert (group, intruder.incarnation) not in lighthouse.alive
+            assert all(request.request["ticket"].split("/")[1] != intruder.incarnation
+                       for request in lighthouse.asked.values())
+            intruder.close()
+        assert "another process of it is running" in refusals[0], refusals
+        assert "another configuration" in refusals[1], refusals
+        assert not store.check([f"{replicas.PREFIX}hb/1/0"])
+        watching.set()
+        watcher.join()
+        assert seen == {live.incarnation}, seen
+        assert not lighthouse._gone(0) and live.commit(True) and live.join(1).quorum.members == [0]
+    finally:
+        watching.set()
+        live.close()
+        stop.set()
+        thread.join()
 
 
 class GoneProcesses:
