@@ -5,8 +5,8 @@ groups: every group a real client of the protocol without training, so only the 
 What a simulated group does (a thread each, in a few simulator processes):
 - ours: a real ``replicas.Replica`` of one process (its heartbeat thread every 0.1 s on a store client of its own, its
   liveness connection, its store client), and per step the member's own calls: the quorum request (``_ask``: a
-  request into the coordinator's queue, then the wait for its ticket's answer) and the commit (a vote, the decision
-  set by the last voter, read by all). The process group a quorum names is never made (that is the groups' traffic,
+  request into the coordinator's queue, the wait for its ticket's answer, the read of the quorum it names) and the
+  commit (a vote, the decision set by the last voter, read by all). The process group a quorum names is never made (that is the groups' traffic,
   not the coordinator's), and no state moves (every group is at the same step).
 - torchft: a LighthouseClient's heartbeat every 0.1 s (torchft's Manager's default interval) on a client of its own,
   and per step a ``quorum(replica_id, step=...)`` call on another (torchft's commit is the groups' own all-reduce:

@@ -70,7 +70,8 @@ Not back in time: every process says so in one line (CoordinatorLost) and stops;
 
 The files, one concern each: protocol.py (the store's keys, the timings, the errors, the quorum as published),
 coordinator.py (the lighthouse; forgetting.py deletes its decided quorums' keys off its loop), cli.py (``python -m
-replicas serve``: the store and the lighthouse), member.py (Replica: join, average, commit, finish), liveness.py (its
+replicas serve``: the store and the lighthouse), member.py (Replica: join, average, commit, finish), asking.py (its
+calls to the coordinator: claim, requests, answers, decisions, bounded reads), liveness.py (its
 heartbeat and its connection), transfer.py (the live state's transfer: the StateTransport interface, its
 implementations over a TCP connection of its own and over the process group, the wire format), commit_log.py (the log
 that replays the run) and runs_file.py (what the coordinator keeps of its runs on disk, ``serve --runs-file``: their
@@ -80,12 +81,12 @@ from replicas.cli import main, serve
 from replicas.commit_log import append_log, read_log, write_log
 from replicas.coordinator import FIRST_WAIT_S, LINEAGE_WAITS, Lighthouse
 from replicas.liveness import Heartbeat
-from replicas.member import Joined, Recovery, Replica
+from replicas.member import Joined, Replica
 from replicas.protocol import (CONNECT_S, HEARTBEAT_S, PREFIX, RECONNECT_S, STALE_S, CoordinatorLost, GroupStops,
                                Quorum, ReplicaRefused, RunFinished, connect, one_line, reconnect)
 from replicas.runs_file import RunsFile, RunsFileError
-from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, SocketTransport, StateTransport, TensorPlace,
-                               TornTransfer, join_tensors, messages_of, split_tensors)
+from replicas.transfer import (MESSAGE_BYTES, PGTransport, Received, Recovery, SocketTransport, StateTransport,
+                               TensorPlace, TornTransfer, join_tensors, messages_of, split_tensors)
 
 __all__ = ["CONNECT_S", "FIRST_WAIT_S", "HEARTBEAT_S", "LINEAGE_WAITS", "MESSAGE_BYTES", "PREFIX", "RECONNECT_S",
            "STALE_S", "CoordinatorLost", "GroupStops", "Heartbeat", "Joined", "Lighthouse", "PGTransport", "Quorum",

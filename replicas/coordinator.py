@@ -15,7 +15,7 @@ from torch.distributed import TCPStore
 
 from replicas.forgetting import Forgetter, forget
 from replicas.liveness import LivenessServer
-from replicas.protocol import FINISHED, PREFIX, SERVE, STALE_S
+from replicas.protocol import CLAIMED, FINISHED, PREFIX, SERVE, STALE_S, difference, published
 from replicas.runs_file import RunsFile
 
 FIRST_WAIT_S = 5.0  # the least the first quorum waits for every planned group (else the fault timeout)
@@ -33,8 +33,8 @@ class Asked:
 
 class Lighthouse:
     """Forms the quorums (the package docstring, step 1) from the join requests in the store's event queue, and aborts a
-    quorum whose member went silent. It keeps no state that the members need besides the store's keys: quorum/n
-    (the quorum), ticket/T (its answer to request T), decision/n (written by members, or by it on silence).
+    quorum whose member went silent. The members need none of its state but the store's keys: quorum/n, members/n
+    (the quorum), ticket/T (its answer to request T: the quorum's id), decision/n (by members, or by it on silence).
     ``new_run``: once the run finished, a new run's group (one that keeps no run id) starts a new run instead of
     being refused ([Note: new run]). ``runs_file``: where it keeps the run's id and end and the runs before it, and
     resumes them from (runs_file.py): a coordinator restarted after the groups have gone still knows them."""
@@ -106,6 +106,9 @@ class Lighthouse:
                     self._refuse(older.request, f"replaced by a newer start of replica group {group}")
                 if why is not None:
                     self._refuse(request, why)
+                    continue
+                if request.get("claim"):  # taken ([Note: claims] in member.py): its quorum request comes next
+                    self.store.set(f"{PREFIX}ticket/{request['ticket']}", CLAIMED)
                     continue
                 self.places[group] = request["size"]
                 self.planned = max(self.planned, request["planned"])
@@ -436,8 +439,8 @@ class Lighthouse:
                   "back_from": self.frontier[0] if self.frontier is not None and self.frontier[0] > step else None,
                   "run": self.run_id}
         tickets = [request["ticket"] for request in requests.values()]
-        keys = [f"{PREFIX}quorum/{n}", *(f"{PREFIX}ticket/{ticket}" for ticket in tickets)]
-        self.store.multi_set(keys, [json.dumps(quorum)] * len(keys))
+        keys = published(quorum, previous, tickets)  # [Note: small answers] in protocol.py
+        self.store.multi_set(list(keys), list(keys.values()))
         # after the tickets' keys: a member that finds answered/G at or past its ticket, and its ticket's key gone,
         # knows it was answered and forgotten (Replica._forgotten)
         self.store.multi_set([f"{PREFIX}answered/{g}" for g in requests], tickets)
@@ -490,11 +493,3 @@ class Lighthouse:
             print(f"replicas serve: {text}", flush=True)
             self.said = text
 
-
-def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str:
-    """The first setting, in the record's order, where a group's identity record differs from the run's: "--lr
-    0.02, where the run's is 0.05" (the fingerprints alone where a request carries no record)."""
-    for key in dict.fromkeys([*(record or {}), *(run or {})]):
-        if record is not None and run is not None and record.get(key) != run.get(key):
-            return f"{key} {record.get(key)}, where the run's is {run.get(key)}"
-    return "its fingerprint differs"

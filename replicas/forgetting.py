@@ -1,12 +1,12 @@
 """The keys of quorums long decided, deleted by the coordinator off its lighthouse's loop (coordinator.py).
 
-Each quorum leaves G + 3 keys in the store (its quorum, votes and decision keys, and the answer to each member's
-ticket), which would otherwise grow the store by a few keys a group and a step. TCPStore deletes one key a call, and
-each call is a round trip to the store's server: done on the lighthouse's loop, the deletions of quorum n - 2 held up
-quorum n + 1 (at 512 simulated groups on this 2-core VM, 2/3 of the loop's time: a quorum took 4.3 s to form,
-``python -m benchmarks.coordinator_benchmark``). So a thread with a store client of its own deletes them, in the
-order they were decided, after saying so first (``forgotten``: a member stopped while waiting for them reads it,
-Replica._decision and Replica._forgotten)."""
+Each quorum leaves G + 4 keys in the store (its quorum, members, votes and decision keys, and the answer to each
+member's ticket), which would otherwise grow the store by a few keys a group and a step. TCPStore deletes one key a
+call, and each call is a round trip to the store's server: done on the lighthouse's loop, the deletions of quorum
+n - 2 held up quorum n + 1 (at 512 simulated groups on this 2-core VM, 2/3 of the loop's time: a quorum took 4.3 s
+to form, ``python -m benchmarks.coordinator_benchmark``). So a thread with a store client of its own deletes them, in
+the order they were decided, after saying so first (``forgotten``: a member stopped while waiting for them reads it,
+Replica._deleted and Replica._forgotten)."""
 from __future__ import annotations
 
 import queue
@@ -19,7 +19,7 @@ from replicas.protocol import PREFIX
 def forget(store: Any, n: int, tickets: list[str]) -> None:
     """Quorum n's keys out of the store, ``forgotten`` set to n first."""
     store.set(PREFIX + "forgotten", str(n))
-    for key in (f"quorum/{n}", f"votes/{n}", f"decision/{n}", *(f"ticket/{t}" for t in tickets)):
+    for key in (f"quorum/{n}", f"members/{n}", f"votes/{n}", f"decision/{n}", *(f"ticket/{t}" for t in tickets)):
         store.delete_key(PREFIX + key)
 
 

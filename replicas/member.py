@@ -2,11 +2,12 @@
 the live state first where it is behind), averages across the quorum's groups, votes, and applies the step only on
 the quorum's commit (the package docstring's steps 1-4).
 
-What it needs of the coordinator is the store at its address and the keys of protocol.py: it pushes join requests,
-waits for its ticket's answer and the quorum's decision, votes, and beats; it holds no connection to the lighthouse
-itself. A coordinator lost and restarted on the same address (its store new and empty) is ridden through: every
-store call that fails waits for it, up to the fault timeout (``reconnect``), takes the step in flight as not taken
-and asks the new lighthouse again, state intact (the package docstring's "Faults"). What it needs of its peers: the
+What it needs of the coordinator is the store at its address and the keys of protocol.py: it claims its group,
+pushes join requests, waits for its ticket's answer and the quorum's decision, votes, and beats (its calls are
+asking.py's); it holds no connection to the lighthouse itself. A coordinator lost and restarted on the same address
+(its store new and empty) is ridden through: every store call that fails waits for it, up to the fault timeout
+(``reconnect``), takes the step in flight as not taken and asks the new lighthouse again, state intact (the package
+docstring's "Faults"). What it needs of its peers: the
 quorum's process groups (made over the store, per quorum) for the average, and a StateTransport (transfer.py) for
 the live state."""
 from __future__ import annotations
@@ -20,29 +21,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from collectives import Collectives
+from replicas.asking import Asking, Reconnected
 from replicas.commit_log import adopt, append_log, last_commit, lock_log, resume_log, run_of, write_log
-from replicas.protocol import (CONNECT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused,
-                               RunFinished, connect, one_line, reconnect)
+from replicas.protocol import CONNECT_S, PREFIX, CoordinatorLost, GroupStops, Quorum, ReplicaRefused, connect, one_line
 from replicas.liveness import Heartbeat
-from replicas.transfer import Received, SocketTransport, StateTransport, TornTransfer, advertised_host
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """The live state a process received in joining a quorum: the quorum's step, the group it came from, the
-    seconds it took to arrive and to load, and its tensors' bytes."""
-    step: int
-    source: int
-    seconds: float
-    load_s: float
-    bytes: int
+from replicas.transfer import Received, Recovery, SocketTransport, StateTransport, TornTransfer, advertised_host
 
 
 @dataclass(frozen=True)
@@ -53,19 +43,7 @@ class Joined:
     recovery: Recovery | None = None
 
 
-READ_BOUND = 0.5  # of the fault timeout: the longest a member's wait or get of a key waits before asking again
-
-
-def timed_out(error: BaseException) -> bool:
-    """Whether a store call failed on its own timeout (the key not there in time), not on a lost connection."""
-    return isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()
-
-
-class Reconnected(Exception):  # not a RuntimeError: none of the handlers of a failed collective takes it
-    """The coordinator was lost and a new one answers at its address: the quorum in flight is not taken."""
-
-
-class Replica:
+class Replica(Asking):
     """One process of replica group ``group`` (the package docstring). ``state_dict()`` gives and ``load_state_dict``
     takes what a joiner needs to continue (any nesting of dicts, lists and tuples of tensors and picklable values);
     ``group_pg`` is the group's own process group (default: the default group, torchrun's world; None when the
@@ -119,8 +97,7 @@ class Replica:
                 os.close(self.log_lock)
             raise ReplicaRefused(f"replica group {group}: {incarnation[1]}")
         self.store = connect(coordinator, fault_timeout_s)  # absent: said within the fault timeout
-        self.heartbeat = Heartbeat(coordinator, f"{PREFIX}hb/{group}/{self.place}", max(fault_timeout_s, CONNECT_S),
-                                   self.incarnation, fault_timeout_s)
+        self.heartbeat: Heartbeat | None = None  # beating once the coordinator took this process's claim (_claim)
         self.quorum: Quorum | None = None
         self.stale = False  # the quorum is a lost coordinator's: not taken, and none of its keys is read again
         self.pg_id: int | None = None
@@ -135,89 +112,6 @@ class Replica:
         self.recovered: list[dict[str, Any]] = []  # each recovery of this process: step, source, seconds, bytes
         self.durable = step  # the step this group's newest checkpoint holds (``saved``): this process started there
         self.fault = fault or (lambda point: None)
-
-    # the store: the coordinator lost, waited for up to the fault timeout; not back, said in one line
-    def _lost(self, why: str) -> CoordinatorLost:
-        return CoordinatorLost(f"replica group {self.group}: the coordinator {self.address} is gone ({why}) and not "
-                               f"back within the fault timeout ({self.timeout_s:g} s); this group stops, its "
-                               f"checkpoints as they were")
-
-    def _reconnect(self, error: BaseException) -> NoReturn:
-        """The store's client failed (its socket closed: the coordinator is gone). A new one at the address within
-        the fault timeout: this process's quorum is stale (the new store knows nothing of it: not taken), its process
-        groups dropped (their store is gone), and the caller learns it by Reconnected; else CoordinatorLost."""
-        began = time.monotonic()
-        store = reconnect(self.address, self.timeout_s)
-        if store is None:
-            raise self._lost(one_line(error)) from None
-        self.store, self.stale = store, True
-        self._drop_group()
-        if self.place == 0:
-            print(f"replicas: group {self.group}: the coordinator {self.address} was lost ({one_line(error)}) and "
-                  f"is back after {time.monotonic() - began:.1f} s: the step in flight is not taken, asking the new "
-                  f"one", file=sys.stderr, flush=True)
-        raise Reconnected
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except RuntimeError as error:  # torch.distributed's DistError and its kin
-            self._reconnect(error)
-
-    def _wait_for(self, key: str, gone: Callable[[], bool] | None = None) -> bytes | None:
-        """The value of ``key`` once it is set (however long: below min_groups the lighthouse waits); None once
-        ``gone()`` says it was deleted, or will never be set.
-
-        [Note: bounded reads] Every wait and get here gives up after half the fault timeout and asks ``gone()``
-        again, so a process stopped (SIGSTOP) anywhere in it finds a key deleted meanwhile within one fault timeout
-        of waking. The get is the one to watch: TCPStore's get of a missing key waits for it, up to the store's own
-        timeout, which is the connection's (30 s, HANDSHAKE_S: protocol.connect), so a get made as the lighthouse
-        forgot the key held a woken group 26-34 s, past the run's end (issue 75)."""
-        bound = timedelta(seconds=self.timeout_s * READ_BOUND)
-        while True:
-            if self.heartbeat.lost:
-                raise self._lost(self.heartbeat.lost)
-            try:
-                self.store.wait([key], bound)
-            except RuntimeError as error:
-                if not timed_out(error):
-                    self._reconnect(error)
-                if gone is not None and gone():
-                    return None
-                continue
-            failure = None
-            try:
-                value = self._bounded_get(key, bound)
-            except RuntimeError as error:
-                value, failure = b"", error
-            if value:
-                return value
-            # deleted between the wait and the get (stopped there: SIGSTOP): the get times out, or, deleted inside
-            # it (between the client's own wait and its read), reads b"", as the store's libuv server answers a
-            # missing key (a woken process under load, once: its ticket's answer parsed as b"")
-            if gone is not None and gone():
-                return None
-            if failure is not None and not timed_out(failure):
-                self._reconnect(failure)
-
-    def _bounded_get(self, key: str, bound: timedelta) -> bytes:
-        """The store's get of ``key``, waiting at most ``bound`` for it ([Note: bounded reads]): the store's timeout
-        lowered for this one call (the process groups made over the store read it with the timeout they had)."""
-        kept = self.store.timeout
-        self.store.set_timeout(bound)
-        try:
-            return self.store.get(key)
-        finally:
-            self.store.set_timeout(kept)
-
-    def _decision(self, quorum_id: int) -> bytes:
-        """decision/n once set, b"commit" or b"abort". A process stopped long enough finds quorum n forgotten (the
-        lighthouse deletes its keys at quorum n + 2): it was decided without this group, which takes it as not
-        taken; the next quorum gives it the state it missed ([Note: lineage]), as after an abort."""
-        def forgotten() -> bool:
-            return (self._call(self.store.check, [PREFIX + "forgotten"])
-                    and int(self._call(self.store.get, PREFIX + "forgotten")) >= quorum_id)
-        return self._wait_for(f"{PREFIX}decision/{quorum_id}", gone=forgotten) or b"abort"
 
     # 1. join
     def join(self, step: int) -> Joined:
@@ -271,9 +165,9 @@ class Replica:
         quorum's decision apart (place 0 read "commit" and another did not, the coordinator lost between): that
         place cannot take the state it lacks from its peers, so the group stops (torchrun restarts it from its
         checkpoints) rather than train on two states."""
-        if quorum.steps[self.group] != step:
+        if quorum.step_of(self.group) != step:
             print(f"replicas: group {self.group}: place {self.place} is at step {step} and place 0 at step "
-                  f"{quorum.steps[self.group]} (a decision read apart while the coordinator was lost): the group "
+                  f"{quorum.step_of(self.group)} (a decision read apart while the coordinator was lost): the group "
                   f"stops, to start again from its checkpoints", file=sys.stderr, flush=True)
             raise self._lost("its places read the last decision apart")
 
@@ -287,67 +181,10 @@ class Replica:
                   f"{quorum.members}: {why}", file=sys.stderr, flush=True)
         self._drop_group()
 
-    def _ask(self, step: int) -> Quorum:
-        """Ask the lighthouse (place 0 asks, every place waits for the answer to the same ticket), saying the step
-        this group's state is at and the quorum that committed the step before it ([Note: lineage]). A ticket
-        answered while this process was stopped (SIGSTOP), its quorum since forgotten, went on without it: ask
-        again."""
-        answer = None
-        while answer is None:
-            self.requests += 1
-            ticket = f"{self.group}/{self.incarnation}/{self.requests}"
-            if self.place == 0:
-                request = {"ticket": ticket, "group": self.group, "step": step, "last_commit": last_commit(self.log),
-                           "durable": self.durable, "identity": self.identity, "record": self.record, "run": self.run,
-                           "size": self.size, "planned": self.planned,
-                           "min_groups": self.min_groups, "fault_timeout": self.timeout_s,
-                           "seen": self.quorum.id if self.quorum is not None else None,  # for a new lighthouse
-                           "with": self.quorum.members if self.quorum is not None else []}
-                self._call(self.store.queue_push, PREFIX + "events", json.dumps(request))
-            answer = self._wait_for(f"{PREFIX}ticket/{ticket}", gone=lambda: self._forgotten(ticket))
-            if answer is None and self.place == 0:
-                print(f"replicas: group {self.group}: the answer to its request {self.requests} came and was "
-                      f"forgotten while it was stopped: asking again", file=sys.stderr, flush=True)
-        if b"refused" in answer[:12]:
-            refusal = json.loads(answer)
-            if refusal.get("finished"):
-                raise RunFinished(refusal["refused"], refusal.get("end"))
-            raise ReplicaRefused(refusal["refused"])
-        self.quorum, self.stale = Quorum.parse(answer), False
-        if not self.taken:
-            self._taken()
-        if self.quorum.back_from is not None and self.place == 0:
-            print(f"replicas: group {self.group}: the run goes back from step {self.quorum.back_from} to step "
-                  f"{self.quorum.step} (quorum {self.quorum.id}): no group that holds a later state is alive or came "
-                  f"back in time", file=sys.stderr, flush=True)
-        return self.quorum
-
-    def _taken(self) -> None:
-        """The coordinator took this process: its run's id kept (a new group's: the run's, from the quorum), and its
-        commit log written back as ``resume_log`` kept it, with that id (refused, it would have stayed as it was)."""
-        self.taken = True
-        if self.run is None and self.quorum.run is not None:
-            self.run = self.quorum.run
-            self.log.insert(0, {"run": self.run})
-        if self.log_path:
-            write_log(self.log_path, self.log)
-
     def saved(self, step: int) -> None:
         """This group's newest checkpoint now holds ``step`` (its place 0 says so in its requests: what the group
         brings back if it restarts, [Note: progress] in coordinator.py)."""
         self.durable = step
-
-    def _forgotten(self, ticket: str) -> bool:
-        """Whether the lighthouse answered ``ticket`` and has since forgotten its quorum (deleted the answer with
-        the quorum's keys, Lighthouse._forget): answered/G names this ticket or a later one of this process, and the
-        ticket's key is gone. Read in that order: the lighthouse sets the ticket's key before answered/G."""
-        key = f"{PREFIX}answered/{self.group}"
-        if not self._call(self.store.check, [key]):
-            return False
-        _, incarnation, number = self._call(self.store.get, key).decode().split("/")
-        mine = ticket.split("/")
-        return (incarnation == mine[1] and int(number) >= int(mine[2])
-                and not self._call(self.store.check, [f"{PREFIX}ticket/{ticket}"]))
 
     # 2. recovery
     def _transfer(self, quorum: Quorum) -> tuple[Received, int] | None:
@@ -463,7 +300,8 @@ class Replica:
         coordinator lost and restarted would forget it: until this process closes, its heartbeat sets it again on
         every new one."""
         end = json.dumps({"step": step, "group": self.group, "run": self.run, "quorum": last_commit(self.log)})
-        self.heartbeat.carried = (PREFIX + "finished", end) if self.place == 0 else None
+        if self.heartbeat is not None:
+            self.heartbeat.carried = (PREFIX + "finished", end) if self.place == 0 else None
         if self.place == 0 and self.log_path:  # not continued by a new run (resume_log)
             self.note({"finished": step})
         while self.place == 0:
@@ -491,7 +329,8 @@ class Replica:
             append_log(self.log_path, entry)
 
     def close(self) -> None:
-        self.heartbeat.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self._drop_group()
         if self.log_lock is not None:
             os.close(self.log_lock)

@@ -1,12 +1,13 @@
 """What the coordinator and the members share: the store's keys and timings, the errors a member raises, the
 connection to the coordinator's store, and the quorum as the lighthouse publishes it.
 
-The store's keys, all under PREFIX: events (the queue of join requests), ticket/T (the lighthouse's answer to
-request T: a quorum, or a refusal), answered/G (group G's last answered ticket), quorum/n, votes/n and decision/n
-(quorum n, its commit votes, its first decision: "commit" or "abort"), forgotten (the last quorum whose keys were
-deleted), finished (the step where a group finished the run, and the run's id), finished_kept (the same, once the
-coordinator has it where its restart finds it), hb/G/J (place J of group G's heartbeat:
-INCARNATION/COUNT) and pg/N/J/... (the process groups of quorum N's place J)."""
+The store's keys, all under PREFIX: events (the queue of join requests and claims), ticket/T (the lighthouse's
+answer to request T: a quorum's id, CLAIMED, or a refusal), answered/G (group G's last answered ticket), quorum/n,
+members/n, votes/n and decision/n (quorum n but its members, its members, its commit votes, its first decision:
+"commit" or "abort"; [Note: small answers]), forgotten (the last quorum whose keys were deleted), finished (the step
+where a group finished the run, and the run's id), finished_kept (the same, once the coordinator has it where its
+restart finds it), hb/G/J (place J of group G's heartbeat: INCARNATION/COUNT, once its claim is taken) and
+pg/N/J/... (the process groups of quorum N's place J)."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's proces
 HANDSHAKE_S = 30.0  # the least time a listening coordinator's store has to answer a new client: under two busy loops
 # its handshake once took over 10 s, and the client logged a C++ stack per try it timed out
 SERVE = "python -m replicas serve"  # the coordinator's command
+CLAIMED = b"claimed"  # a claim's answer where the lighthouse takes it ([Note: claims] in member.py)
 
 
 class GroupStops(RuntimeError):
@@ -55,6 +57,14 @@ class RunFinished(ReplicaRefused):
     def __init__(self, message: str, end: dict | None = None):
         super().__init__(message)
         self.end = end  # the run's end as the coordinator keeps it: {"step", "group", "run", "quorum"} (None: none)
+
+
+def refusal(answer: bytes) -> ReplicaRefused | None:
+    """The refusal a ticket's answer says (Lighthouse._refuse), or None: it names a quorum (its id)."""
+    if answer.isdigit():
+        return None
+    raw = json.loads(answer)
+    return RunFinished(raw["refused"], raw.get("end")) if raw.get("finished") else ReplicaRefused(raw["refused"])
 
 
 def connect(address: str, timeout_s: float, handshake_s: float = HANDSHAKE_S) -> TCPStore:
@@ -102,11 +112,10 @@ def one_line(error: BaseException) -> str:
 
 @dataclass
 class Quorum:
-    """One step's quorum, as the lighthouse formed it (a member's reading of quorum/n: the lighthouse also writes
-    the members' incarnations and identity there, for itself)."""
+    """One step's quorum, as a member reads it (quorum/n and members/n: ``published``)."""
     id: int
     members: list[int]
-    steps: dict[int, int]  # each member's step when it asked
+    steps: dict[int, int]  # the step each member behind (in ``sources``) asked at; the others asked at ``step``
     step: int  # the step the quorum takes: the most advanced member's
     sources: dict[int, int]  # member behind -> the member it receives the state from
     pg: int  # the quorum whose process group this one uses (a new one when a member is a new process, after an abort)
@@ -119,9 +128,45 @@ class Quorum:
     def __post_init__(self) -> None:
         self.voters = len(self.members) * self.size
 
+    def step_of(self, group: int) -> int:
+        """The step ``group`` asked at."""
+        return self.steps.get(group, self.step)
+
     @classmethod
-    def parse(cls, text: bytes) -> Quorum:
-        raw = json.loads(text)
-        return cls(raw["id"], raw["members"], {int(g): s for g, s in raw["steps"].items()}, raw["step"],
+    def of(cls, raw: dict[str, Any], members: list[int]) -> Quorum:
+        """From quorum/n's record and the members (members/n's, or the quorum before's: [Note: small answers])."""
+        return cls(raw["id"], members, {int(g): s for g, s in raw["steps"].items()}, raw["step"],
                    {int(g): s for g, s in raw["sources"].items()}, raw["pg"], raw["size"], raw["fault_timeout"],
                    raw.get("back_from"), raw.get("run"))
+
+
+# [Note: small answers] What the lighthouse writes for a quorum, a member reads: G members, every step. The whole
+# quorum in every ticket's answer and in quorum/n (the members, their steps and processes: 19 KB at 512 groups) was
+# O(G^2) bytes a step through the store's one server thread: at 512 simulated groups on this 2-core VM its CPU was
+# 1.8 s a step, a multi_set of 512 such answers 1.2 s of it (benchmarks/coordinator_benchmark.py). So a ticket is
+# answered by the quorum's id; quorum/n holds what does not grow with G (but the members behind and their sources,
+# none without a fault), members/n the members, written once; and quorum/n says whether they are quorum n-1's, which
+# a member that read n-1 from this store then holds already: only a member new to the quorums, or a change of
+# members, reads members/n. Exact: one store's quorum ids are never reused (a new run's go on past the old's), and a
+# member's quorum from a lost coordinator's store is stale (Replica.stale). Each key goes with its quorum
+# (forgetting.py); a member stopped between its ticket and these keys finds them forgotten, as it finds its ticket.
+# So too a request: it names the members of the quorum its group was last in (O(G)) only where that quorum is a lost
+# coordinator's, for the first quorum of the one that replaced it (Lighthouse._first_waits), the only reader.
+def published(quorum: dict[str, Any], previous: dict[str, Any] | None, tickets: list[str]) -> dict[str, str]:
+    """The store's keys and values that publish the lighthouse's quorum (``previous``: the quorum before it, None at
+    a coordinator's first or a new run's), ``tickets`` answered by it."""
+    n, behind = quorum["id"], quorum["sources"]
+    record = {key: quorum[key] for key in ("id", "step", "sources", "pg", "size", "fault_timeout", "back_from", "run")}
+    record["steps"] = {g: s for g, s in quorum["steps"].items() if g in behind}
+    record["same_members"] = previous is not None and previous["members"] == quorum["members"]
+    return {f"{PREFIX}quorum/{n}": json.dumps(record), f"{PREFIX}members/{n}": json.dumps(quorum["members"]),
+            **{f"{PREFIX}ticket/{ticket}": str(n) for ticket in tickets}}
+
+
+def difference(record: dict[str, Any] | None, run: dict[str, Any] | None) -> str:
+    """The first setting, in the record's order, where a group's identity record differs from the run's: "--lr
+    0.02, where the run's is 0.05" (the fingerprints alone where a request carries no record)."""
+    for key in dict.fromkeys([*(record or {}), *(run or {})]):
+        if record is not None and run is not None and record.get(key) != run.get(key):
+            return f"{key} {record.get(key)}, where the run's is {run.get(key)}"
+    return "its fingerprint differs"

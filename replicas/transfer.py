@@ -52,6 +52,17 @@ class Received:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """The live state a process received in joining a quorum: the quorum's step, the group it came from, the
+    seconds it took to arrive and to load, and its tensors' bytes."""
+    step: int
+    source: int
+    seconds: float
+    load_s: float
+    bytes: int
+
+
 class StateTransport(Protocol):
     """A live state's way from the member that holds it to a member behind, within one quorum."""
 

@@ -146,6 +146,17 @@ def test_a_new_run_on_a_coordinator_whose_run_finished_is_refused_with_1(two_gro
                                                    "coordinator: this coordinator's run finished at step 6"), lines
 
 
+def answer_of(store, ticket):
+    """The lighthouse's answer to ``ticket`` as a member reads it (Replica._ask): a refusal, or the quorum whose id
+    it names, its record and its members ([Note: small answers] in replicas/protocol.py)."""
+    answer = store.get(f"{replicas.PREFIX}ticket/{ticket}")
+    if not answer.isdigit():
+        return json.loads(answer)
+    n = answer.decode()
+    return {**json.loads(store.get(f"{replicas.PREFIX}quorum/{n}")),
+            "members": json.loads(store.get(f"{replicas.PREFIX}members/{n}"))}
+
+
 def lighthouse_by_hand(new_run=False, runs_file=None):
     """A lighthouse over a store of its own, driven by hand: ``ask(ticket, run, step)`` has group 0 (1 process of 1
     planned, incarnation ``ticket``, of run ``run``) ask, the lighthouse form (and write its runs file, if given a
@@ -165,7 +176,7 @@ def lighthouse_by_hand(new_run=False, runs_file=None):
         lighthouse._form()
         lighthouse._keep()  # (as the run loop, after it forms)
         lighthouse.alive.clear()
-        return json.loads(store.get(f"{replicas.PREFIX}ticket/0/{ticket}/1"))
+        return answer_of(store, f"0/{ticket}/1")
     ask.lighthouse = lighthouse
     return store, ask
 
@@ -496,7 +507,7 @@ def test_a_group_of_another_allreduce_is_refused_naming_it():
         lighthouse._take_requests()
         lighthouse._watch_heartbeats()
         lighthouse._form()
-    answers = [json.loads(store.get(f"{replicas.PREFIX}ticket/1/{ticket}/0")) for ticket in (1, 2)]
+    answers = [answer_of(store, f"1/{ticket}/0") for ticket in (1, 2)]
     assert [answer["refused"] for answer in answers] == [
         "replica group 1 refused by the coordinator: another configuration (--allreduce ring, where the run's is "
         "torch)", "replica group 1 refused by the coordinator: another configuration (--bucket-mb 1.0, where the "
@@ -626,7 +637,7 @@ def lighthouse_replay(fault_timeout):
         lighthouse._form()
         if not store.check([f"{replicas.PREFIX}ticket/{asked[-1]}"]):
             return None
-        quorum = json.loads(store.get(f"{replicas.PREFIX}ticket/{asked[-1]}"))
+        quorum = answer_of(store, asked[-1])
         store.set(f"{replicas.PREFIX}decision/{quorum['id']}", decision)
         return quorum
 
@@ -772,7 +783,7 @@ def test_a_decision_forgotten_while_the_member_was_stopped_is_taken_as_not_taken
     for n, decision in ((4, "commit"), (5, "abort")):
         store.set(f"{replicas.PREFIX}decision/{n}", decision)
         assert member._decision(n) == decision.encode()  # as set, while the quorum is remembered
-    replicas.forgetting.forget(store, 4, [])  # quorum 4 forgotten before the member asked: its wait times out, and says so
+    replicas.forgetting.forget(store, 4, [])  # quorum 4 forgotten before the member asked: it says so
     began = time.monotonic()
     assert member._decision(4) == b"abort" and time.monotonic() - began < 1.5
     store.set(f"{replicas.PREFIX}decision/6", "commit")
@@ -851,6 +862,115 @@ def test_a_ticket_answered_while_the_member_was_stopped_is_asked_again(between, 
     assert asked, "the member still waits for the answer its lighthouse forgot"
     assert member.requests == 2 and asked[0].id == 3 and asked[0].members == [1, 2]  # the next quorum's
     assert "forgotten while it was stopped: asking again" in capsys.readouterr().err  # said, in one line
+
+
+class StoppedAfterTheTicket(StoppedBeforeTheAnswer):
+    """The store as member 2 sees it when SIGSTOP lands after it read its ticket's answer (quorum 0's id) and before
+    it read quorum/0 (``between``: between its wait for quorum/0 and its get): meanwhile the lighthouse aborts
+    quorum 0 on its silence, goes on with group 1 alone, and forgets quorum 0 two quorums on, quorum/0 and members/0
+    with it. Then the lighthouse answers whatever the member asks next."""
+
+    def get(self, key):
+        value = self.store.get(key)
+        if key.endswith("/ticket/2/start/1") and not self.between:
+            self._go_on()
+        return value
+
+    def wait(self, keys, timeout):
+        if self.store.queue_len(replicas.PREFIX + "events"):  # the member asked: answered at once
+            self._quorum([1, 2], "abort" if self.asked == 0 else "commit")
+        self.store.wait(keys, timeout)
+        if keys == [f"{replicas.PREFIX}quorum/0"] and self.between:
+            self._go_on()
+
+    def _go_on(self):
+        time.sleep(0.3)  # past the fault timeout: the next quorum does not wait for it
+        self._quorum([1], "commit")
+        self._quorum([1], "commit")  # forgets quorum 0
+        assert not self.store.check([f"{replicas.PREFIX}quorum/0"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("between", [False, True], ids=["before-the-wait", "between-the-wait-and-the-get"])
+def test_a_quorum_forgotten_after_the_member_read_its_ticket_is_asked_again(between, capsys):
+    """Replica._read_quorum: a ticket's answer is the quorum's id, and the member reads the quorum after it; stopped
+    between the two, and woken after the lighthouse forgot that quorum, it asks again, as for a forgotten ticket,
+    instead of waiting for good for quorum/n or taking the store's timeout for the coordinator's loss."""
+    store, lighthouse, member = stopped_member()
+    member.store = StoppedAfterTheTicket(store, lighthouse, between)
+    asked = []
+    thread = threading.Thread(target=lambda: asked.append(member._ask(0)), daemon=True)
+    thread.start()
+    thread.join(20)
+    assert asked, "the member still waits for the quorum its lighthouse forgot"
+    assert member.requests == 2 and asked[0].id == 3 and asked[0].members == [1, 2]
+    assert "forgotten while it was stopped: asking again" in capsys.readouterr().err
+
+
+class Pushed(Exception):
+    """A request pushed (CountedReads), the member stopped there."""
+
+
+class CountedReads:
+    """A store whose gets are counted, by key; a request pushed is kept, and stops the member (Pushed)."""
+
+    def __init__(self, store):
+        self.store, self.read, self.pushed = store, [], []
+
+    def get(self, key):
+        self.read.append(key.removeprefix(replicas.PREFIX))
+        return self.store.get(key)
+
+    def queue_push(self, key, value):
+        self.pushed.append(json.loads(value))
+        raise Pushed
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def two_quorums(groups):
+    """A lighthouse over a store of its own, by hand: ``groups`` groups of 1 process ask, quorum 0 of them all commits,
+    they ask again, and quorum 1 of them all is formed. Returns the store."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = replicas.Lighthouse(store)
+    for n in (0, 1):
+        for group in range(groups):
+            push_request(store, f"{group}/start/{n}", group, n, n - 1 if n else None, 30.0)
+            store.set(f"{replicas.PREFIX}hb/{group}/0", f"start/{n}")
+        if n:
+            store.set(f"{replicas.PREFIX}decision/0", "commit")
+            assert lighthouse._decided()
+        lighthouse._take_requests()
+        lighthouse._watch_heartbeats()
+        lighthouse._form()
+    assert lighthouse.quorum["id"] == 1 and lighthouse.quorum["members"] == list(range(groups))
+    return store
+
+
+def test_what_a_member_reads_of_a_quorum_does_not_grow_with_the_groups():
+    """[Note: small answers]: a ticket's answer (the quorum's id) and quorum/n are the same bytes at 2 groups and at
+    300 (each ticket's answer was the whole quorum: 19 KB at 512 groups); a member that read quorum n - 1 reads
+    quorum n, its members unchanged, without members/n, and still knows them; one whose quorum is a lost
+    coordinator's (stale) reads them. Its request names its quorum's members only then (for the new lighthouse)."""
+    sizes = []
+    for groups in (2, 300):
+        store = two_quorums(groups)
+        sizes.append([len(store.get(f"{replicas.PREFIX}{key}")) for key in ("ticket/1/start/1", "quorum/1")])
+        assert store.get(f"{replicas.PREFIX}ticket/1/start/1") == b"1"
+        _, _, member = stopped_member()
+        member.store = CountedReads(store)
+        member.quorum = member._read_quorum(0)
+        for stale, reads in ((False, ["quorum/1"]), (True, ["quorum/1", "members/1"])):
+            member.store.read, member.stale = [], stale
+            quorum = member._read_quorum(1)
+            assert member.store.read == reads and quorum.members == list(range(groups)) and quorum.voters == groups
+            member.quorum = quorum
+            with pytest.raises(Pushed):
+                member._ask(2)
+            assert member.store.pushed[-1]["seen"] == 1
+            assert member.store.pushed[-1]["with"] == (list(range(groups)) if stale else [])
+    assert sizes[0] == sizes[1], sizes
 
 
 def run_members(address, on_step, steps=8):
@@ -946,7 +1066,7 @@ def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_on
         if lighthouse.quorum is None or lighthouse._decided():  # as the run loop: the next once decided
             lighthouse._form()
         key = f"{replicas.PREFIX}ticket/{ticket}"
-        return json.loads(store.get(key)) if store.check([key]) else {}
+        return answer_of(store, ticket) if store.check([key]) else {}
 
     assert ask("first")["members"] == [0]
     store.set(f"{replicas.PREFIX}hb/0/0", "first/1")  # the first one beats on
@@ -980,6 +1100,61 @@ def test_a_second_claimant_of_a_live_group_is_refused_and_a_restart_of_a_dead_on
     lighthouse.liveness.open.add((f"{replicas.PREFIX}hb/0/0", "warm"))
     lighthouse.alive[0, "warm"] -= 2.0
     assert ask("third").get("refused", "").startswith("replica group 0 refused by the coordinator: another process")
+
+
+def test_a_refused_process_writes_nothing_under_its_groups_name():
+    """[Note: claims] (replicas/asking.py): a second claimant of a live group and a group of another configuration
+    are refused at their claim, before they beat: no heartbeat key of theirs, no liveness connection, no request of
+    theirs in a quorum; the live group's heartbeat key says its own incarnation all along and it goes on."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse, stop = replicas.Lighthouse(store), threading.Event()
+    thread = threading.Thread(target=lighthouse.run, args=(stop,), daemon=True)
+    thread.start()
+    address, key = f"127.0.0.1:{store.port}", f"{replicas.PREFIX}hb/0/0"
+    live = replicas.Replica(address, 0, 1, "same", dict, lambda state: None, min_groups=1, fault_timeout_s=30.0)
+    seen, watching = set(), threading.Event()
+
+    def watch():  # every value group 0's heartbeat key takes while the others are refused
+        reader = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+        while not watching.is_set():
+            if reader.check([key]):
+                seen.add(reader.get(key).split(b"/")[0].decode())
+            time.sleep(0.002)
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        assert live.join(0).quorum.members == [0]
+        deadline = time.monotonic() + 30  # its heartbeat and liveness connection seen by the lighthouse
+        while not (lighthouse.liveness.connected(key, live.incarnation) and (0, live.incarnation) in lighthouse.alive):
+            assert time.monotonic() < deadline, "the live group's heartbeat not seen in 30 s"
+            time.sleep(0.01)
+        watcher.start()
+        refusals = {}
+        for group, identity in ((0, "same"), (1, "other")):
+            intruder = replicas.Replica(address, group, 1, identity, dict, lambda state: None, min_groups=1,
+                                        fault_timeout_s=30.0)
+            with pytest.raises(replicas.ReplicaRefused) as refused:
+                intruder.join(0)
+            refusals[group] = str(refused.value)
+            assert intruder.heartbeat is None
+            hb = f"{replicas.PREFIX}hb/{group}/0"
+            assert not lighthouse.liveness.connected(hb, intruder.incarnation)
+            assert not lighthouse.liveness.closed(hb, intruder.incarnation)
+            assert (group, intruder.incarnation) not in lighthouse.alive
+            assert all(request.request["ticket"].split("/")[1] != intruder.incarnation
+                       for request in lighthouse.asked.values())
+            intruder.close()
+        assert "another process of it is running" in refusals[0], refusals
+        assert "another configuration" in refusals[1], refusals
+        assert not store.check([f"{replicas.PREFIX}hb/1/0"])
+        watching.set()
+        watcher.join()
+        assert seen == {live.incarnation}, seen
+        assert not lighthouse._gone(0) and live.commit(True) and live.join(1).quorum.members == [0]
+    finally:
+        watching.set()
+        live.close()
+        stop.set()
+        thread.join()
 
 
 class GoneProcesses:
