@@ -107,7 +107,7 @@ class Lighthouse:
                 if why is not None:
                     self._refuse(request, why)
                     continue
-                if request.get("claim"):  # taken ([Note: claims] in member.py): its quorum request comes next
+                if request.get("claim"):  # taken ([Note: claims] in asking.py): its quorum request comes next
                     self.store.set(f"{PREFIX}ticket/{request['ticket']}", CLAIMED)
                     continue
                 self.places[group] = request["size"]

@@ -28,7 +28,7 @@ CONNECT_S = 10.0  # the least time to connect to the store, or a quorum's proces
 HANDSHAKE_S = 30.0  # the least time a listening coordinator's store has to answer a new client: under two busy loops
 # its handshake once took over 10 s, and the client logged a C++ stack per try it timed out
 SERVE = "python -m replicas serve"  # the coordinator's command
-CLAIMED = b"claimed"  # a claim's answer where the lighthouse takes it ([Note: claims] in member.py)
+CLAIMED = b"claimed"  # a claim's answer where the lighthouse takes it ([Note: claims] in asking.py)
 
 
 class GroupStops(RuntimeError):
