@@ -744,7 +744,7 @@ def stopped_member():
     """A store, its lighthouse, and member 2 as _decision and _ask read it (place 0 of a group of 1, its fault
     timeout 0.2 s), without its processes. The store's own timeout is the members' (protocol.connect's: HANDSHAKE_S,
     30 s), which a get of a deleted key waits out unless the member bounds it ([Note: bounded reads] in
-    replicas/member.py): a 2-s store here hid that from these tests while woken groups waited 26-34 s."""
+    replicas/asking.py): a 2-s store here hid that from these tests while woken groups waited 26-34 s."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=replicas.protocol.HANDSHAKE_S))
     member = object.__new__(replicas.Replica)
