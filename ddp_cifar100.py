@@ -66,6 +66,9 @@ import torch.nn.functional as F
 import replicas
 import utils
 from data import derive_seed
+from files import write_json
+from measure.memory import measured_phase
+from measure.timing import profiled
 from trainer import faults
 from trainer.build import Parts, build
 from trainer.checkpoint import NO_SUMS, Checkpointer, Position
@@ -156,7 +159,7 @@ def train(config: Config) -> dict[str, Any]:
             parts.data.close()
             checkpointer.close()  # stopped by an error: its save in flight left unpublished; the lock released
     if parts.ctx.rank == 0 and config.metrics_out:
-        utils.write_json(config.metrics_out, metrics)
+        write_json(config.metrics_out, metrics)
     metrics["model"] = parts.model  # for in-process callers (tests), whole (sync.close()); not part of the JSON
     metrics["outer"] = parts.outer.state_dict() if parts.outer is not None else None  # (diloco's outer state, too)
     return metrics
@@ -204,7 +207,7 @@ def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return losses.view(labels.shape).flatten(1).mean(1) if labels.dim() > 1 else losses
 
 
-@utils.measured_phase("steps")
+@measured_phase("steps")
 def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch) -> bool:
     """The window of up to K micro-batches from ``position``, then one update (the module docstring's g); False
     where replica groups' quorum did not commit it (nothing applied, nothing counted)."""
@@ -225,14 +228,14 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
         # forward and backward; the gradient average starts on the window's last micro-batch only
         last = j == window[-1]
         sync.set_requires_gradient_sync(last)
-        with utils.profiled(f"micro-batch {count}/{len(window)} ({'sync' if last else 'no sync'})"):
-            with utils.profiled("forward"), torch.autocast(**amp):
+        with profiled(f"micro-batch {count}/{len(window)} ({'sync' if last else 'no sync'})"):
+            with profiled("forward"), torch.autocast(**amp):
                 logits = sync.module(inputs)  # the model, or DDP around it
                 faults.at("forward", parts.ctx.rank, position.optimizer_steps, config.replica_group)
                 per_sample = per_sample_loss(logits.float() if parts.amp_dtype else logits, labels)
                 if faults.named("nan", parts.ctx.rank, position.optimizer_steps, config.replica_group):
                     per_sample = per_sample * float("nan")  # fault injection: a non-finite loss (trainer/finite.py)
-            with utils.profiled("backward"):
+            with profiled("backward"):
                 scaler.scale(per_sample.sum() / window_samples).backward()
                 faults.at("backward", parts.ctx.rank, position.optimizer_steps, config.replica_group)
         window_sums.add(per_sample, logits, labels)
@@ -244,7 +247,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
     meter.add_loss(window_sums.loss, window_samples)
     # the gradients are averaged now (the last backward waited for it): clip, update, schedule
     lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler sets the next one's below
-    with utils.profiled("optimizer step"):
+    with profiled("optimizer step"):
         scaler.unscale_(optimizer)  # fp16: every rank unscales (and inf-checks) its averaged gradients ...
         if config.clip_grad_norm:  # ... before the clipping sees them: the norm of the true gradient
             meter.grad_norms.append(sync.clip_grad_norm_(config.clip_grad_norm))
@@ -265,7 +268,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch)
     epoch.samples += window_samples * parts.ctx.world_size
     # diloco, localsgd: the replicas meet when one of their all-reduces is due (replica groups: at this position)
     if parts.outer is not None:
-        with utils.profiled("outer step"):
+        with profiled("outer step"):
             parts.outer.step()
     meter.timer.stop()
     # the profiler's window, the bar and --log-every's figures

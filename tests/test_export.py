@@ -142,10 +142,10 @@ def test_an_image_model_goes_out_as_safetensors_under_its_own_names(runs, export
     assert all(torch.equal(tensors[k], state["model"][k]) for k in tensors)  # BatchNorm's statistics included
     config = json.loads((exported["net"] / "config.json").read_text())
     assert config["model"] == "net"
-    import utils
+    from files import umasked
     for path, mode in ((exported["net"], 0o777), (exported["net"] / "model.safetensors", 0o666),
                        (exported["net"] / "config.json", 0o666)):  # as any file the user writes (on main: 0600)
-        assert os.stat(path).st_mode & 0o777 == utils.umasked(mode), path
+        assert os.stat(path).st_mode & 0o777 == umasked(mode), path
     build_model("net", 0.5, "local", config["num_classes"]).load_state_dict(tensors)  # strict: every name, every shape
 
 

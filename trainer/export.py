@@ -69,6 +69,7 @@ import torch
 import torch.nn as nn
 
 from data import BOUNDARY
+from files import umasked
 from models import GPT_SIZES, LANGUAGE_MODELS
 from trainer.checkpoint import non_finite, read_alone
 import utils
@@ -195,8 +196,8 @@ def export(checkpoint_dir: str, out: str, form: str = "auto") -> str:
             json.dump(config, f, indent=2)
             f.write("\n")
         for name in (WEIGHTS, CONFIG):  # as any file the user writes (safetensors makes its file private)
-            os.chmod(os.path.join(partial, name), utils.umasked(0o666))
-        os.chmod(partial, utils.umasked(0o777))  # (mkdtemp's is private too)
+            os.chmod(os.path.join(partial, name), umasked(0o666))
+        os.chmod(partial, umasked(0o777))  # (mkdtemp's is private too)
         os.replace(partial, out)  # onto an empty folder too (rename(2))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import utils
 import zero
+from measure.memory import PhasePeaks, measured_phase
 from trainer import faults
 from trainer.checkpoint import folders
 from trainer.checkpoint.folders import FILE, FOLDER, PARTIAL, Found
@@ -47,10 +48,10 @@ class Checkpointer:
     """Saves and restores the run: ``sync`` (the model, which it wraps, and ``optimizer``, which it writes and reads
     in either format), ``states`` (the scheduler, the scaler: each saved under its name) and ``run`` (the position,
     the finished epochs, the epoch's sums, the run's record and fingerprint: RunState). Every rank makes one and
-    calls it. ``phases``: the run's PhasePeaks (restore and save end theirs: utils.measured_phase)."""
+    calls it. ``phases``: the run's PhasePeaks (restore and save end theirs: measure.memory.measured_phase)."""
 
     def __init__(self, config: Config, sync: Any, optimizer: Any, states: dict[str, Any], run: RunState,
-                 comm_device: torch.device, phases: utils.PhasePeaks):
+                 comm_device: torch.device, phases: PhasePeaks):
         self.config, self.directory = config, config.checkpoint_dir
         self.sync, self.optimizer, self.states, self.run = sync, optimizer, states, run
         self.comm_device, self.phases = comm_device, phases
@@ -94,7 +95,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------------
     # Restore
     # ------------------------------------------------------------------------------------------------------
-    @utils.measured_phase("restore")
+    @measured_phase("restore")
     def restore(self) -> tuple[Position, list[dict[str, Any]], list[float]]:
         """The position, the finished epochs and this rank's sums of the current epoch, from --checkpoint-dir's
         current checkpoint if there is one (with --eval-only: its weights and totals alone); and which format this
@@ -269,7 +270,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------------
     # Save
     # ------------------------------------------------------------------------------------------------------
-    @utils.measured_phase("checkpoint")
+    @measured_phase("checkpoint")
     def save(self, sums: list[list[float]]) -> None:
         """The run state as it stands (the position and the finished epochs restore returned, every rank's epoch
         sums ``sums``) to --checkpoint-dir, in the format restore chose. Every rank calls it. With --async-checkpoint

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-import utils
+from files import atomic_write
 from zero.checkpoint.api import load
 from zero.checkpoint.background import AsyncWriter
 from zero.checkpoint.checksums import file_problem
@@ -51,14 +51,14 @@ KEYS = ("model", "optimizer")  # what the file holds besides the caller's extra
 
 
 def write_file(path: str, state: dict[str, Any], writer: AsyncWriter | None = None) -> Future | None:
-    """``state`` to ``path`` atomically (utils.atomic_write: temporary file, flush, fsync, rename); the disk's error
+    """``state`` to ``path`` atomically (files.atomic_write: temporary file, flush, fsync, rename); the disk's error
     (a full disk, a read-only folder: zero/checkpoint/disk.py) refused in one line, the old file left as it was.
     With ``writer``: copied into its staging buffers and written in its thread; returns the write's future."""
     if writer is not None:
         staged = writer.stage(state)
         return writer.write(lambda: write_file(path, staged))
     try:
-        with utils.atomic_write(path, "wb") as f:
+        with atomic_write(path, "wb") as f:
             torch.save(state, f)
     except Exception as error:
         disk = disk_problem(error)
