@@ -77,7 +77,7 @@ from trainer.evaluation import validate
 from trainer.generation import generate
 from trainer.metrics import EpochSums, Meter, summarize
 from trainer.replica_groups import ReplicaGroups
-from utils import UsageError
+from utils import UsageError, one_line
 from zero.offload import OffloadError, OffloadRefused
 
 __all__ = ["Config", "UsageError", "main", "parse_args", "train"]
@@ -331,9 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         if not is_distributed_failure(exc):
             raise  # a bug: keep its traceback
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"ddp_cifar100.py: rank {rank}: distributed failure (peer missing, dead or past --timeout): "
-              f"{first_line[:300]}", file=sys.stderr, flush=True)
+              f"{one_line(exc)}", file=sys.stderr, flush=True)
         return 1
     finally:
         if not joined:

@@ -2,7 +2,7 @@
 
 - ``init_distributed``: the process group from torchrun's environment (gloo on CPU, nccl with one GPU per
   process, the device from LOCAL_RANK); plain ``python script.py`` is a world of 1. ``cleanup_distributed`` ends it.
-- ``UsageError``: bad flags or inputs, reported by rank 0 in one line.
+- ``UsageError``: bad flags or inputs, reported by rank 0 in one line; ``one_line``: any exception in one line.
 - ``print0``: rank-0 printing.
 
 Timing, memory, the allocator and the machine are measure/'s (a module each); files written whole or not at all,
@@ -11,6 +11,7 @@ files.py's. The harness the tests and benchmarks run their worker processes in (
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,12 +26,30 @@ import torch.distributed as dist
 # without an active exception"). test_teardown.py checks that the group's threads end at cleanup_distributed.
 import torch.distributed.nn  # noqa: F401
 
+LINE = 300  # the longest line one_line gives: a message, not a dump
+
 
 # ----------------------------------------------------------------------------------------------------------
 # What the user is told: in one line
 # ----------------------------------------------------------------------------------------------------------
 class UsageError(Exception):
     """Bad flags or inputs: rank 0 reports it in one line and every rank exits with status 2."""
+
+
+def one_line(error: BaseException) -> str:
+    """An exception in one line for its user: its type and its message, every run of whitespace (line breaks
+    included) one space, at most LINE characters. DCP's CheckpointException (every failed rank's traceback) is said as
+    its first failure."""
+    # Looked up, not imported: only DCP raises it (so it is loaded wherever one is caught), and importing DCP costs
+    # every script that says an error some seconds
+    dcp = sys.modules.get("torch.distributed.checkpoint.api")
+    if dcp is not None and isinstance(error, dcp.CheckpointException):
+        failures = list(error.failures.values())
+        if failures:
+            error = failures[0][0] if isinstance(failures[0], tuple) else failures[0]
+    text = " ".join(str(error).split())
+    line = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return line if len(line) <= LINE else line[:LINE - 4] + " ..."
 
 
 # ----------------------------------------------------------------------------------------------------------

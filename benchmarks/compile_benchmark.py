@@ -74,6 +74,7 @@ from files import write_json
 from measure.machine import machine_info, machine_tag
 from measure.summary import max_across_ranks, median
 from measure.timing import time_calls_ms
+from utils import one_line
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 PROG = "compile_benchmark.py"
@@ -141,7 +142,7 @@ def graph_facts(rank: int, world_size: int, batch: int, hid: int) -> dict[str, A
         nn.SyncBatchNorm(hid)(x.detach())
         theirs = {"runs_on_cpu": True, "error": None}
     except Exception as exc:  # noqa: BLE001 (what it raises is the finding)
-        theirs = {"runs_on_cpu": False, "error": f"{type(exc).__name__}: {exc}".strip()}
+        theirs = {"runs_on_cpu": False, "error": one_line(exc)}
     return {"ours": ours, "nn.SyncBatchNorm": theirs}
 
 
@@ -261,7 +262,7 @@ def run_bn(args: argparse.Namespace) -> dict[str, Any]:
     if theirs["runs_on_cpu"]:
         print("nn.SyncBatchNorm ran on CPU tensors here (unexpected): no graph count taken for it")
     else:
-        print(f"nn.SyncBatchNorm cannot run on CPU tensors (it raises {theirs['error'].splitlines()[0]}): its graph "
+        print(f"nn.SyncBatchNorm cannot run on CPU tensors (it raises {theirs['error']}): its graph "
               f"count is for a GPU machine")
     theirs["note"] = "its graph and graph-break count can only be taken on a GPU machine"
     return {"processes": NPROC, "backend": "gloo", "intra_op_threads": 1, "compile_backend": args.backend,

@@ -1,4 +1,5 @@
-"""utils.py: device and backend resolution on machines this one is not (GPUs faked with monkeypatch)."""
+"""utils.py: device and backend resolution on machines this one is not (GPUs faked with monkeypatch); any exception in
+one line."""
 import pytest
 import torch
 
@@ -39,3 +40,14 @@ def test_impossible_placements_are_refused_in_one_line(gpus, gpu_count, device, 
         utils.resolve_device_backend(device, backend, 0, 2)
     assert "\n" not in str(error.value)
 
+
+def test_an_exception_is_one_line_of_its_type_and_message():
+    """Line breaks and runs of spaces one space, the type named, a long message cut; DCP's exception (every failed
+    rank's traceback) said as its first failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    assert utils.one_line(ValueError("no\n  such\tfile ")) == "ValueError: no such file"
+    assert utils.one_line(KeyError()) == "KeyError"
+    long = utils.one_line(RuntimeError("x" * 1000))
+    assert len(long) == utils.LINE and long.endswith(" ...")
+    failed = CheckpointException("rank 1 failed", {1: (OSError(28, "No space left on device"), None)})
+    assert utils.one_line(failed) == "OSError: [Errno 28] No space left on device"

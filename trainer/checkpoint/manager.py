@@ -25,7 +25,7 @@ from trainer.checkpoint.folders import FILE, FOLDER, PARTIAL, Found
 from trainer.checkpoint.reading import READ_ATTEMPTS, non_finite, read_state, usage_error
 from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, check_compatible, trajectory
 from trainer.config import Config
-from utils import UsageError
+from utils import UsageError, one_line
 
 MARKER_WAIT_S = 2.0  # how long a rank looks for rank 0's marker (a network file system may show it late)
 
@@ -196,7 +196,7 @@ class Checkpointer:
             except Superseded:
                 continue  # every rank alike (rank 0's verdict, broadcast)
             except Exception as exc:  # noqa: BLE001 - said below, once every rank knows whether to read again
-                problem = str(exc) if isinstance(exc, UsageError) else zero.checkpoint.one_line(exc)
+                problem = str(exc) if isinstance(exc, UsageError) else one_line(exc)
             same = same and (loaded is None or folders.identity(loaded[0].path) == loaded[2] or not loaded[0].folder)
             verdicts: list[Any] = [(problem, same)]
             if dist.get_world_size() > 1:
@@ -226,7 +226,7 @@ class Checkpointer:
                     message[0] = ("ok", found, before, read_state(Found(path, found.folder))) if found else None
             except Exception as exc:  # noqa: BLE001 - said in one line on every rank, none left waiting for rank 0
                 text = str(exc) if isinstance(exc, UsageError) else (f"cannot read --checkpoint-dir {self.directory}: "
-                                                                      f"{zero.checkpoint.one_line(exc)}")
+                                                                      f"{one_line(exc)}")
                 gone = found is not None and (before is None or folders.identity(found.path) != before)
                 message[0] = ("superseded" if gone else "error", text)  # gone: read_whole reads the newer one
         dist.broadcast_object_list(message, src=0)
