@@ -21,7 +21,8 @@ import ddp_cifar100 as trainer
 from models import GPT, build_model
 from trainer import export
 from trainer.checkpoint import read_alone
-from trainer_testing import TINY, main_in_group, max_difference, train_in_group
+from trainer_testing import TINY, main_in_group, train_in_group
+from zero_testing import max_difference
 
 GPT_RUN = ["--device", "cpu", "--dataset", "text", "--model", "gpt-tiny", "--context", "32", "--val-fraction", "0.3",
            "--batch-size", "4", "--epochs", "1", "--max-steps", "5", "--optimizer", "adamw", "--lr", "1e-2"]

@@ -17,7 +17,6 @@ weights at first order, by about lr x O(0.1) = 1e-3, seven orders above the boun
 import contextlib
 import errno
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -26,9 +25,8 @@ import tempfile
 import pytest
 
 import ddp_cifar100 as trainer
-from trainer_testing import collect_all, main_in_group, max_difference, train_in_group
-
-WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
+from trainer_testing import collect_all, main_in_group, train_in_group, word_corpus
+from zero_testing import max_difference
 
 
 def flip_a_byte(path):
@@ -63,12 +61,7 @@ def runs_in_group(rank, world_size, variants):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """Ten files of whole words, 400-800 bytes each: both splits hold several."""
-    root, rng = tmp_path_factory.mktemp("corpus"), random.Random(7)
-    for i in range(10):
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160)))
-        (root / f"doc{i}.py").write_text(text)
-    return root
+    return word_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def argv_of(corpus, batch_size, *flags):
