@@ -114,6 +114,7 @@ import torch
 import torch.distributed as dist
 
 import utils
+from measure.summary import max_across_ranks
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -578,10 +579,10 @@ def main() -> None:
             "reduce-scatter + all-gather": lambda x: _reduce_scatter_all_gather(x, rank, size)}
     for name, run in runs.items():
         result = run(inputs[rank].clone())
-        error = utils.max_across_ranks(float((result.double() - mean).abs().max()))
+        error = max_across_ranks(float((result.double() - mean).abs().max()))
         first = result.clone()
         dist.broadcast(first, 0)
-        differ = utils.max_across_ranks(float(not torch.equal(first, result)))
+        differ = max_across_ranks(float(not torch.equal(first, result)))
         utils.print0(f"{name:>28}: {size} ranks, {n} elements: max error vs the float64 mean {error:.1e} "
                      f"(tolerance {tolerance:.1e}), ranks bit-identical: {differ == 0} -> "
                      + ("agree" if error <= tolerance and differ == 0 else "DISAGREE"))

@@ -6,7 +6,7 @@
 ``--shapes grid`` (the default), the assignment's grid: for hid_dim in {128, 256, 512, 1024} x per-rank batch
 in {32, 64}: an (batch, hid_dim) float32 input, one forward and one backward (with a fixed random output
 gradient) per timed call. Time: the median over many calls
-(each started after a barrier, see utils.time_calls_ms), then the max across ranks. The two implementations
+(each started after a barrier, see measure.timing.time_calls_ms), then the max across ranks. The two implementations
 are timed in alternating rounds, so a burst of load from elsewhere on the machine hits both alike.
 
 What "theirs" is:
@@ -43,6 +43,11 @@ import torch.nn as nn
 
 import syncbn
 import utils
+from files import write_json
+from measure.machine import machine_info, machine_tag
+from measure.memory import reset_peak_memory
+from measure.summary import max_across_ranks, median
+from measure.timing import time_calls_ms
 
 HID_DIMS = (128, 256, 512, 1024)
 BATCH_SIZES = (32, 64)
@@ -70,9 +75,9 @@ def time_alternating(steps, device, iters, rounds, warmup):
     times = {name: [] for name in steps}
     for round_index in range(rounds):
         for name, step in steps.items():
-            times[name] += utils.time_calls_ms(step, device, max(iters // rounds, 1),
-                                               warmup=warmup if round_index else 4 * warmup)
-    return {name: utils.max_across_ranks(utils.median(t)) for name, t in times.items()}, len(times["ours"])
+            times[name] += time_calls_ms(step, device, max(iters // rounds, 1),
+                                         warmup=warmup if round_index else 4 * warmup)
+    return {name: max_across_ranks(median(t)) for name, t in times.items()}, len(times["ours"])
 
 
 def autocast_step(step, device, dtype):
@@ -90,8 +95,8 @@ def floor_ms(x, device, iters):
     """8 passes over x at the speed of a copy of x (1 read + 1 write), measured here: the least any BatchNorm's
     forward + backward can cost on this device."""
     target = torch.empty_like(x)
-    copy_ms = utils.median(utils.time_calls_ms(lambda: target.copy_(x), device, iters, warmup=3))
-    return utils.max_across_ranks(4 * copy_ms)
+    copy_ms = median(time_calls_ms(lambda: target.copy_(x), device, iters, warmup=3))
+    return max_across_ranks(4 * copy_ms)
 
 
 def resnet50_row(channels, side, batch_size, dtype, device, iters, rounds):
@@ -113,7 +118,7 @@ def resnet50_row(channels, side, batch_size, dtype, device, iters, rounds):
         row[f"{name}_ms"] = median_ms[name]
         memory = (extra_peak_cuda_mb(step, device) if device.type == "cuda"
                   else kept_for_backward_mb(norms[name], x))
-        row[f"{name}_memory_mb"] = utils.max_across_ranks(memory)
+        row[f"{name}_memory_mb"] = max_across_ranks(memory)
     for name in norms:
         if name != "ours":
             row[f"ours_over_{name}"] = row["ours_ms"] / row[f"{name}_ms"]
@@ -161,7 +166,7 @@ def kept_for_backward_mb(norm, x):
 def extra_peak_cuda_mb(step, device):
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    utils.reset_peak_memory(device)
+    reset_peak_memory(device)
     step()
     torch.cuda.synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
@@ -187,7 +192,7 @@ def benchmark_row(hid_dim, batch_size, device, iters, rounds):
         memory_mb = {name: extra_peak_cuda_mb(step, device) for name, step in steps.items()}
     else:
         memory_mb = {"ours": kept_for_backward_mb(ours, x), "theirs": kept_for_backward_mb(theirs, x)}
-    memory_mb = {name: utils.max_across_ranks(value) for name, value in memory_mb.items()}
+    memory_mb = {name: max_across_ranks(value) for name, value in memory_mb.items()}
     return {"hid_dim": hid_dim, "batch_size": batch_size, "global_batch": batch_size * dist.get_world_size(),
             "ours_ms": median_ms["ours"], "theirs_ms": median_ms["theirs"],
             "time_ratio": median_ms["ours"] / median_ms["theirs"],
@@ -255,11 +260,11 @@ def main():
         # One GPU runs two ways (2 ranks over gloo, 1 rank over nccl): each gets a file of its own.
         suffix = f"-{ctx.world_size}x{ctx.backend}" if ctx.device.type == "cuda" else ""
         name = "bn-resnet50" if args.shapes == "resnet50" else "bn"
-        path = args.json or os.path.join("results", f"{name}-{utils.machine_tag(ctx.device)}{suffix}.json")
-        utils.write_json(path, {
+        path = args.json or os.path.join("results", f"{name}-{machine_tag(ctx.device)}{suffix}.json")
+        write_json(path, {
             "benchmark": "bn_benchmark", "command": " ".join(["torchrun", f"--nproc_per_node {ctx.world_size}",
                                                               "bn_benchmark.py"] + sys.argv[1:]),
-            "machine": utils.machine_info(ctx.device), "torch": torch.__version__,
+            "machine": machine_info(ctx.device), "torch": torch.__version__,
             "processes": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
             "shapes": args.shapes, **described, "memory_measure": memory_label,
             "time_measure": "median ms per forward+backward, max across ranks",

@@ -40,8 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-import utils
 from allreduce import AllreduceThread, pairwise_all_to_all, place_in, ring_all_gather, ring_reduce_scatter
+from measure.timing import profiled
 
 KINDS = ("torch", "ring", "butterfly")
 
@@ -150,7 +150,7 @@ class Collectives:
         return self._launch(name, start, "all_to_all"), output
 
     def _launch(self, name: str, start: Any, kind: str) -> Pending:
-        with utils.profiled(name) as span:
+        with profiled(name) as span:
             work = start()
             if self.launched is not None:
                 self.launched(kind)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
 import utils
-from utils import UsageError
+from utils import UsageError, one_line
 
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
@@ -252,7 +252,7 @@ def load_cifar100(data_dir: str, ctx: utils.DistContext, comm_device: torch.devi
                 for train in (True, False):
                     torchvision.datasets.CIFAR100(data_dir, train=train, download=True)
         except Exception as exc:  # no network, bad folder, corrupt archive: all end in the same advice
-            failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            failure = one_line(exc)
         finally:
             socket.setdefaulttimeout(previous_timeout)
     failed = torch.tensor([1 if failure else 0], device=comm_device)
@@ -338,7 +338,7 @@ def scan_image_folder(root: str, classes: list[str] | None = None) -> tuple[list
                 raise UsageError(f"{root}: class folder {name!r} has no images ({', '.join(IMG_EXTENSIONS)})")
             labels += [classes.index(name) if classes is not None else class_to_index[name]] * (len(paths) - before)
     except FileNotFoundError as exc:  # find_classes: no class folder at all
-        raise UsageError(f"{root}: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"{root}: {one_line(exc)}") from None
     except OSError as exc:  # unreadable folder (permissions, I/O)
         raise UsageError(f"cannot read {exc.filename or root}: {exc.strerror or exc}") from None
     return (classes if classes is not None else found), np.array(paths), np.array(labels, dtype=np.int64)

@@ -73,6 +73,9 @@ import torch.nn.functional as F
 import replicas
 import utils
 from data import derive_seed
+from files import write_json
+from measure.memory import measured_phase
+from measure.timing import profiled
 from trainer.build import Parts, build
 from trainer.checkpoint import NO_SUMS, Checkpointer, Position
 from trainer.config import Config, parse_args
@@ -80,7 +83,7 @@ from trainer.evaluation import validate
 from trainer.generation import generate
 from trainer.metrics import EpochSums, Meter, summarize
 from trainer.replica_groups import ReplicaGroups
-from utils import UsageError
+from utils import UsageError, one_line
 from zero.offload import OffloadError, OffloadRefused
 
 __all__ = ["Config", "Trained", "UsageError", "main", "parse_args", "train"]
@@ -173,7 +176,7 @@ def train(config: Config) -> Trained:
             parts.data.close()
             checkpointer.close()  # stopped by an error: its save in flight left unpublished; the lock released
     if parts.ctx.rank == 0 and config.metrics_out:
-        utils.write_json(config.metrics_out, metrics)
+        write_json(config.metrics_out, metrics)
     return Trained(metrics, parts.model, parts.outer.state_dict() if parts.outer is not None else None)
 
 
@@ -219,7 +222,7 @@ def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return losses.view(labels.shape).flatten(1).mean(1) if labels.dim() > 1 else losses
 
 
-@utils.measured_phase("steps")
+@measured_phase("steps")
 def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch,
                    replica_groups: ReplicaGroups | None = None) -> bool:
     """The window of up to K micro-batches from ``position``, then one update (the module docstring's g); False
@@ -241,14 +244,14 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch,
         # forward and backward; the gradient average starts on the window's last micro-batch only
         last = j == window[-1]
         sync.set_requires_gradient_sync(last)
-        with utils.profiled(f"micro-batch {count}/{len(window)} ({'sync' if last else 'no sync'})"):
-            with utils.profiled("forward"), torch.autocast(**amp):
+        with profiled(f"micro-batch {count}/{len(window)} ({'sync' if last else 'no sync'})"):
+            with profiled("forward"), torch.autocast(**amp):
                 logits = sync.module(inputs)  # the model, or DDP around it
                 parts.faults.at("forward", position.optimizer_steps)
                 per_sample = per_sample_loss(logits.float() if parts.amp_dtype else logits, labels)
                 if parts.faults.named("nan", position.optimizer_steps):
                     per_sample = per_sample * float("nan")  # fault injection: a non-finite loss (trainer/finite.py)
-            with utils.profiled("backward"):
+            with profiled("backward"):
                 scaler.scale(per_sample.sum() / window_samples).backward()
                 parts.faults.at("backward", position.optimizer_steps)
         window_sums.add(per_sample, logits, labels)
@@ -260,7 +263,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch,
     meter.add_loss(window_sums.loss, window_samples)
     # the gradients are averaged now (the last backward waited for it): clip, update, schedule
     lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler sets the next one's below
-    with utils.profiled("optimizer step"):
+    with profiled("optimizer step"):
         scaler.unscale_(optimizer)  # fp16: every rank unscales (and inf-checks) its averaged gradients ...
         if config.clip_grad_norm:  # ... before the clipping sees them: the norm of the true gradient
             meter.grad_norms.append(sync.clip_grad_norm_(config.clip_grad_norm))
@@ -281,7 +284,7 @@ def optimizer_step(parts: Parts, meter: Meter, position: Position, epoch: Epoch,
     epoch.samples += window_samples * parts.ctx.world_size
     # diloco, localsgd: the replicas meet when one of their all-reduces is due (replica groups: at this position)
     if parts.outer is not None:
-        with utils.profiled("outer step"):
+        with profiled("outer step"):
             parts.outer.step()
     meter.timer.stop()
     # the profiler's window, the bar and --log-every's figures
@@ -344,9 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         if not is_distributed_failure(exc):
             raise  # a bug: keep its traceback
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"ddp_cifar100.py: rank {rank}: distributed failure (peer missing, dead or past --timeout): "
-              f"{first_line[:300]}", file=sys.stderr, flush=True)
+              f"{one_line(exc)}", file=sys.stderr, flush=True)
         return 1
     finally:
         if not joined:

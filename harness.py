@@ -40,8 +40,8 @@ def _group_worker(rank: int, world_size: int, store_path: str, backend: str, tim
     # With a couple of cores and several workers, one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     if heap_top_pad:
-        import utils  # the server's: already imported (_worker_context)
-        utils.pad_heap_top(heap_top_pad)
+        from measure.malloc import pad_heap_top  # the server's: already imported (_worker_context)
+        pad_heap_top(heap_top_pad)
     faulthandler.enable(all_threads=True)  # a crash prints every thread's Python stack to stderr before it dies
     try:
         store = dist.FileStore(store_path, world_size)
@@ -74,15 +74,16 @@ def _group_worker(rank: int, world_size: int, store_path: str, backend: str, tim
 
 
 def _worker_context() -> Any:
-    """How LocalGroup starts its workers: forked from multiprocessing's fork server, which imports this module and
-    utils (and so torch) once, instead of a fresh interpreter per worker importing torch again (about 2.5 s of CPU
-    each on a 2-core machine; a test session starts some thirty workers). utils too: nearly every task imports it,
-    and it imports torch.distributed.nn, which must come before the worker's process group exists (see utils'
-    imports). The server has started no thread and no process group when it forks, which is what makes forking
-    safe. A forked worker has the server's environment, the one of the first group made: a group's own variables are
-    given as LocalGroup(env=...)."""
+    """How LocalGroup starts its workers: forked from multiprocessing's fork server, which imports this module and utils
+    (and so torch) once, instead of a fresh interpreter per worker importing torch again (about 2.5 s of CPU each on
+    a 2-core machine; a test session starts some thirty workers). utils too: nearly every task imports it, and it
+    imports torch.distributed.nn, which must come before the worker's process group exists (see utils' imports);
+    measure.malloc, which a worker sets its heap with before its group. The server has started no thread and no
+    process group when it forks, which is what makes forking safe. A forked worker has the server's environment, the
+    one of the first group made: a group's own variables are given as LocalGroup(env=...)."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["utils", __name__])  # read when the server starts, the first time a group is made
+    # read when the server starts, the first time a group is made
+    context.set_forkserver_preload(["utils", "measure.malloc", __name__])
     return context
 
 
@@ -128,8 +129,8 @@ class LocalGroup:
     """``world_size`` processes (forked from a server that has imported torch: _worker_context; what it imported
     is frozen out of the garbage collector's sight) joined in one process group over a FileStore, reused across
     calls; ``env``: variables set in each worker before its first task;
-    ``heap_top_pad_mb``: glibc's heap keeps that much free memory at its top (utils.pad_heap_top; 0: glibc's own
-    128 kB), for workers that allocate and free many large blocks and do not measure their resident set.
+    ``heap_top_pad_mb``: glibc's heap keeps that much free memory at its top (measure.malloc.pad_heap_top; 0:
+    glibc's own 128 kB), for workers that allocate and free many large blocks and do not measure their resident set.
 
     ``group.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` in every worker and returns the results as
     a list in rank order. ``fn`` must be importable by the workers (a module-level function). Any worker's

@@ -118,7 +118,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import utils
+from measure.timing import profiled
 
 try:
     import triton
@@ -623,7 +623,7 @@ def _named_all_reduce(sums: torch.Tensor, group: dist.ProcessGroup, name: str) -
     if torch.compiler.is_compiling():
         dist.all_reduce(sums, group=group)
         return
-    with utils.profiled(name):
+    with profiled(name):
         dist.all_reduce(sums, group=group)
 
 

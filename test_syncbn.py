@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import syncbn
+from files import write_json
 from harness import LocalGroup
-from utils import write_json
 
 # SYNCBN_ERRORS_JSON (a path from the repository's root): the file a run's worst errors are merged into, only when
 # set; the GPU checks (benchmarks/gpu_checks.py) name one of the GPU's own, apart from the CPU's.

@@ -53,12 +53,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-import utils
 from benchmarks.trainer_runs import run_configuration
 from benchmarks.trainer_traces import merge_ranks
+from files import write_json
+from measure.machine import machine_info, machine_tag
+from measure.memory import peak_memory_mb, reset_peak_memory
+from measure.summary import median
+from measure.timing import time_calls_ms
 from trainer.config import WARMUP_STEPS  # the plain loop leaves out as many steps as the trainer
 from models import TORCHVISION_RESNETS, build_model
-from utils import machine_info, machine_tag, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE_STEPS = WARMUP_STEPS + 3  # --trace: the trainer's default --profile-steps window, 3:6, and nothing after it
@@ -169,11 +172,11 @@ def plain_loop(args: argparse.Namespace) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    utils.reset_peak_memory(device)
-    times = utils.time_calls_ms(step, device, iters=args.steps, warmup=WARMUP_STEPS)
+    reset_peak_memory(device)
+    times = time_calls_ms(step, device, iters=args.steps, warmup=WARMUP_STEPS)
     return {"name": "plain", "config": {"name": "plain", "grad_sync": None, "norm": "local"},
-            "step_time_ms_median": utils.median(times), "samples_per_s": args.batch_size / utils.median(times) * 1e3,
-            "data_wait_ms_median": None, "peak_memory_mb": utils.peak_memory_mb(device),
+            "step_time_ms_median": median(times), "samples_per_s": args.batch_size / median(times) * 1e3,
+            "data_wait_ms_median": None, "peak_memory_mb": peak_memory_mb(device),
             "step_times_ms": [round(v, 4) for v in times]}
 
 

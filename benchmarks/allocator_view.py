@@ -50,8 +50,9 @@ class _Mallinfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h: every field a si
 def glibc_heap() -> dict[str, float] | None:
     """glibc's malloc now, in MB: ``heap`` (the main and thread arenas' size), ``heap_in_use``, ``heap_free`` (freed
     bytes the heap keeps), ``mmapped`` (blocks served by mmap, given back when freed); None off glibc."""
-    import utils  # here: the memory benchmark's spawned workers import this module before their own set-up
-    mallinfo2 = getattr(utils.libc(), "mallinfo2", None)
+    # here: the memory benchmark's spawned workers import this module before their own set-up
+    from measure.malloc import libc
+    mallinfo2 = getattr(libc(), "mallinfo2", None)
     if mallinfo2 is None:
         return None
     mallinfo2.restype = _Mallinfo2

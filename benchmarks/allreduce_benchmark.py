@@ -47,9 +47,12 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import harness
-import utils
 from allreduce import (ALGORITHMS, RECEIVE_SLOTS, SEGMENT_ELEMENTS, ring_all_gather, ring_allreduce,
                        ring_reduce_scatter)
+from files import write_json
+from measure.machine import machine_info, machine_tag
+from measure.summary import max_across_ranks, median, percentile
+from measure.timing import time_calls_ms
 
 
 class _AllocationTracker(TorchFunctionMode):
@@ -165,7 +168,7 @@ def pingpong_worker(rank: int, size: int, lengths: list[int], reps: int) -> list
                 dist.send(buffer, 0)
             times.append((time.perf_counter() - start) / 2 * 1e3)
         rows.append({"elements": n, "one_way_ms_min": min(times[1:]),
-                     "one_way_ms_median": utils.median(times[1:])})
+                     "one_way_ms_median": median(times[1:])})
     return rows
 
 
@@ -259,21 +262,21 @@ def _bench(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: 
         run = functions[algo]
         # Accuracy and identity on a fresh copy of the inputs, before the timing loop keeps working in place.
         result = run(data.clone(), rank, size, segment_elements=segment)
-        error = utils.max_across_ranks(float((result.double() - reference.double()).abs().max()))
+        error = max_across_ranks(float((result.double() - reference.double()).abs().max()))
         if collective == "reduce_scatter":  # each rank holds a different chunk; none is copied
             identical = None
         else:  # the all-gather must also equal every rank's own chunk, bit for bit
             rank0 = result.clone()
             dist.broadcast(rank0, 0)
             same = torch.equal(rank0, result) and (collective != "all_gather" or torch.equal(result, reference))
-            identical = utils.max_across_ranks(float(not same)) == 0.0
+            identical = max_across_ranks(float(not same)) == 0.0
             del rank0
         work = timed.clone()
-        extra_bytes = utils.max_across_ranks(tracked_allocation_bytes(
+        extra_bytes = max_across_ranks(tracked_allocation_bytes(
             lambda: run(work, rank, size, segment_elements=segment)))
-        probe = utils.time_calls_ms(lambda: run(work, rank, size, segment_elements=segment),
-                                    torch.device("cpu"), iters=3, warmup=1)
-        probe_ms = utils.max_across_ranks(utils.median(probe))
+        probe = time_calls_ms(lambda: run(work, rank, size, segment_elements=segment),
+                              torch.device("cpu"), iters=3, warmup=1)
+        probe_ms = max_across_ranks(median(probe))
         iters = int(min(max_iters, max(min_iters, budget_s * 1e3 / max(probe_ms, 1e-3))))
         rows[algo] = {"workers": size, "elements": n, "algo": algo, "iters": -(-iters // rounds) * rounds,
                       "extra_peak_bytes": int(extra_bytes), "max_abs_error": error,
@@ -288,7 +291,7 @@ def _bench(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: 
         for algo in (algos if round_index % 2 == 0 else algos[::-1]):
             run = functions[algo]
             before = thread_schedstat_ns()
-            rows[algo]["times"] += utils.time_calls_ms(
+            rows[algo]["times"] += time_calls_ms(
                 lambda: run(work, rank, size, segment_elements=segment), torch.device("cpu"),
                 iters=rows[algo]["iters"] // rounds, warmup=1)
             deltas = _thread_deltas_us(before, thread_schedstat_ns(), caller)
@@ -299,12 +302,12 @@ def _bench(rank: int, size: int, n: int, algos: list[str], seed: int, budget_s: 
         times = row.pop("times")
         calls = len(times) + rounds  # each round's warm-up call falls inside the accounting too
         row["caller_cpu_us"], row["caller_runqueue_us"], row["other_threads_cpu_us"] = (
-            utils.max_across_ranks(v / calls) for v in threads_us[algo])
-        row["median_ms"] = utils.max_across_ranks(utils.median(times))
-        row["min_ms"] = utils.max_across_ranks(min(times))
+            max_across_ranks(v / calls) for v in threads_us[algo])
+        row["median_ms"] = max_across_ranks(median(times))
+        row["min_ms"] = max_across_ranks(min(times))
         # The spread shows two-mode timings (calls whose wake-ups waited for a busy CPU, and calls that did not).
-        row["p10_ms"] = utils.max_across_ranks(utils.percentile(times, 10))
-        row["p90_ms"] = utils.max_across_ranks(utils.percentile(times, 90))
+        row["p10_ms"] = max_across_ranks(percentile(times, 10))
+        row["p90_ms"] = max_across_ranks(percentile(times, 90))
         out.append(row)
     return out
 
@@ -315,10 +318,10 @@ def segment_sweep_worker(rank: int, size: int, n: int, segments: list[int], roun
     times: dict[int, list[float]] = {s: [] for s in segments}
     for round_index in range(rounds):
         for segment in (segments if round_index % 2 == 0 else segments[::-1]):
-            times[segment] += utils.time_calls_ms(lambda: ring_allreduce(work, rank, size, segment_elements=segment),
-                                                  torch.device("cpu"), iters=iters, warmup=1)
+            times[segment] += time_calls_ms(lambda: ring_allreduce(work, rank, size, segment_elements=segment),
+                                            torch.device("cpu"), iters=iters, warmup=1)
     return [{"workers": size, "elements": n, "segment_elements": s,
-             "median_ms": utils.max_across_ranks(utils.median(times[s]))} for s in segments]
+             "median_ms": max_across_ranks(median(times[s]))} for s in segments]
 
 
 def _int_list(text: str) -> list[int]:
@@ -388,8 +391,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for any one group call")
     parser.add_argument("--json", default=None,
-                        help=f"results file (default results/allreduce-{utils.machine_tag()}.json, or "
-                             f"collectives-{utils.machine_tag()}.json when a half is timed)")
+                        help=f"results file (default results/allreduce-{machine_tag()}.json, or "
+                             f"collectives-{machine_tag()}.json when a half is timed)")
     args = parser.parse_args(argv)
     if args.budget_s <= 0 or args.min_iters < 1 or args.max_iters < args.min_iters or args.rounds < 1:
         parser.error("need --budget-s > 0, 1 <= --min-iters <= --max-iters and --rounds >= 1")
@@ -516,7 +519,7 @@ METHOD = {
 def main(argv=None) -> dict:
     args = parse_args(argv)
     stem = "allreduce" if args.collectives == ["allreduce"] else "collectives"
-    json_path = args.json or os.path.join("results", f"{stem}-{utils.machine_tag()}.json")
+    json_path = args.json or os.path.join("results", f"{stem}-{machine_tag()}.json")
     progress = None
     if sys.stderr.isatty():
         from tqdm import tqdm
@@ -541,7 +544,7 @@ def main(argv=None) -> dict:
         "benchmark": stem,
         "command": " ".join(["python", "-m", "benchmarks.allreduce_benchmark"]
                             + (sys.argv[1:] if argv is None else list(argv))),
-        "machine": utils.machine_info(),
+        "machine": machine_info(),
         "settings": {"collectives": args.collectives, "workers": args.workers, "sizes": args.sizes,
                      "algos": args.algos, "dtype": "float32",
                      "torch_max_workers": args.torch_max_workers, "budget_s": args.budget_s,
@@ -558,7 +561,7 @@ def main(argv=None) -> dict:
         "results": rows,
         "ratios": ratios,
     }
-    utils.write_json(json_path, payload)
+    write_json(json_path, payload)
     print(f"\nwrote {json_path} ({payload['wall_time_s']:.0f} s)")
     return payload
 

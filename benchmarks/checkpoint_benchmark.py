@@ -86,12 +86,13 @@ def all_done(future: Any) -> bool:
 
 def measure(rank: int, world_size: int, row: str, settings: dict) -> dict:
     """One rank of ``row``: each way's saves, with their stalls, writes, overlapped steps and resident sets."""
-    import utils
+    from measure.malloc import pin_mmap_threshold
+    from measure.memory import proc_status_mb
     import zero.checkpoint
     from benchmarks.memory_benchmark import build, step
     from zero.checkpoint import save  # noqa: F401  (its modules and DCP's, imported before anything is measured)
 
-    utils.pin_mmap_threshold()  # freed blocks go back: the resident set is what is alive ([Note: the allocator])
+    pin_mmap_threshold()  # freed blocks go back: the resident set is what is alive ([Note: the allocator])
     context, saves = settings["context"], settings["saves"]
     tokens = torch.randint(0, 256, (1, context + 1), generator=torch.Generator().manual_seed(rank))
     model, sync, optimizer = build(row, settings["model"], context)
@@ -108,7 +109,7 @@ def measure(rank: int, world_size: int, row: str, settings: dict) -> dict:
         writer = zero.checkpoint.AsyncWriter() if way != "sync" and way != "dcp" else None
         gc.collect()
         dist.barrier()
-        before = utils.proc_status_mb("VmRSS")
+        before = proc_status_mb("VmRSS")
         records = []
         for index in range(saves):
             path = os.path.join(settings["root"], f"{row}-{way}-{index}")
@@ -124,7 +125,7 @@ def measure(rank: int, world_size: int, row: str, settings: dict) -> dict:
             written = time.perf_counter() - began
             dist.barrier()
             records.append({"stall_s": stall, "write_s": written, "overlapped_steps_s": overlapped,
-                            "rss_above_mb": utils.proc_status_mb("VmRSS") - before})
+                            "rss_above_mb": proc_status_mb("VmRSS") - before})
         if writer is not None:
             out["staged_mb"] = writer.staging.nbytes() / MB if way == "async" else out.get("staged_mb")
             writer.close()
@@ -154,10 +155,10 @@ def split_of(profile: cProfile.Profile, saves: int) -> dict[str, float]:
 
 def measure_alternate(rank: int, world_size: int, settings: dict) -> dict:
     """One rank of --alternate: ours (zero3, sync) and FSDP2's (fsdp3, dcp) saves, alternated."""
-    import utils
+    from measure.malloc import pin_mmap_threshold
     from benchmarks.memory_benchmark import build, step
 
-    utils.pin_mmap_threshold()
+    pin_mmap_threshold()
     tokens = torch.randint(0, 256, (1, settings["context"] + 1), generator=torch.Generator().manual_seed(rank))
     built = {}
     for way, row in (("sync", "zero3"), ("dcp", "fsdp3")):
@@ -187,7 +188,8 @@ def measure_alternate(rank: int, world_size: int, settings: dict) -> dict:
 
 def main_alternate(args: argparse.Namespace, argv: list[str] | None) -> dict:
     import harness
-    import utils
+    from files import write_json
+    from measure.machine import machine_info, machine_tag
 
     with tempfile.TemporaryDirectory(prefix="checkpoint-benchmark-") as root:
         with harness.LocalGroup(args.world, timeout_s=args.timeout, start_timeout_s=args.timeout) as group:
@@ -205,11 +207,11 @@ def main_alternate(args: argparse.Namespace, argv: list[str] | None) -> dict:
         print(f"{way:5} {figures['median_s']:8.3f}  {', '.join(f'{s:.2f}' for s in figures['seconds']):28}  {split}")
     print(f"ours (zero.checkpoint.save, stage 3) / FSDP2's (get_state_dict + dcp.save): {ratio:.2f}x")
     payload = {"benchmark": "checkpoint-save-time", "command": "python -m benchmarks.checkpoint_benchmark " +
-               " ".join(argv if argv is not None else sys.argv[1:]), "machine": utils.machine_info(torch.device("cpu")),
+               " ".join(argv if argv is not None else sys.argv[1:]), "machine": machine_info(torch.device("cpu")),
                "model": args.model, "world": args.world, "context": args.context, "saves": args.saves,
                "ways": ways, "ratio_ours_to_fsdp2": ratio}
-    path = args.json or os.path.join("results", f"checkpoint-save-time-{utils.machine_tag()}.json")
-    utils.write_json(path, payload)
+    path = args.json or os.path.join("results", f"checkpoint-save-time-{machine_tag()}.json")
+    write_json(path, payload)
     print(f"wrote {path}")
     return payload
 
@@ -268,7 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     import harness
-    import utils
+    from files import write_json
+    from measure.machine import machine_info, machine_tag
 
     args = parse_args(argv)
     if args.alternate:
@@ -283,10 +286,10 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(rows)
     payload = {"benchmark": "checkpoint", "command": "python -m benchmarks.checkpoint_benchmark " + " ".join(
                    argv if argv is not None else sys.argv[1:]),
-               "machine": utils.machine_info(torch.device("cpu")), "model": args.model, "world": args.world,
+               "machine": machine_info(torch.device("cpu")), "model": args.model, "world": args.world,
                "context": args.context, "allocator": "pinned (mallopt M_MMAP_THRESHOLD 128 kB)", "rows": rows}
-    path = args.json or os.path.join("results", f"checkpoint-{utils.machine_tag()}.json")
-    utils.write_json(path, payload)
+    path = args.json or os.path.join("results", f"checkpoint-{machine_tag()}.json")
+    write_json(path, payload)
     print(f"wrote {path}")
     return payload
 

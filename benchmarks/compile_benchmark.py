@@ -7,7 +7,7 @@
 HID_DIMS x BATCH_SIZES, per-rank batch, float32, affine off: the layer bn_benchmark times), 2 processes over gloo
 (harness.LocalGroup, one intra-op thread each), eager against ``torch.compile(layer, backend=--backend,
 fullgraph=True)`` on the same layer and tensors. Time: the median ms per forward + backward over ``--iters``
-calls (each after a barrier, utils.time_calls_ms), split into 4 rounds that visit eager, compiled and the
+calls (each after a barrier, measure.timing.time_calls_ms), split into 4 rounds that visit eager, compiled and the
 collectives in turn (the first round warms up longer), then the slowest rank's. "The collectives" are the pass's
 two all_reduce calls of 2C+1 floats timed alone: what compiling cannot remove (``best_ratio``, their time over
 eager's, is the ratio a compiled pass would reach if its computation took no time). Compile time: the first
@@ -68,9 +68,13 @@ import torch.nn as nn
 
 import harness
 import syncbn
-import utils
 from benchmarks import trainer_runs
 from bn_benchmark import BATCH_SIZES, HID_DIMS, make_step
+from files import write_json
+from measure.machine import machine_info, machine_tag
+from measure.summary import max_across_ranks, median
+from measure.timing import time_calls_ms
+from utils import one_line
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 PROG = "compile_benchmark.py"
@@ -102,7 +106,7 @@ def first_compile(rank: int, world_size: int, backend: str) -> float:
     compiled(x).backward(torch.randn(batch, hid))
     seconds = time.perf_counter() - start
     torch._dynamo.reset()
-    return utils.max_across_ranks(seconds)
+    return max_across_ranks(seconds)
 
 
 def graph_facts(rank: int, world_size: int, batch: int, hid: int) -> dict[str, Any]:
@@ -138,7 +142,7 @@ def graph_facts(rank: int, world_size: int, batch: int, hid: int) -> dict[str, A
         nn.SyncBatchNorm(hid)(x.detach())
         theirs = {"runs_on_cpu": True, "error": None}
     except Exception as exc:  # noqa: BLE001 (what it raises is the finding)
-        theirs = {"runs_on_cpu": False, "error": f"{type(exc).__name__}: {exc}".strip()}
+        theirs = {"runs_on_cpu": False, "error": one_line(exc)}
     return {"ours": ours, "nn.SyncBatchNorm": theirs}
 
 
@@ -181,17 +185,17 @@ def bn_row(rank: int, world_size: int, batch: int, hid: int, backend: str, iters
     for round_index in range(rounds):
         calls = iters // rounds + (1 if round_index < iters % rounds else 0)
         for name, step in steps.items():
-            times[name] += utils.time_calls_ms(step, cpu, calls, warmup=warmup if round_index else 4 * warmup)
-    eager_ms = utils.max_across_ranks(utils.median(times["eager"]))
-    compiled_ms = utils.max_across_ranks(utils.median(times["compiled"]))
-    collectives_ms = utils.max_across_ranks(utils.median(times["collectives"]))
+            times[name] += time_calls_ms(step, cpu, calls, warmup=warmup if round_index else 4 * warmup)
+    eager_ms = max_across_ranks(median(times["eager"]))
+    compiled_ms = max_across_ranks(median(times["compiled"]))
+    collectives_ms = max_across_ranks(median(times["collectives"]))
     torch._dynamo.reset()
     return {"hid_dim": hid, "batch_size": batch, "global_batch": batch * world_size,
             "eager_ms": eager_ms, "compiled_ms": compiled_ms, "ratio": compiled_ms / eager_ms,
             "collectives_ms": collectives_ms, "best_ratio": collectives_ms / eager_ms,
-            "compile_s": utils.max_across_ranks(compile_s),
-            "max_abs_diff_output": utils.max_across_ranks(output_diff),
-            "max_abs_diff_grad_input": utils.max_across_ranks(grad_diff),
+            "compile_s": max_across_ranks(compile_s),
+            "max_abs_diff_output": max_across_ranks(output_diff),
+            "max_abs_diff_grad_input": max_across_ranks(grad_diff),
             "timed_calls_each": len(times["eager"])}
 
 
@@ -233,7 +237,7 @@ def run_bn(args: argparse.Namespace) -> dict[str, Any]:
     ratios = [row["ratio"] for row in rows]
     for row in rows:
         row["goal_met"] = row["ratio"] <= BN_GOAL
-    median_ratio = utils.median(ratios)
+    median_ratio = median(ratios)
 
     print(f"first compile in the process (compiler start-up included, shape {FIRST_COMPILE_SHAPE[0]}x"
           f"{FIRST_COMPILE_SHAPE[1]}): {first_s:.1f} s")
@@ -258,7 +262,7 @@ def run_bn(args: argparse.Namespace) -> dict[str, Any]:
     if theirs["runs_on_cpu"]:
         print("nn.SyncBatchNorm ran on CPU tensors here (unexpected): no graph count taken for it")
     else:
-        print(f"nn.SyncBatchNorm cannot run on CPU tensors (it raises {theirs['error'].splitlines()[0]}): its graph "
+        print(f"nn.SyncBatchNorm cannot run on CPU tensors (it raises {theirs['error']}): its graph "
               f"count is for a GPU machine")
     theirs["note"] = "its graph and graph-break count can only be taken on a GPU machine"
     return {"processes": NPROC, "backend": "gloo", "intra_op_threads": 1, "compile_backend": args.backend,
@@ -588,7 +592,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     command = shlex.join(["python", "-m", "benchmarks.compile_benchmark"]
                          + (argv if argv is not None else sys.argv[1:]))
-    path = args.json or os.path.join(HERE, "results", f"compile-{utils.machine_tag('cpu')}.json")
+    path = args.json or os.path.join(HERE, "results", f"compile-{machine_tag('cpu')}.json")
     # A fresh inductor cache for the run (the LocalGroup's workers inherit it): compile times are from scratch.
     cache = tempfile.mkdtemp(prefix="compilebench-inductor-")
     previous_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -612,9 +616,9 @@ def main(argv: list[str] | None = None) -> None:
     print_goals(verdicts)
     wall = time.perf_counter() - started
     settings = {key: value for key, value in vars(args).items() if key != "json"}
-    utils.write_json(path, {
-        "benchmark": "compile", "command": command, "machine": utils.machine_info("cpu"),
-        "machine_tag": utils.machine_tag("cpu"), "torch": torch.__version__, "settings": settings,
+    write_json(path, {
+        "benchmark": "compile", "command": command, "machine": machine_info("cpu"),
+        "machine_tag": machine_tag("cpu"), "torch": torch.__version__, "settings": settings,
         "wall_time_s": wall, "bn": bn, "trainer": trainer, "overlap": overlap,
         "goals": verdicts})
     print(f"wrote {os.path.relpath(path, HERE) if path.startswith(HERE) else path} ({wall / 60:.1f} min)")

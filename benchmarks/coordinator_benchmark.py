@@ -39,8 +39,10 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import utils  # noqa: E402
 from benchmarks.fault_benchmark import free_port, install_torchft  # noqa: E402
+from files import write_json  # noqa: E402
+from measure.machine import machine_info, machine_tag  # noqa: E402
+from measure.memory import process_memory_mib  # noqa: E402
 
 WAYS = ("ours", "torchft")
 HEARTBEAT_S = 0.1  # torchft's Manager beats every 100 ms; ours every HEARTBEAT_S (replicas/protocol.py), the same
@@ -151,7 +153,7 @@ def measure(way: str, groups: int, args: argparse.Namespace, workdir: str) -> di
     def sample() -> None:
         while not stop.wait(0.2):
             cpu = cpu_seconds(coordinator.pid)
-            rss = utils.process_memory_mib(coordinator.pid)["rss"] if cpu is not None else 0.0
+            rss = process_memory_mib(coordinator.pid)["rss"] if cpu is not None else 0.0
             samples.append((time.time(), cpu, rss))
             for simulator in simulators:
                 simulator_cpu[simulator.pid] = cpu_seconds(simulator.pid) or simulator_cpu.get(simulator.pid, 0.0)
@@ -275,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure(way, groups, args, workdir))
                 print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(table(rows))
-    out = args.out or os.path.join(ROOT, "results", f"coordinator-scale-{utils.machine_tag()}.json")
-    utils.write_json(out, {"command": "python3 -m benchmarks.coordinator_benchmark " + " ".join(given),
-                           "machine": utils.machine_info(), "rows": rows})
+    out = args.out or os.path.join(ROOT, "results", f"coordinator-scale-{machine_tag()}.json")
+    write_json(out, {"command": "python3 -m benchmarks.coordinator_benchmark " + " ".join(given),
+                     "machine": machine_info(), "rows": rows})
     print(f"wrote {out}")
     return 0
 

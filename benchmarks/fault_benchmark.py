@@ -35,8 +35,11 @@ import threading
 import time
 from typing import Any
 
-import utils
 from benchmarks.replica_runs import ROOT, ReplicaRun
+from files import write_json
+from measure.machine import child_pids, machine_info, machine_tag
+from measure.memory import proc_status_mb
+from measure.summary import median
 from replicas import STALE_S
 
 PROG = "fault_benchmark"
@@ -172,7 +175,7 @@ def run_elastic(args: argparse.Namespace, workdir: str, faults: list[tuple[float
     started = time.time()
 
     def kill(rank: int) -> list[int]:
-        workers = utils.child_pids(agent.pid)
+        workers = child_pids(agent.pid)
         if rank < len(workers):
             os.kill(sorted(workers)[rank], signal.SIGKILL)
             return [sorted(workers)[rank]]
@@ -232,7 +235,7 @@ def run_torchft(args: argparse.Namespace, workdir: str, faults: list[tuple[float
                  args.text],
                 cwd=ROOT, env=dict(env, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}"), stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True)
-        kills = killing(faults, lambda g: kill_all(utils.child_pids(agents[g].pid)), lambda: all(
+        kills = killing(faults, lambda g: kill_all(child_pids(agents[g].pid)), lambda: all(
             a.poll() is not None for a in agents.values()) or any(
             last_step(os.path.join(workdir, f"commits-{g}.jsonl")) >= args.steps - 1 for g in range(args.groups)),
             started)
@@ -314,8 +317,8 @@ def torchft_worker(group: int, groups: int, steps: int, lighthouse: str, workdir
             shard = torch.arange(len(text.val))
             losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
                       for x, y in text.val_batches(shard, 64)]
-        utils.write_json(os.path.join(workdir, "final-0.json"),
-                         {"val_loss": sum(losses) / (len(text.val) * 128)})
+        write_json(os.path.join(workdir, "final-0.json"),
+                   {"val_loss": sum(losses) / (len(text.val) * 128)})
     manager.shutdown()
 
 
@@ -415,10 +418,10 @@ def transfer_worker(group: int, address: str, workdir: str, transport: str) -> N
     received = replica.join(step[0]).recovery  # group 0's: the state it received (group 1's: None)
     replica.commit(True)
     if group == 0:
-        utils.write_json(os.path.join(workdir, "joiner.json"), {
+        write_json(os.path.join(workdir, "joiner.json"), {
             "seconds": received.seconds, "load_s": received.load_s, "bytes": received.bytes,
             "gb_per_s": received.bytes / received.seconds / 1e9,
-            "peak_rss_mb": utils.proc_status_mb("VmHWM")})
+            "peak_rss_mb": proc_status_mb("VmHWM")})
     replica.close()
 
 
@@ -486,8 +489,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         loss = row["faulty"].get("final_val_loss")
         lines.append(f"{row['way']:9} {row['clean']['wall_s']:8.1f} {row['faulty']['wall_s']:9.1f} "
                      f"{row['goodput']:8.3f} {row['kills']:6d} "
-                     f"{(utils.median(stalls) if stalls else float('nan')):17.2f} "
-                     f"{(utils.median(rejoins) if rejoins else float('nan')):18.2f} "
+                     f"{(median(stalls) if stalls else float('nan')):17.2f} "
+                     f"{(median(rejoins) if rejoins else float('nan')):18.2f} "
                      f"{(loss if loss is not None else float('nan')):15.4f}")
     return "\n".join(lines)
 
@@ -518,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", choices=("socket", "pg"), default="socket",
                         help="--transfer-only's: replicas.SocketTransport (the members' own) or PGTransport (gloo)")
     args = parser.parse_args(argv)
-    out = args.out or os.path.join(ROOT, "results", f"faults-{utils.machine_tag()}.json")
+    out = args.out or os.path.join(ROOT, "results", f"faults-{machine_tag()}.json")
     if args.transfer_only:
         moved = transfer(args)
         print(f"state transfer: {moved['bytes'] / 1e9:.2f} GB in {moved['seconds']:.2f} s ({moved['gb_per_s']:.2f} "
@@ -529,9 +532,9 @@ def main(argv: list[str] | None = None) -> int:
               f"the transfer {moved['ratio_to_tcp_stream']:.2f}x it; into memory written before (the wire alone) "
               f"{moved['tcp_wire_s']:.2f} s ({moved['tcp_wire_gb_per_s']:.2f} GB/s), the transfer "
               f"{moved['ratio_to_tcp_wire']:.2f}x it")
-        payload = read_json(out) or {"machine": utils.machine_info()}
+        payload = read_json(out) or {"machine": machine_info()}
         command = f"python3 -m benchmarks.fault_benchmark --transfer-only --transport {args.transport}"
-        utils.write_json(out, {**payload, "transfer": {**moved, "command": command}})
+        write_json(out, {**payload, "transfer": {**moved, "command": command}})
         print(f"wrote {out}")
         return 0
     ways = [w for w in args.ways.split(",") if w]
@@ -561,9 +564,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(summarize(way, runs["clean"], runs["faulty"]))
     print(table(rows))
     command = "python3 -m benchmarks.fault_benchmark " + " ".join(argv or sys.argv[1:])
-    utils.write_json(out, {**(read_json(out) or {}), "command": command, "machine": utils.machine_info(),
-                           "schedule": faults, "steps": args.steps, "groups": args.groups, "rows": rows,
-                           "skipped": skipped})
+    write_json(out, {**(read_json(out) or {}), "command": command, "machine": machine_info(),
+                     "schedule": faults, "steps": args.steps, "groups": args.groups, "rows": rows,
+                     "skipped": skipped})
     print(f"wrote {out}")
     return 0
 

@@ -18,17 +18,17 @@ which run in sessions of their own; SIGKILL 10 s later). A check that does not f
 skipped. Where a script's default size would take minutes on this machine, the check runs it smaller, and its
 entry (--list) says how and why.
 
-What it writes: each check's JSON under results/, named by the GPU (utils.machine_tag: results/bn-gpu-<name>-
-2xgloo.json on an "NVIDIA H100 80GB HBM3" has <name> = h100-80gb-hbm3); each check's log and the pytest checks'
-JUnit XML under results/gpu-checks-<name>/; and results/gpu-checks-<name>.json: the machine, the torch, CUDA,
-Triton, torchvision and numpy versions, nvidia-smi's line, the commit (git's HEAD, or --commit where the copy has no
-git history), and per check its command, exit code, wall seconds, status (passed, failed, timeout, or skipped and
-why), the JSON it wrote, the last 3000 characters of its output and, for pytest, each test's outcome. ``--out DIR``
-also copies everything into DIR as three files (a lent machine gives back only a few): the summary JSON, one .tar.gz
-of every JSON, log and XML (paths from the repository's root: unpack it there), and the full log, all three
-rewritten after every check, so a run cut off from outside still leaves what it had done. SIGTERM stops the
-running check as its timeout would and ends the run. A short table closes it; the exit status is 1 if a check that
-ran failed or timed out, else 0.
+What it writes: each check's JSON under results/, named by the GPU (measure.machine.machine_tag:
+results/bn-gpu-<name>-2xgloo.json on an "NVIDIA H100 80GB HBM3" has <name> = h100-80gb-hbm3); each check's log and
+the pytest checks' JUnit XML under results/gpu-checks-<name>/; and results/gpu-checks-<name>.json: the machine, the
+torch, CUDA, Triton, torchvision and numpy versions, nvidia-smi's line, the commit (git's HEAD, or --commit where the
+copy has no git history), and per check its command, exit code, wall seconds, status (passed, failed, timeout, or
+skipped and why), the JSON it wrote, the last 3000 characters of its output and, for pytest, each test's outcome.
+``--out DIR`` also copies everything into DIR as three files (a lent machine gives back only a few): the summary
+JSON, one .tar.gz of every JSON, log and XML (paths from the repository's root: unpack it there), and the full log,
+all three rewritten after every check, so a run cut off from outside still leaves what it had done. SIGTERM stops
+the running check as its timeout would and ends the run. A short table closes it; the exit status is 1 if a check
+that ran failed or timed out, else 0.
 
 On a machine without a GPU the checks that need one are skipped ("no GPU"): ``--only pytest-fused,pytest-cuda``
 runs the plumbing for real on a CPU (the CUDA tests skip, those on fake CUDA tensors run).
@@ -82,8 +82,9 @@ class Check:
 
 
 def plan(tag: str = "gpu-<name>", cores: str = "<cores>") -> list[Check]:
-    """The checks in the order they run, on a machine whose utils.machine_tag is ``tag`` (gpu-h100-80gb-hbm3; on a
-    CPU cpu-<cores>core) and which has ``cores`` CPU cores (the placeholders: as docs/gpu.md shows them)."""
+    """The checks in the order they run, on a machine whose measure.machine.machine_tag is ``tag``
+    (gpu-h100-80gb-hbm3; on a CPU cpu-<cores>core) and which has ``cores`` CPU cores (the placeholders: as docs/gpu.md
+    shows them)."""
     return [*test_checks(tag), *benchmark_checks(tag), *zero_checks(tag), *machine_checks(tag, cores)]
 
 
@@ -388,7 +389,8 @@ def run_check(check: Check, timeout_s: float, log_path: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 # Run in a process of its own, so that this one never holds a CUDA context (the GPU may be in an exclusive mode).
 PROBE = """
-import json, torch, utils
+import json, torch
+from measure.machine import machine_info, machine_tag
 device = "cuda" if torch.cuda.is_available() else "cpu"
 versions = {"torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version() if device == "cuda" else None}
@@ -397,18 +399,18 @@ for module in ("triton", "torchvision", "numpy"):
         versions[module] = __import__(module).__version__
     except ImportError:
         versions[module] = None
-print(json.dumps({"device": device, "tag": utils.machine_tag(device), "machine": utils.machine_info(device),
+print(json.dumps({"device": device, "tag": machine_tag(device), "machine": machine_info(device),
                   "versions": versions}))
 """
 
 
 def probe_machine() -> dict[str, Any]:
-    """The machine (utils.machine_info), its tag, the versions of torch, CUDA, Triton, torchvision and numpy, and
-    nvidia-smi's line (driver, memory, clocks, power limit) where there is one."""
+    """The machine (measure.machine.machine_info), its tag, the versions of torch, CUDA, Triton, torchvision and
+    numpy, and nvidia-smi's line (driver, memory, clocks, power limit) where there is one."""
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SystemExit(f"gpu_checks: the machine probe (import torch, utils) failed: {last}")
+        raise SystemExit(f"gpu_checks: the machine probe (import torch, measure) failed: {last}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
     found["nvidia_smi"] = None
     if shutil.which("nvidia-smi"):

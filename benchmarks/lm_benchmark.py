@@ -46,9 +46,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-import utils
 from benchmarks.slowlink_benchmark import time_to_reach
 from benchmarks.trainer_runs import TrainerRunFailed, run_trainer
+from files import write_json
+from measure.machine import machine_info, machine_tag
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 PROCESSES = 2
@@ -209,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['optimizer']}: {r['val_bits_per_byte']:.3f} bits/byte against gzip -9's "
                   f"{r['gzip_bits_per_byte']:.3f} in {r['clock_s']:.0f} s (the curve's evaluations left out; "
                   f"{r['wall_time_s']:.0f} s with them): goal {'met' if met else 'missed'}")
-    out = args.out or os.path.join(HERE, "results", f"lm-{utils.machine_tag()}.json")
-    utils.write_json(out, {"benchmark": "lm", "machine": utils.machine_info(),
-                           "command": "python -m " + shlex.join(["benchmarks.lm_benchmark", *(argv or sys.argv[1:])]),
-                           "processes": PROCESSES, "zero": args.zero, "budget_s": args.budget_s,
-                           "sweep_steps": args.sweep_steps, "chosen": chosen, "runs": runs})
+    out = args.out or os.path.join(HERE, "results", f"lm-{machine_tag()}.json")
+    write_json(out, {"benchmark": "lm", "machine": machine_info(),
+                     "command": "python -m " + shlex.join(["benchmarks.lm_benchmark", *(argv or sys.argv[1:])]),
+                     "processes": PROCESSES, "zero": args.zero, "budget_s": args.budget_s,
+                     "sweep_steps": args.sweep_steps, "chosen": chosen, "runs": runs})
     print(f"wrote {out}")
     return 0
 

@@ -34,6 +34,10 @@ import harness
 import utils
 from data import FolderData, folder_transforms, normalize
 from benchmarks.make_image_folder import write_image_folder
+from files import write_json
+from measure.machine import child_pids, machine_info, machine_tag
+from measure.memory import process_memory_mib
+from measure.timing import time_calls_ms
 from trainer.config import WARMUP_STEPS
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
@@ -41,8 +45,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 def process_memory() -> dict[str, dict[str, float]]:
     """This process and its children (the loader workers), each with its RSS, PSS and private MiB."""
-    pids = [os.getpid()] + utils.child_pids(os.getpid())
-    return {("main" if pid == os.getpid() else f"worker {i}"): utils.process_memory_mib(pid)
+    pids = [os.getpid()] + child_pids(os.getpid())
+    return {("main" if pid == os.getpid() else f"worker {i}"): process_memory_mib(pid)
             for i, pid in enumerate(pids)}
 
 
@@ -98,8 +102,8 @@ def where_the_time_goes(root: str, size: int, samples: int) -> dict:
         decode.append((t1 - t0) * 1e3)
         transform.append((t2 - t1) * 1e3)
     batch = torch.stack([data.train[(0, i)][0] for i in range(32)])
-    normalize_ms = utils.time_calls_ms(lambda: normalize(batch, data.mean, data.std, torch.contiguous_format),
-                                       torch.device("cpu"), iters=50)
+    normalize_ms = time_calls_ms(lambda: normalize(batch, data.mean, data.std, torch.contiguous_format),
+                                 torch.device("cpu"), iters=50)
     data.close()
     return {"decode_ms_per_sample": statistics.median(decode),
             "transform_ms_per_sample": statistics.median(transform),
@@ -109,8 +113,8 @@ def where_the_time_goes(root: str, size: int, samples: int) -> dict:
 def agreement_cost(rank: int, world_size: int) -> float:
     """Median ms of the trainer's per-micro-batch agreement (one int64 all_reduce MAX, gloo) on ``world_size``."""
     flag = torch.tensor([-1], dtype=torch.int64)
-    times = utils.time_calls_ms(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX), torch.device("cpu"),
-                                iters=300)
+    times = time_calls_ms(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX), torch.device("cpu"),
+                          iters=300)
     return statistics.median(times)
 
 
@@ -141,7 +145,7 @@ def main() -> None:
     parser.add_argument("--loader-batches", type=int, default=30, help="micro-batches timed per loader pass")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per training run (3 are warm-up)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds over the workers values, alternating order")
-    parser.add_argument("--json", default=os.path.join(HERE, "results", f"loader-{utils.machine_tag()}.json"))
+    parser.add_argument("--json", default=os.path.join(HERE, "results", f"loader-{machine_tag()}.json"))
     args = parser.parse_args()
     workers_list = [int(w) for w in args.workers.split(",")]
     torch.set_num_threads(1)  # as the trainer runs here (OMP_NUM_THREADS=1): loader and normalization on one core
@@ -194,7 +198,7 @@ def main() -> None:
             for process, m in result["memory_mb"].items():
                 print(f"{name:>6} {pipeline:>24} {process:>9} {m['rss']:>8.1f} {m['pss']:>8.1f} {m['private']:>11.1f}")
     payload = {
-        "benchmark": "loader", "machine": utils.machine_info("cpu"),
+        "benchmark": "loader", "machine": machine_info("cpu"),
         "command": " ".join(["python", "-m", "benchmarks.loader_benchmark", *sys.argv[1:]]),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "wall_time_s": time.perf_counter() - started,
@@ -205,7 +209,7 @@ def main() -> None:
         "rows": rows, "breakdown": dict(breakdown, agreement_all_reduce_ms_2_processes=agreement_ms),
         "memory": memory,
     }
-    utils.write_json(args.json, payload)
+    write_json(args.json, payload)
     print(f"\nwrote {args.json}")
 
 

@@ -28,7 +28,7 @@ freed; but the first time such a block (up to 32 MB) is freed it raises that thr
 later blocks of that size come from the heap, and a freed heap block stays in the process (the resident set then
 reports the allocator's history, not what is alive). ``pinned`` sets the threshold once (mallopt(M_MMAP_THRESHOLD,
 128 kB), what the environment variable MALLOC_MMAP_THRESHOLD_=131072 does at start-up), which also stops it from
-moving: every large block is mmapped and given back when freed (utils.pin_mmap_threshold). ``default`` leaves
+moving: every large block is mmapped and given back when freed (measure.malloc.pin_mmap_threshold). ``default`` leaves
 glibc as it is. Both are measured, each in fresh processes.
 
 ``stage3-file`` (only when --rows names it) is stage 3 with the checkpoint as it was before zero.checkpoint: the
@@ -145,11 +145,12 @@ def load(row: str, path: str, model: Any, sync: Any, optimizer: Any) -> None:
 
 def worker(rank: int, world_size: int, store_path: str, settings: dict, results: Any) -> None:
     """One rank of a row: its phases' peaks and seconds into ``results``."""
-    import utils
+    from measure.malloc import pin_mmap_threshold
+    from measure.memory import proc_status_mb, reset_peak_resident
 
     torch.set_num_threads(1)
     if settings["pinned"]:
-        utils.pin_mmap_threshold()
+        pin_mmap_threshold()
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     import models  # noqa: F401  (imported before the baseline, as the trainer's start-up does)
@@ -160,8 +161,8 @@ def worker(rank: int, world_size: int, store_path: str, settings: dict, results:
     tokens = torch.randint(0, 256, (steps + 1, 1, context + 1), generator=torch.Generator().manual_seed(rank))
     start_held = held_tensor_bytes() if settings["view"] else 0
     dist.barrier()
-    out: dict[str, Any] = {"start_mb": utils.proc_status_mb("VmRSS"),
-                           "start_rss_file_mb": utils.proc_status_mb("RssFile")}
+    out: dict[str, Any] = {"start_mb": proc_status_mb("VmRSS"),
+                           "start_rss_file_mb": proc_status_mb("RssFile")}
 
     def phase(name: str, work: Any) -> Any:
         gc.collect()
@@ -169,17 +170,17 @@ def worker(rank: int, world_size: int, store_path: str, settings: dict, results:
         # FSDP2's own functions are torch's, which a name leaves out: its ranges (FSDP::...) name its tensors
         view = AllocatorView(stacks=row != "fsdp3") if settings["view"] else contextlib.nullcontext()
         with view:
-            start_mb = utils.proc_status_mb("VmRSS")
-            utils.reset_peak_resident()
+            start_mb = proc_status_mb("VmRSS")
+            reset_peak_resident()
             began = time.perf_counter()
             value = work()
             dist.barrier()
-            peak_mb = utils.proc_status_mb("VmHWM") - out["start_mb"]
+            peak_mb = proc_status_mb("VmHWM") - out["start_mb"]
         out[name] = {"peak_mb": peak_mb, "rss_before_mb": start_mb - out["start_mb"],
                      "seconds": time.perf_counter() - began, "glibc_mb": glibc_heap(),
                      # the resident set at the phase's end: anonymous (the heap, mmapped blocks) against file-backed
                      # (the libraries' code and data, paged in as the phase first runs them)
-                     "rss_anon_mb": utils.proc_status_mb("RssAnon"), "rss_file_mb": utils.proc_status_mb("RssFile")}
+                     "rss_anon_mb": proc_status_mb("RssAnon"), "rss_file_mb": proc_status_mb("RssFile")}
         if settings["view"]:  # one rank at a time: reading a profile's events takes a few GB while it lasts
             for reader in range(world_size):
                 if reader == rank:
@@ -398,7 +399,7 @@ def text_folder(root: str) -> str:
 def trainer_run(row: str, world_size: int, batch: int, steps: int, folder: str, checkpoint_dir: str,
                 args: argparse.Namespace) -> dict:
     """One torchrun of the trainer; its metrics, and the command."""
-    # here, as utils is: the rows' spawned workers import this module, and nothing more before their own set-up
+    # here, as measure is: the rows' spawned workers import this module, and nothing more before their own set-up
     from benchmarks.trainer_runs import run_trainer
 
     flags = ["--device", "cpu", "--dataset", "text", "--data-dir", folder, "--model", args.model,
@@ -416,7 +417,8 @@ def trainer_run(row: str, world_size: int, batch: int, steps: int, folder: str, 
 
 
 def main_trainer(args: argparse.Namespace) -> dict:
-    import utils
+    from files import write_json
+    from measure.machine import machine_info, machine_tag
     shape = model_shape(args.model, args.context)
     activations = activation_mb(args.model, args.context, (1, 2))  # the first run's batch, the resumed run's
     records = []
@@ -446,11 +448,11 @@ def main_trainer(args: argparse.Namespace) -> dict:
     print(f"--zero 0 or DDP would hold 16 Psi = {expected_mb('stage0', shape, 1) / 1e3:.1f} GB a rank "
           f"({shape['psi'] / 1e6:.0f}M parameters)")
     payload = {"benchmark": "memory-trainer", "command": "python -m benchmarks.memory_benchmark " + " ".join(
-        sys.argv[1:]), "machine": utils.machine_info(), "model": args.model, "shape": shape,
+        sys.argv[1:]), "machine": machine_info(), "model": args.model, "shape": shape,
         "context": args.context, "activations_mb": {str(b): round(mb, 1) for b, mb in activations.items()},
         "records": records}
-    path = args.json or os.path.join("results", f"memory-trainer-{utils.machine_tag()}.json")
-    utils.write_json(path, merged(path, payload, ("row", "world_size")) if args.merge else payload)
+    path = args.json or os.path.join("results", f"memory-trainer-{machine_tag()}.json")
+    write_json(path, merged(path, payload, ("row", "world_size")) if args.merge else payload)
     print(f"wrote {path}")
     return payload
 
@@ -471,7 +473,8 @@ def merged(path: str, payload: dict, key: tuple[str, ...]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import utils
+    from files import write_json
+    from measure.machine import machine_info, machine_tag
     args = parse_args(argv)
     if args.trainer:
         return main_trainer(args)
@@ -506,10 +509,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.view:
         print_view(records)
     payload = {"benchmark": "memory", "command": "python -m benchmarks.memory_benchmark " + " ".join(
-        sys.argv[1:] if argv is None else argv), "machine": utils.machine_info(), "model": args.model,
+        sys.argv[1:] if argv is None else argv), "machine": machine_info(), "model": args.model,
         "shape": shape, "context": args.context, "steps": args.steps, "records": records}
-    path = args.json or os.path.join("results", f"memory-{utils.machine_tag()}.json")
-    utils.write_json(path, merged(path, payload, ("row", "world_size", "allocator")) if args.merge else payload)
+    path = args.json or os.path.join("results", f"memory-{machine_tag()}.json")
+    write_json(path, merged(path, payload, ("row", "world_size", "allocator")) if args.merge else payload)
     print(f"wrote {path}")
     return payload
 

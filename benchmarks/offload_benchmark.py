@@ -48,8 +48,9 @@ import sys
 import time
 from typing import Any
 
-import utils
 from benchmarks.trainer_runs import TrainerRun, run_trainer
+from files import write_json
+from measure.machine import machine_info
 from zero.offload.files import ALIGN, aligned_empty
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
@@ -387,9 +388,9 @@ def main() -> None:
     args.data_dir = args.data_dir or write_corpus("/var/tmp/offload-benchmark-corpus")
     args.lr = args.lr or (1e-4 if args.what == "speed" else 1e-6)
     result = {"speed": speed, "larger": larger, "timeline": timeline}[args.what](args)
-    result = {"benchmark": args.what, "settings": vars(args), "machine": utils.machine_info("cpu"), **result}
+    result = {"benchmark": args.what, "settings": vars(args), "machine": machine_info("cpu"), **result}
     out = args.out or os.path.join("results", f"offload-{args.what}-{args.model}-cpu-2core.json")
-    utils.write_json(out, result)
+    write_json(out, result)
     print(f"wrote {out}", file=sys.stderr)
 
 

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import replicas
-import utils
+from measure.machine import child_pids
 from trainer import warm_start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +103,7 @@ class ReplicaRun:
         """The PIDs of group ``group``'s trainer processes now: its torchrun's children, or, for a restart that a
         zygote forked (--warm-restarts), the child that such a thin process stands for."""
         agent = self.agents[group].pid
-        return [self._trainer(agent, pid) for pid in utils.child_pids(agent)]
+        return [self._trainer(agent, pid) for pid in child_pids(agent)]
 
     def zygotes(self, group: int) -> list[int]:
         """The PIDs of group ``group``'s zygotes (--warm-restarts: one per local rank, once its first start forked

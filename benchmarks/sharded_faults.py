@@ -9,7 +9,8 @@ What it measures, from the commit logs, the metrics and the checkpoints:
 - the killed group: seconds from the kill to its join request and to its first committed step, the bytes each of its
   places received (its own shards: the weights' and AdamW's two moments' 1/P each) against the whole state's;
 - per rank, the peak resident memory above the process's start while it received and loaded its shards (the
-  "recovery" phase) against its steady state (the steps' phase), in MB (VmHWM, reset per phase: utils.PhasePeaks);
+  "recovery" phase) against its steady state (the steps' phase), in MB (VmHWM, reset per phase:
+  measure.memory.PhasePeaks);
 - whether every group ends with the same weights, bit for bit (each group's last checkpoint, read whole);
 - once the killed group is back, every trainer's and every zygote's memory (--warm-restarts: a zygote per local rank,
   forked from its first start, which the restart is forked from in turn): RSS, PSS and private memory in MiB.
@@ -28,9 +29,11 @@ from typing import Any
 
 import torch
 
-import utils
 from benchmarks.fault_benchmark import read_json, text_folder
 from benchmarks.replica_runs import ROOT, ReplicaRun, final_weights
+from files import write_json
+from measure.machine import machine_info, machine_tag
+from measure.memory import process_memory_mib
 from replicas import MESSAGE_BYTES
 
 PROG = "sharded_faults"
@@ -44,11 +47,11 @@ def recipe(args: argparse.Namespace, text: str) -> list[str]:
 
 
 def processes_memory(run: ReplicaRun) -> dict[str, Any]:
-    """Every group's trainers and zygotes (--warm-restarts), RSS, PSS and private memory in MiB (utils.
-    process_memory_mib), once the killed group is back: group 1's zygotes then serve a trainer forked from them, the
-    others' still share their pages with the first start they were forked from."""
-    per_group = {str(g): {"trainers": [utils.process_memory_mib(pid) for pid in run.workers(g)],
-                          "zygotes": [utils.process_memory_mib(pid) for pid in run.zygotes(g)]}
+    """Every group's trainers and zygotes (--warm-restarts), RSS, PSS and private memory in MiB
+    (measure.memory.process_memory_mib), once the killed group is back: group 1's zygotes then serve a trainer forked
+    from them, the others' still share their pages with the first start they were forked from."""
+    per_group = {str(g): {"trainers": [process_memory_mib(pid) for pid in run.workers(g)],
+                          "zygotes": [process_memory_mib(pid) for pid in run.zygotes(g)]}
                  for g in range(GROUPS)}
     every = [(kind, m) for group in per_group.values() for kind, ms in group.items() for m in ms]
     return {"memory_mib": per_group, "zygotes": sum(1 for kind, _ in every if kind == "zygotes"),
@@ -106,15 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.kill_at < args.steps:
         parser.error(f"--kill-at must be between 1 and --steps - 1 = {args.steps - 1}, got {args.kill_at}")
-    out = args.out or os.path.join(ROOT, "results", f"sharded-faults-{utils.machine_tag()}.json")
+    out = args.out or os.path.join(ROOT, "results", f"sharded-faults-{machine_tag()}.json")
     with tempfile.TemporaryDirectory(prefix="shardedfaults-") as tmp:
         figures = measure(args, os.path.join(tmp, "run"), text_folder(tmp, megabytes=1.0))
     for key, value in figures.items():
         print(f"{key:>24}: {value}")
     command = "python3 -m benchmarks.sharded_faults " + " ".join(argv if argv is not None else sys.argv[1:])
-    utils.write_json(out, {"benchmark": PROG, "command": command.strip(), "machine": utils.machine_info(),
-                           "groups": GROUPS, "processes": PROCESSES, "zero": 3, "model": args.model,
-                           "steps": args.steps, "kill_at": args.kill_at, **figures})
+    write_json(out, {"benchmark": PROG, "command": command.strip(), "machine": machine_info(),
+                     "groups": GROUPS, "processes": PROCESSES, "zero": 3, "model": args.model,
+                     "steps": args.steps, "kill_at": args.kill_at, **figures})
     print(f"wrote {out}")
     return 0
 

@@ -35,8 +35,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-import utils
 from benchmarks.trainer_runs import TrainerRunFailed, run_trainer
+from files import write_json
+from measure.machine import machine_info, machine_tag
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 RATE = "100mbit"
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(summary(name, rate or "loopback", train(name, rate, args)))
         tqdm.write(f"{name} ({rate or 'loopback'}): {runs[-1]['val_bits_per_byte']:.4f} bits/byte, "
                    f"{runs[-1]['sent_bytes'] / 1e6:.1f} MB sent, {runs[-1]['train_time_s']:.0f} s")
-    out = args.out or os.path.join(HERE, "results", f"slowlink-{utils.machine_tag()}.json")
+    out = args.out or os.path.join(HERE, "results", f"slowlink-{machine_tag()}.json")
     command = "python -m " + shlex.join(["benchmarks.slowlink_benchmark", *(argv or sys.argv[1:])])
     commands = [command]
     if args.merge and os.path.exists(out):
@@ -222,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         link = earlier["link"]
     compare(runs)
     print_table(runs)
-    utils.write_json(out, {"benchmark": "slowlink", "machine": utils.machine_info(), "link": link,
-                           "command": " && ".join(commands), "commands": commands, "recipe": recipe(args),
-                           "processes": args.processes, "runs": runs})
+    write_json(out, {"benchmark": "slowlink", "machine": machine_info(), "link": link,
+                     "command": " && ".join(commands), "commands": commands, "recipe": recipe(args),
+                     "processes": args.processes, "runs": runs})
     print(f"wrote {out}")
     return 0
 

@@ -27,8 +27,9 @@ import sys
 import threading
 import time
 
-import utils
 from benchmarks.gpu_checks import git_commit
+from files import atomic_write
+from measure.machine import machine_info, machine_ticks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +47,7 @@ class CoreMeter:
         self.thread = threading.Thread(target=self._read_each_second, name="core-meter", daemon=True)
 
     def _read(self) -> None:
-        ticks = utils.machine_ticks()
+        ticks = machine_ticks()
         if ticks is not None:
             self.readings.append((time.perf_counter(), ticks))
 
@@ -125,7 +126,7 @@ def main() -> None:
     for name in files:
         row = rows[name] = timed([sys.executable, "-m", "pytest", "-q", name])
         print(f"{name:<36} {row['wall_s']:>8.1f} {row['cpu_s']:>8.1f}  {row['summary']}", flush=True)
-    result = {"machine": utils.machine_info(), "code": git_commit(None), "command": "python3 -m pytest -q",
+    result = {"machine": machine_info(), "code": git_commit(None), "command": "python3 -m pytest -q",
               "files": rows, "suite": []}
     for run in range(args.suite_runs):
         total = timed([sys.executable, "-m", "pytest", "-q"])
@@ -133,7 +134,7 @@ def main() -> None:
         print(f"{f'the suite, run {run + 1}':<36} {total['wall_s']:>8.1f} {total['cpu_s']:>8.1f}  "
               f"{total['summary']}\n{core_use_line(total['core_use'])}", flush=True)
     if args.out:
-        with utils.atomic_write(os.path.join(ROOT, args.out)) as f:
+        with atomic_write(os.path.join(ROOT, args.out)) as f:
             json.dump(result, f, indent=1)
 
 

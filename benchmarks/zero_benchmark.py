@@ -78,12 +78,13 @@ from typing import Any
 
 import torch
 
+from files import write_json
+from measure.machine import machine_info, machine_tag
 from trainer.config import WARMUP_STEPS
 from data import path_rank, read_text_files, default_text_dir
 from models import GPT, GPT_SIZES, LANGUAGE_MODELS, MODELS
 from benchmarks.trainer_runs import run_configuration
 from benchmarks.trainer_traces import merge_ranks
-from utils import machine_info, machine_tag, write_json
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 

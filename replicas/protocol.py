@@ -19,6 +19,8 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from utils import one_line  # (the replica groups' modules import it from here)
+
 PREFIX = "replicas/"  # every key of the protocol, under the store's root
 HEARTBEAT_S = 0.1  # how often every process says it is alive
 STALE_S = 1.0  # a heartbeat this old: the process is gone (killed or stopped), for forming the next quorum
@@ -104,10 +106,6 @@ def reconnect(address: str, timeout_s: float) -> TCPStore | None:
         except (OSError, CoordinatorLost):
             time.sleep(RECONNECT_S)
     return None
-
-
-def one_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
 @dataclass

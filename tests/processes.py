@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import IO, Callable, TypeVar
 
-from utils import machine_ticks
+from measure.machine import machine_ticks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 FOLDERS: dict[str, str] = {}  # module name -> the folder its processes write in (folder)

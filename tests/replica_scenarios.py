@@ -53,8 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import replica_runs  # noqa: E402
 from benchmarks.replica_runs import ReplicaRun  # noqa: E402
+from trainer_testing import word_corpus  # noqa: E402
 
-WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 FAULT_TIMEOUT_S = 3.0
 STEPS = {"kills": 10, "alone": 200, "diloco": 12, "restart": 14, "progress": 60, "sharded": 14, "streaming": 40,
          "stops": 1000}
@@ -71,18 +71,6 @@ PACE_S = 0.5  # alone: a step's pause until the events are over: 100 s of them b
 KILLS = {0: "0/0:*:send,0/0:6:allreduce:1", 1: "1/0:2:forward,1/0:3:optimizer:2", 2: "2/0:2:backward,2/0:4:save:1"}
 # (group 1's second kill in torchrun's attempt 2: attempt 1 ends when group 0's kill tears its transfer)
 SHARDED_KILLS = {0: "0/1:*:send,0/0:6:allreduce:1", 1: "1/1:2:reduce_scatter", 2: "2/0:2:all_gather"}
-
-
-def corpus(root: str) -> str:
-    import random
-    rng, folder = random.Random(7), os.path.join(root, "corpus")
-    os.makedirs(folder, exist_ok=True)
-    for i in range(10):  # each file whole or not yet there: two batches of scenarios write it at once, alike
-        path = os.path.join(folder, f"doc{i}.py")
-        with open(f"{path}.{os.getpid()}", "w") as f:
-            f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160))))
-        os.replace(f"{path}.{os.getpid()}", path)
-    return folder
 
 
 def flags(data: str, steps: int, *more: str) -> list[str]:
@@ -324,7 +312,7 @@ BATCHES = (("sharded", "diloco", "coordinator"), ("kills", "alone", "progress", 
 
 
 def main(out: str, names: list[str]) -> int:
-    data = corpus(out)
+    data = word_corpus(os.path.join(out, "corpus"))
     for name, scenario in ((name, SCENARIOS[name]) for name in names or [n for batch in BATCHES for n in batch]):
         folder = os.path.join(out, name)
         os.makedirs(folder, exist_ok=True)

@@ -20,7 +20,6 @@ holds for it alike.
 """
 import errno
 import os
-import random
 import sys
 import threading
 
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 import processes
 import zero
-from trainer_testing import main_in_group, train_in_group
+from trainer_testing import main_in_group, train_in_group, word_corpus
 from zero_testing import attempt, identical, seeded_model
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -141,28 +140,13 @@ def runs_in_group(rank, world_size, corpus, root):
     return out
 
 
-WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
-
-
-def corpus_of(root):
-    """Ten files of whole words (test_trainer_checkpoint's corpus): both splits hold several."""
-    corpus = os.path.join(root, "corpus")
-    os.makedirs(corpus, exist_ok=True)
-    generator = random.Random(7)
-    for i in range(10):
-        text = " ".join(generator.choice(WORDS) for _ in range(generator.randint(80, 160)))
-        with open(os.path.join(corpus, f"doc{i}.py"), "w") as f:
-            f.write(text)
-    return corpus
-
-
 EARLY_PROCESSES_FIXTURE = "runs"  # the fixture that collects them (conftest.py queues them for its tests)
 
 
 def early_processes():
     """The runs killed mid-write, under torchrun (run in the background: tests/processes.py)."""
     root = processes.folder(__name__)
-    corpus, env = corpus_of(root), dict(os.environ, OMP_NUM_THREADS="1")
+    corpus, env = word_corpus(os.path.join(root, "corpus")), dict(os.environ, OMP_NUM_THREADS="1")
     return {name: (TORCHRUN + [SCRIPT] + argv_of(corpus, os.path.join(root, name), stage, "--async-checkpoint"),
                    dict(env, DDP_CIFAR100_FAULT=fault))
             for name, stage, fault in (("killed 3", 3, "1:3:write"), ("killed 0", 0, "0:3:write"))}

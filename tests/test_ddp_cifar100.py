@@ -26,9 +26,10 @@ from data import FolderSamples, MemoryData, make_synthetic
 from models import build_model
 from trainer.config import WARMUP_STEPS
 from trainer.evaluation import evaluate
-from trainer_testing import (TINY, main_in_group, max_difference, model_and_labelled_set, normalized_batch,
-                             train_in_group, try_train_in_group)
+from trainer_testing import (TINY, main_in_group, model_and_labelled_set, normalized_batch, train_in_group,
+                             try_train_in_group)
 from zero.stage0 import GradientSync
+from zero_testing import max_difference
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root (this file: tests/)
 SCRIPT = os.path.join(HERE, "ddp_cifar100.py")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import diloco
-from trainer_testing import TINY, max_difference, train_in_group, try_train_in_group
+from trainer_testing import TINY, train_in_group, try_train_in_group
+from zero_testing import max_difference
 
 PLAIN = TINY + ["--model", "net", "--dropout", "0", "--norm", "local", "--momentum", "0", "--weight-decay", "0",
                 "--epochs", "1", "--bucket-mb", "0.01"]

@@ -21,7 +21,8 @@ import ddp_cifar100 as trainer
 from models import GPT, build_model
 from trainer import export
 from trainer.checkpoint import read_alone
-from trainer_testing import TINY, main_in_group, max_difference, train_in_group
+from trainer_testing import TINY, main_in_group, train_in_group
+from zero_testing import max_difference
 
 GPT_RUN = ["--device", "cpu", "--dataset", "text", "--model", "gpt-tiny", "--context", "32", "--val-fraction", "0.3",
            "--batch-size", "4", "--epochs", "1", "--max-steps", "5", "--optimizer", "adamw", "--lr", "1e-2"]
@@ -142,10 +143,10 @@ def test_an_image_model_goes_out_as_safetensors_under_its_own_names(runs, export
     assert all(torch.equal(tensors[k], state["model"][k]) for k in tensors)  # BatchNorm's statistics included
     config = json.loads((exported["net"] / "config.json").read_text())
     assert config["model"] == "net"
-    import utils
+    from files import umasked
     for path, mode in ((exported["net"], 0o777), (exported["net"] / "model.safetensors", 0o666),
                        (exported["net"] / "config.json", 0o666)):  # as any file the user writes (on main: 0600)
-        assert os.stat(path).st_mode & 0o777 == utils.umasked(mode), path
+        assert os.stat(path).st_mode & 0o777 == umasked(mode), path
     build_model("net", 0.5, "local", config["num_classes"]).load_state_dict(tensors)  # strict: every name, every shape
 
 

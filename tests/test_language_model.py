@@ -20,7 +20,7 @@ import ddp_cifar100 as trainer
 import models
 import zero
 from trainer.build import make_optimizer, make_scheduler
-from trainer_testing import max_difference
+from zero_testing import max_difference
 
 TINY_GPT = dict(layers=2, width=32, heads=2, context=16)  # float64 runs: small enough for many syncs
 RECIPE = ["--device", "cpu", "--dataset", "text", "--model", "gpt", "--context", "16", "--val-fraction", "0.3",

@@ -48,7 +48,8 @@ import torch
 import processes
 import replica_scenarios
 from benchmarks import replica_runs
-from trainer_testing import max_difference, replay_in_group
+from trainer_testing import replay_in_group
+from zero_testing import max_difference
 
 WAIT_S = 1500  # the scenarios' two batches: about 5 minutes idle, 18 under two busy loops one after the other
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(WAIT_S + 100)]  # the first test waits for the scenarios

@@ -21,7 +21,8 @@ import replicas
 from harness import LocalGroup
 from trainer import faults
 from test_replicas import argv_of, coordinator, corpus, wait_for_lines  # noqa: F401 (corpus: a fixture)
-from trainer_testing import collect_all, main_in_group, max_difference, replay_in_group, train_in_group
+from trainer_testing import collect_all, main_in_group, replay_in_group, train_in_group
+from zero_testing import max_difference
 
 STAGES = {1: "torch", 2: "ring", 3: "torch"}  # each stage once, the ring's collectives in and across the groups once
 

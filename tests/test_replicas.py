@@ -14,7 +14,6 @@ first order, by about lr x O(0.1) = 5e-3.
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -28,9 +27,8 @@ from torch.distributed import TCPStore
 
 import replicas
 from harness import LocalGroup
-from trainer_testing import collect_all, main_in_group, max_difference, replay_in_group, train_in_group
-
-WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
+from trainer_testing import collect_all, main_in_group, replay_in_group, train_in_group, word_corpus
+from zero_testing import max_difference
 
 
 @contextlib.contextmanager
@@ -51,10 +49,7 @@ def coordinator(runs_file=None):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root, rng = tmp_path_factory.mktemp("corpus"), random.Random(7)
-    for i in range(10):
-        (root / f"doc{i}.py").write_text(" ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160))))
-    return root
+    return word_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def argv_of(corpus, *flags):

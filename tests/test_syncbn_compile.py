@@ -25,7 +25,8 @@ from torch._dynamo.backends.common import aot_autograd
 
 import syncbn
 from syncbn import SyncBatchNorm
-from trainer_testing import TINY, max_difference, train_in_group, try_train_in_group
+from trainer_testing import TINY, train_in_group, try_train_in_group
+from zero_testing import max_difference
 
 
 def compiled_against_eager(rank, world_size, layout, dtype):

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 import data
 import ddp_cifar100 as trainer
 import models
-from trainer_testing import max_difference, train_in_group, try_train_in_group
+from trainer_testing import train_in_group, try_train_in_group
+from zero_testing import max_difference
 
 CONTEXT = 16  # the trainer's GPT reads 16 bytes: 46 validation windows and 182 training windows below
 VAL_FRACTION = 0.2

@@ -17,7 +17,6 @@ weights at first order, by about lr x O(0.1) = 1e-3, seven orders above the boun
 import contextlib
 import errno
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -26,9 +25,8 @@ import tempfile
 import pytest
 
 import ddp_cifar100 as trainer
-from trainer_testing import collect_all, main_in_group, max_difference, train_in_group
-
-WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
+from trainer_testing import collect_all, main_in_group, train_in_group, word_corpus
+from zero_testing import max_difference
 
 
 def flip_a_byte(path):
@@ -63,12 +61,7 @@ def runs_in_group(rank, world_size, variants):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """Ten files of whole words, 400-800 bytes each: both splits hold several."""
-    root, rng = tmp_path_factory.mktemp("corpus"), random.Random(7)
-    for i in range(10):
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160)))
-        (root / f"doc{i}.py").write_text(text)
-    return root
+    return word_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def argv_of(corpus, batch_size, *flags):
@@ -366,7 +359,7 @@ def disk_fault(fault, rank, directory):
     """The disk under ``directory`` failing in this worker, in-process (the tests run as root here, which passes
     permission bits, and may not mount a small file system): "full folder", rank 1's data file of DIR/step-2 fills
     (DCP's file streams); "full file", last.pt's temporary file of the second save fills (os.fdopen, which
-    utils.atomic_write opens it with); "read-only", a file made in DIR fails with EROFS (tempfile.mkstemp), or, run
+    files.atomic_write opens it with); "read-only", a file made in DIR fails with EROFS (tempfile.mkstemp), or, run
     as another user than root, DIR's permission bits (chmod 0o555 by the test) say no."""
     from torch.distributed.checkpoint import filesystem
     patches = []
@@ -589,8 +582,8 @@ def test_readers_beside_a_saving_run_read_a_whole_checkpoint_every_time(flags, l
 
 KILLED_WRITING = """
 import os, signal, sys
-import utils
-with utils.atomic_write(sys.argv[1], "wb") as f:
+from files import atomic_write
+with atomic_write(sys.argv[1], "wb") as f:
     f.write(b"half of a checkpoint")
     f.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -598,7 +591,7 @@ with utils.atomic_write(sys.argv[1], "wb") as f:
 
 
 def test_what_a_killed_write_of_last_pt_leaves_is_removed_at_the_next_start_and_nothing_else(tmp_path):
-    """A process SIGKILLed while utils.atomic_write wrote DIR/last.pt (and DIR/latest) leaves its temporary file; the
+    """A process SIGKILLed while files.atomic_write wrote DIR/last.pt (and DIR/latest) leaves its temporary file; the
     next run's lock on the folder removes those, and only those (on main: tmpXXXX.tmp, never removed)."""
     from trainer.checkpoint import folders
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,8 +16,9 @@ import torch
 
 import ddp_cifar100 as trainer
 from trainer.checkpoint import read_alone
-from trainer_testing import TINY, max_difference
+from trainer_testing import TINY
 from utils import UsageError
+from zero_testing import max_difference
 
 WORLD = 4
 BASE = TINY + ["--epochs", "1", "--max-steps", "2", "--dropout", "0", "--grad-accum", "2", "--batch-size", "4",

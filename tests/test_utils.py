@@ -1,10 +1,5 @@
-"""utils.py: device and backend resolution on machines this one is not (GPUs faked with monkeypatch); a process's
-children and memory read from /proc."""
-import os
-import signal
-import subprocess
-import sys
-
+"""utils.py: device and backend resolution on machines this one is not (GPUs faked with monkeypatch); any exception in
+one line."""
 import pytest
 import torch
 
@@ -46,17 +41,13 @@ def test_impossible_placements_are_refused_in_one_line(gpus, gpu_count, device, 
     assert "\n" not in str(error.value)
 
 
-def test_a_process_s_children_and_its_memory_are_read_from_proc():
-    """child_pids: the children running now; process_memory_mib: what a child wrote is its own (private), and
-    private <= PSS <= RSS."""
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time; block = bytearray(64 << 20); "
-                              "print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
-    try:
-        child.stdout.readline()  # its 64 MiB written
-        assert child.pid in utils.child_pids(os.getpid())
-        memory = utils.process_memory_mib(child.pid)
-        assert 64 <= memory["private"] <= memory["pss"] <= memory["rss"]
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-    assert child.pid not in utils.child_pids(os.getpid())
+def test_an_exception_is_one_line_of_its_type_and_message():
+    """Line breaks and runs of spaces one space, the type named, a long message cut; DCP's exception (every failed
+    rank's traceback) said as its first failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    assert utils.one_line(ValueError("no\n  such\tfile ")) == "ValueError: no such file"
+    assert utils.one_line(KeyError()) == "KeyError"
+    long = utils.one_line(RuntimeError("x" * 1000))
+    assert len(long) == utils.LINE and long.endswith(" ...")
+    failed = CheckpointException("rank 1 failed", {1: (OSError(28, "No space left on device"), None)})
+    assert utils.one_line(failed) == "OSError: [Errno 28] No space left on device"

@@ -33,9 +33,10 @@ from trainer import build as trainer_build
 from trainer import checkpoint as trainer_checkpoint
 from trainer.build import make_optimizer, make_scaler
 from trainer.evaluation import validate
-from trainer_testing import (TINY, collect_all, max_difference, model_and_labelled_set, normalized_batch,
-                             train_in_group, try_train_in_group)
+from trainer_testing import (TINY, collect_all, model_and_labelled_set, normalized_batch, train_in_group,
+                             try_train_in_group)
 from zero.buckets import assign_buckets
+from zero_testing import max_difference
 
 # 1 epoch: 64 samples per rank at 2 processes (43 at 3: uneven shards of the data too) in micro-batches of 8,
 # grad-accum 3, so the last window is short; buckets of at most 20 kB, so the small ResNet's 83,892 parameters

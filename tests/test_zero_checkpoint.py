@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 import zero
 from test_zero_contract import (CONTEXT, K, SEED, VOCAB, WEIGHT_TOL, configure_optimizers, loss_sum, make_model,
-                                plain_optimizer, warmup)
-from zero_testing import attempt, cloned, identical
+                                plain_optimizer, reference, warmup)
+from zero_testing import attempt, cloned, identical, max_difference
 
 GLOBAL = 24  # sequences per optimizer step over all ranks: 2, 3 and 4 processes each take K micro-batches of it
 STEPS, MORE = 3, 2  # steps before the checkpoint; steps after it is loaded
@@ -186,23 +186,6 @@ def train(model, sync, optimizer, scheduler, data, steps, rank, world_size, micr
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-
-
-def reference() -> dict:
-    """One process, the global batch, STEPS + MORE steps."""
-    data = make_data()
-    model = make_model(SEED)
-    optimizer = configure_optimizers(model, plain_optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    norms = []
-    for step in range(STEPS + MORE):
-        tokens = data[step]
-        F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-    return {"norms": norms, "weights": cloned(model.state_dict())}
 
 
 def parameter_names(model: nn.Module) -> list[str]:
@@ -719,7 +702,8 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved(local_group, root):
     results = local_group(3).submit(save_on_three, root, timeout_s=120)
-    references = {"adamw": reference(), **{recipe: matrix_reference(recipe) for recipe in MATRIX_SAVED}}
+    references = {"adamw": reference(make_data(), SEED, STEPS + MORE),  # one process, the global batch
+                  **{recipe: matrix_reference(recipe) for recipe in MATRIX_SAVED}}
     return results, references  # the references here, while the 3 processes train
 
 
@@ -753,11 +737,6 @@ def two(loaded):
 @pytest.fixture(scope="module")
 def four(loaded):
     return loaded[1]
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def converted(path: str) -> dict:

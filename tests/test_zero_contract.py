@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from zero_testing import attempt, cloned
+from zero_testing import attempt, cloned, max_difference
 
 # The model: byte-level-ish vocabulary, width 16, 2 blocks of 2 heads, a context of 8 tokens (float64).
 VOCAB, WIDTH, DEPTH, HEADS, CONTEXT = 32, 16, 2, 2, 8
@@ -147,21 +147,22 @@ def loss_sum(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # The reference: one process, the global batch, no collectives
 # ----------------------------------------------------------------------------------------------------------
-def reference(world_size: int, seed: int) -> dict:
-    data = make_data(seed, world_size)
+def reference(data: torch.Tensor, seed: int, steps: int) -> dict:
+    """The workers' recipe (make_model(seed), configure_optimizers' AdamW, the warm-up, the clip) in one process on
+    every step's global batch of ``data``: each step's clip norm; the weights and the optimizer's state after
+    ``steps`` steps, and the weights after all of ``data``'s ("resumed": where a model loaded from the first goes)."""
     model = make_model(seed)
     optimizer = configure_optimizers(model, plain_optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     out = {"norms": []}
-    for step in range(STEPS + MORE):
-        tokens = data[step]
+    for step, tokens in enumerate(data):
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()  # the global mean
         out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        if step == STEPS - 1:
+        if step == steps - 1:
             out["weights"] = cloned(model.state_dict())
             out["optimizer"] = cloned(optimizer.state_dict())
     out["resumed"] = cloned(model.state_dict())
@@ -172,8 +173,9 @@ _references: dict = {}
 
 
 def reference_of(world_size: int, seed: int) -> dict:
+    """STEPS steps, then MORE, on ``world_size`` ranks' global batches (kept: several tests read one)."""
     if (world_size, seed) not in _references:
-        _references[world_size, seed] = reference(world_size, seed)
+        _references[world_size, seed] = reference(make_data(seed, world_size), seed, STEPS)
     return _references[world_size, seed]
 
 
@@ -365,11 +367,6 @@ def replica_runs(local_group):
 @pytest.fixture(scope="module")
 def misuse(local_group):
     return local_group(2).run(misuse_and_close, timeout_s=90)
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip((a[k] for k in a), (b[k] for k in a)))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -16,35 +16,17 @@ and {2, 3}, replicate groups {0, 2} and {1, 3}, in the session's 4-process gloo 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import zero
-from test_zero_contract import (MAX_NORM, NORM_RTOL, SEED, VOCAB, WEIGHT_TOL, compare_optimizer_states,
-                                configure_optimizers, make_data, make_model, plain_optimizer, train_steps, warmup)
+from test_zero_contract import (MAX_NORM, NORM_RTOL, SEED, WEIGHT_TOL, compare_optimizer_states, configure_optimizers,
+                                make_data, make_model, reference, train_steps, warmup)
 from test_zero_precision import fsdp2, ours
-from zero_testing import attempt, cloned
+from zero_testing import attempt, cloned, max_difference
 
 REPLICAS, SHARDS = 2, 2
 STEPS = 2
 CONFIGS = [(f"stage {stage} {collectives}", stage, collectives) for stage in (1, 2, 3) for collectives in
            ("torch", "ring")]
-
-
-def reference() -> dict:
-    """One process, the global batch of all 4 ranks, STEPS steps (test_zero_contract's reference, shorter)."""
-    data = make_data(SEED, REPLICAS * SHARDS)
-    model = make_model(SEED)
-    optimizer = configure_optimizers(model, plain_optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    norms = []
-    for step in range(STEPS):
-        tokens = data[step]
-        F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-    return {"norms": norms, "weights": cloned(model.state_dict()), "optimizer": cloned(optimizer.state_dict())}
 
 
 def hybrid(stage, collectives, group, replicate_group):
@@ -93,12 +75,8 @@ def runs(local_group):
 
 @pytest.fixture(scope="module")
 def ref():
-    return reference()
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    """One process, the global batch of all 4 ranks, STEPS steps."""
+    return reference(make_data(SEED, REPLICAS * SHARDS)[:STEPS], SEED, STEPS)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in CONFIGS])

@@ -37,8 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from zero_testing import (GlobalBatches, attempt, cloned, identical, seeded_model, state_difference,
-                          weight_difference)
+from zero_testing import (GlobalBatches, attempt, cloned, identical, max_difference, seeded_model,
+                          state_difference)
 
 FEATURES, HIDDEN, WIDE, CLASSES, DEPTH = 6, 16, 24, 5, 2
 GLOBAL_BATCH, K = 12, 2        # samples per step over all ranks (2 and 3 divide it); micro-batches per step
@@ -294,7 +294,7 @@ def worst_against(runs: dict, reference: dict, world_size: int, recipe: str) -> 
     for stage in STAGES:
         for collectives in COLLECTIVES:
             run = runs[world_size][0][key_of(world_size, recipe, stage, collectives)]
-            worst_weight = max(worst_weight, weight_difference(run["weights"], weights))
+            worst_weight = max(worst_weight, max_difference(run["weights"], weights))
             worst_state = max(worst_state, max(state_difference(ours, theirs)
                                                for ours, theirs in zip(run["states"], states)))
     return worst_weight, worst_state
@@ -357,8 +357,8 @@ def test_adafactor_is_torchs_own(runs, references, world_size):
     spread, measured here, is ~1e-16 too. A real error (a rank's rows not summed, a statistic lerped twice, a norm
     of a piece instead of the parameter) moves a weight by ~lr * RMS(P) ~ 1e-3."""
     worst_weight, worst_state = worst_against(runs, references["adafactor"], world_size, "adafactor")
-    own_spread = weight_difference(expected_of(references["adafactor summed", world_size], world_size)[0],
-                                   expected_of(references["adafactor"], world_size)[0])
+    own_spread = max_difference(expected_of(references["adafactor summed", world_size], world_size)[0],
+                                expected_of(references["adafactor"], world_size)[0])
     print(f"\nAdafactor, {world_size} processes, stages 1-3 x torch, ring: weights max |d| = {worst_weight:.1e}, "
           f"states {worst_state:.1e}; torch's own on the gradient summed in another order: {own_spread:.1e}")
     assert own_spread < TOL
@@ -392,14 +392,14 @@ def resumed_by_torch(saved: dict, recipe: str, expected: dict, x: torch.Tensor, 
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    return weight_difference(model.state_dict(), expected)
+    return max_difference(model.state_dict(), expected)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_torchs_own_state_loads_into_the_sharded_optimizers(runs, references, recipe):
     """The other way: torch.optim's state dicts of one process, loaded on 2 processes at stage 3."""
     run = runs[2][0]["from torch", recipe]
-    worst = weight_difference(run["weights"], references[recipe]["weights"])
+    worst = max_difference(run["weights"], references[recipe]["weights"])
     print(f"\n{recipe}: saved by torch.optim, resumed on 2 processes at stage 3: weights max |d| = {worst:.1e}")
     assert worst < TOL
     assert max(state_difference(ours, theirs)
@@ -440,8 +440,8 @@ def test_a_skipped_step_is_finished_before_the_next_forward(runs, references):
     worst = 0.0
     for config in SKIP_RUNS:
         run = runs[3][0][("skip",) + config]
-        worst = max(worst, weight_difference(run["weights"], reference["weights at STEPS"]))
-    assert weight_difference(reference["weights at STEPS"], references["muon"]["weights at STEPS"]) > 1e-4
+        worst = max(worst, max_difference(run["weights"], reference["weights at STEPS"]))
+    assert max_difference(reference["weights at STEPS"], references["muon"]["weights at STEPS"]) > 1e-4
     print(f"\nAdamW's step skipped once, 3 processes, stages 1 and 3: weights max |d| = {worst:.1e}")
     assert worst < TOL
 
@@ -513,8 +513,8 @@ def test_cuda_muon_and_adafactor_match_one_process(local_group):
         for stage in STAGES:
             for collectives in COLLECTIVES:
                 run = ranks[0][recipe, stage, collectives]
-                worst_weight = max(worst_weight, weight_difference(run["weights"],
-                                                                   references[recipe]["weights at STEPS"]))
+                worst_weight = max(worst_weight, max_difference(run["weights"],
+                                                                references[recipe]["weights at STEPS"]))
                 worst_state = max(worst_state, *(state_difference(ours, theirs) for ours, theirs
                                                  in zip(run["states"], references[recipe]["states"])))
         print(f"\nCUDA, {recipe}, 2 ranks over gloo, stages 1-3 x torch, ring: weights max |d| = {worst_weight:.1e}, "

@@ -31,8 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from zero_testing import (OPTIMIZERS, GlobalBatches, attempt, cloned, seeded_model, state_difference,
-                          weight_difference)
+from zero_testing import (OPTIMIZERS, GlobalBatches, attempt, cloned, max_difference, seeded_model,
+                          state_difference)
 
 FEATURES, HIDDEN, CLASSES = 6, 10, 5
 GLOBAL_BATCH, K = 12, 2       # samples per optimizer step over all ranks (2 and 3 divide it); micro-batches per step
@@ -292,7 +292,7 @@ def test_a_state_saved_elsewhere_resumes_as_one_process(runs, references, name):
     for stage in STAGES:
         for collectives in COLLECTIVES:
             ours = runs[world_size][0]["resumed", name, stage, collectives]
-            worst = max(worst, weight_difference(ours["weights"], ref["weights"]))
+            worst = max(worst, max_difference(ours["weights"], ref["weights"]))
             assert worst < WEIGHT_TOL, (stage, collectives, worst)
     print(f"\n{name}, saved on 3 processes, resumed on 2 at another stage: weights max |d| = {worst:.1e}")
 

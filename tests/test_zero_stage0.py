@@ -15,8 +15,9 @@ import references
 from collectives import Collectives
 from trainer import build as trainer_build
 from models import build_model
-from trainer_testing import TINY, max_difference, train_in_group
+from trainer_testing import TINY, train_in_group
 from zero.stage0 import GradientSync
+from zero_testing import max_difference
 
 
 def count_all_reduces(rank, world_size, argv):

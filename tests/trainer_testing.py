@@ -1,7 +1,10 @@
 """What the trainer's tests share (test_ddp_cifar100, test_zero_stage0, test_zero, the replica groups'): the tiny run's
 flags, the worker functions a LocalGroup runs (module level, so the spawned workers import them), a seeded model with
-a labelled set, and the replay of a commit log. Not a test file: pytest collects nothing here."""
+a labelled set, a corpus of words for --dataset text, and the replay of a commit log. Not a test file: pytest collects
+nothing here."""
 import io
+import os
+import random
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 
@@ -14,11 +17,21 @@ from trainer.build import build
 
 TINY = ["--device", "cpu", "--dataset", "synthetic", "--train-size", "128", "--val-size", "50", "--batch-size", "8",
         "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4"]
+WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "while", "data", "model", "rank"]
 
 
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+def word_corpus(folder):
+    """Ten files of whole words in ``folder`` (made if needed), 400-800 bytes each, the same bytes every time
+    (Random(7)): --dataset text's two splits both hold several. Each file is written whole or not at all, so that
+    two processes writing one folder at once (the replica scenarios' two batches) leave it whole. Returns ``folder``."""
+    rng = random.Random(7)
+    os.makedirs(folder, exist_ok=True)
+    for i in range(10):
+        path = os.path.join(folder, f"doc{i}.py")
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 160))))
+        os.replace(f"{path}.{os.getpid()}", path)
+    return folder
 
 
 def train_in_group(rank, world_size, argv, dtype="float32"):

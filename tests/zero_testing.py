@@ -2,8 +2,9 @@
 test_zero_offload: the element-wise optimizers and the settings that give them state; cloned,
 attempt and identical for test_zero_contract and the files built on it too): the model made alike in every
 process, the global batches and each rank's micro-batches of them, the comparisons of weights and of optimizer
-state dicts (the test process computes on one intra-op thread while the workers train: conftest.py). Module level,
-so the spawned workers import them. Not a test file: pytest collects nothing here."""
+state dicts (the test process computes on one intra-op thread while the workers train: conftest.py; max_difference
+for the trainer's tests too). Module level, so the spawned workers import them. Not a test file: pytest collects
+nothing here."""
 import copy
 from dataclasses import dataclass
 
@@ -112,6 +113,9 @@ def state_difference(ours: dict, theirs: dict) -> float:
     return worst
 
 
-def weight_difference(ours: dict, theirs: dict) -> float:
-    assert ours.keys() == theirs.keys()
-    return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+def max_difference(a: dict, b: dict) -> float:
+    """The largest difference between two state dicts of the same names, in float64, over their floating tensors: an
+    integer one is a count, not a weight (BatchNorm's num_batches_tracked counts micro-batches, which runs that split
+    a batch differently make differently)."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())

@@ -31,6 +31,8 @@ import utils
 import zero
 from data import FolderData, MemoryData, TextData, load_data
 from diloco import DiLoCo, DiLoCoSync
+from measure.malloc import pin_mmap_threshold
+from measure.memory import PhasePeaks
 from models import blocks, build_model, initializer
 from references import DDPSync, FSDPSync
 from trainer.checkpoint import current
@@ -62,7 +64,7 @@ class Parts:
     replica: int  # which replica this rank belongs to (diloco, localsgd) ...
     replica_size: int  # ... and how many ranks each replica has
     compile_counts: dict[str, int] | None  # --compile: Dynamo's counters before the run
-    phases: utils.PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
+    phases: PhasePeaks  # each phase's peak resident memory (build, restore, steps, checkpoint, evaluation)
     faults: FaultPlan  # the faults asked of this process, on purpose (trainer/faults.py; none: FaultPlan())
 
     @property
@@ -76,9 +78,9 @@ class Parts:
 
 def build(config: Config) -> Parts:
     """Process group, data, model (same weights everywhere), gradient sync, optimizer, schedule and scaler."""
-    phases = utils.PhasePeaks()  # the process's start: what every phase's peak is measured above
-    if config.malloc_mmap_threshold:  # before anything large is allocated (utils.pin_mmap_threshold)
-        utils.pin_mmap_threshold(config.malloc_mmap_threshold * 1024)
+    phases = PhasePeaks()  # the process's start: what every phase's peak is measured above
+    if config.malloc_mmap_threshold:  # before anything large is allocated (measure.malloc.pin_mmap_threshold)
+        pin_mmap_threshold(config.malloc_mmap_threshold * 1024)
     try:
         ctx = utils.init_distributed(config.device, config.backend, config.timeout)
     except ValueError as exc:  # e.g. --device cuda on a machine without a GPU: before any collective

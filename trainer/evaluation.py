@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import utils
 from data import FolderData, MemoryData, TextData
+from measure.memory import measured_phase
 from trainer.build import Parts
 from zero.broadcast import broadcast_state
 
@@ -93,7 +93,7 @@ def evaluate(model: nn.Module, data: MemoryData | FolderData | TextData, batch_s
             "val_total": total}
 
 
-@utils.measured_phase("evaluation")
+@measured_phase("evaluation")
 def validate(parts: Parts) -> dict[str, Any]:
     """The validation figures of the model as it stands (rank 0's are exact; see the module docstring)."""
     broadcast_state(parts.model, buffers_only=True)  # evaluate with rank 0's running statistics everywhere

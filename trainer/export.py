@@ -69,10 +69,11 @@ import torch
 import torch.nn as nn
 
 from data import BOUNDARY
+from files import umasked
 from models import GPT_SIZES, LANGUAGE_MODELS
 from trainer.checkpoint import non_finite, read_alone
 import utils
-from utils import UsageError
+from utils import UsageError, one_line
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"  # the names transformers looks for in a model folder
 CRC = "crc32."  # model.safetensors' metadata: "crc32.NAME" -> the CRC32 of tensor NAME's bytes, 8 hex digits
@@ -195,8 +196,8 @@ def export(checkpoint_dir: str, out: str, form: str = "auto") -> str:
             json.dump(config, f, indent=2)
             f.write("\n")
         for name in (WEIGHTS, CONFIG):  # as any file the user writes (safetensors makes its file private)
-            os.chmod(os.path.join(partial, name), utils.umasked(0o666))
-        os.chmod(partial, utils.umasked(0o777))  # (mkdtemp's is private too)
+            os.chmod(os.path.join(partial, name), umasked(0o666))
+        os.chmod(partial, umasked(0o777))  # (mkdtemp's is private too)
         os.replace(partial, out)  # onto an empty folder too (rename(2))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -228,7 +229,7 @@ class InitFrom:
             self.file = safe_open(file, framework="pt", device="cpu")
             keys = set(self.file.keys())
         except Exception as exc:  # noqa: BLE001 - not a safetensors file: said in one line
-            raise UsageError(f"--init-from {file}: not a safetensors file ({str(exc).splitlines()[0][:200]})") from None
+            raise UsageError(f"--init-from {file}: not a safetensors file ({one_line(exc)})") from None
         gpt2 = model_name in LANGUAGE_MODELS and "transformer.wte.weight" in keys
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):

@@ -33,6 +33,10 @@ import utils
 import zero
 from data import TextData
 from diloco import data_parallel_bytes, encoded_bytes
+from measure.machine import machine_info
+from measure.memory import peak_memory_mb, reset_peak_memory
+from measure.summary import max_across_ranks, percentile
+from measure.timing import IntervalTimer
 from trainer.build import Parts, dynamo_counts
 from trainer.checkpoint import Checkpointer, Position
 from trainer.config import WARMUP_STEPS
@@ -116,7 +120,7 @@ class Meter:
     """The run's measurements: step times and data waits, --log-every's window, TensorBoard, the profiler, the
     gradient norms, the state's bytes, --eval-every's evaluations, and the training time and samples."""
     parts: Parts
-    timer: utils.IntervalTimer = None  # type: ignore[assignment]
+    timer: IntervalTimer = None  # type: ignore[assignment]
     data_wait_ms: list[float] = field(default_factory=list)  # per optimizer step, host time waiting for batches
     recent: RecentSteps | None = None  # rank 0, when something shows --log-every's figures
     writer: Any = None  # TensorBoard's SummaryWriter (rank 0, --log-dir)
@@ -138,7 +142,7 @@ class Meter:
 
     def __post_init__(self) -> None:
         parts = self.parts
-        self.timer = utils.IntervalTimer(parts.device)
+        self.timer = IntervalTimer(parts.device)
         self.finite = FiniteCheck(parts.ctx.world_size, parts.ctx.rank, parts.comm_device, parts.config.amp == "fp16")
         if parts.ctx.rank == 0 and parts.config.log_dir:
             from torch.utils.tensorboard import SummaryWriter  # slow to import; only when asked for
@@ -151,7 +155,7 @@ class Meter:
         lines, the peak memory's count and the profiler."""
         self.first_step, self.replicas = position.optimizer_steps, replicas
         announce(self)
-        utils.reset_peak_memory(self.parts.device)
+        reset_peak_memory(self.parts.device)
         self.profiler = start_profiler(self.parts, position)
         self.train_start = time.perf_counter()
 
@@ -254,7 +258,7 @@ class Meter:
         """--eval-every: the step, the seconds of training so far (these evaluations left out) and the bytes the
         busiest rank has sent so far (a collective): the x axes of the curves of loss."""
         return {"step": position.optimizer_steps, "time_s": time.perf_counter() - self.train_start - self.eval_seconds,
-                "sent_bytes": int(utils.max_across_ranks(bytes_sent(self, position)))}
+                "sent_bytes": int(max_across_ranks(bytes_sent(self, position)))}
 
     def record_eval(self, entry: dict[str, Any], seconds: float) -> None:
         self.evals.append(with_bits_per_byte(self.parts.config, entry))
@@ -369,10 +373,10 @@ def busiest_rank_figures(meter: Meter, position: Position) -> dict[str, Any]:
     per group, inside the shard group and across replicas), the bytes sent, each outer all-reduce's bytes and
     --zero 3's gathered peak."""
     parts = meter.parts
-    busiest = utils.max_across_ranks
+    busiest = max_across_ranks
     on_cpu_phases = parts.device.type == "cpu" and parts.phases.peak_mb() is not None  # (its resets reset ru_maxrss)
     figures: dict[str, Any] = {"peak_memory_mb": busiest(parts.phases.peak_mb() if on_cpu_phases else
-                                                         utils.peak_memory_mb(parts.device))}
+                                                         peak_memory_mb(parts.device))}
     everyone: list[Any] = [None] * parts.ctx.world_size  # each rank's peak per phase, MB above its start
     dist.all_gather_object(everyone, parts.phases.peaks)
     figures["memory_by_phase_mb"] = {phase: [round(peaks.get(phase, 0.0), 1) for peaks in everyone]
@@ -443,7 +447,7 @@ def summarize(meter: Meter, checkpointer: Checkpointer, position: Position, hist
     trainable, train_time = trainable_parameters(parts), meter.train_time
     return {
         "world_size": parts.ctx.world_size, "device": parts.device.type, "backend": parts.ctx.backend,
-        "machine": utils.machine_info(parts.device),  # where the figures came from (CPU model, GPU, versions)
+        "machine": machine_info(parts.device),  # where the figures came from (CPU model, GPU, versions)
         "optimizer_steps": position.optimizer_steps, "micro_batches": position.micro_batches,
         "trainable_parameters": trainable, "num_classes": parts.data.num_classes,
         **{key: final[key] for key in ("train_loss", "val_loss", "val_acc", "val_acc5", "val_correct",
@@ -461,7 +465,7 @@ def summarize(meter: Meter, checkpointer: Checkpointer, position: Position, hist
         "wall_time_s": time.perf_counter() - wall_start, "train_time_s": train_time,
         "samples_per_s": meter.samples_trained / train_time if train_time else 0.0,
         "step_time_ms_median": statistics.median(steps) if steps else None,
-        "step_time_ms_p10": utils.percentile(steps, 10), "step_time_ms_p90": utils.percentile(steps, 90),
+        "step_time_ms_p10": percentile(steps, 10), "step_time_ms_p90": percentile(steps, 90),
         "step_time_ms_mean": statistics.fmean(steps) if steps else None,
         "step_time_warmup_steps": len(times) - len(steps), "step_times_ms": [round(t, 4) for t in steps],
         "data_wait_ms_median": statistics.median(waits) if waits else None,

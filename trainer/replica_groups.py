@@ -49,9 +49,9 @@ import torch
 
 import replicas
 import trainer
-import utils
 import zero.checkpoint
 from diloco import ring_allreduce_compressed
+from files import atomic_write
 from trainer.build import Parts
 from trainer import checkpoint
 from trainer.checkpoint import NO_SUMS, fingerprint, trajectory
@@ -138,7 +138,7 @@ class ReplicaGroups:
             raise self._left_behind(finished) from None
         quorum, received = joined.quorum, joined.recovery
         if not self.run_kept and self.run_file and self.parts.ctx.rank == 0 and self.replica.run:
-            with utils.atomic_write(self.run_file) as f:  # a restart of this group is of this run (protocol: run)
+            with atomic_write(self.run_file) as f:  # a restart of this group is of this run (protocol: run)
                 f.write(self.replica.run + "\n")
             self.run_kept = True
         if received is not None:

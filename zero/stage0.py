@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
-import utils
 from collectives import Collectives
+from measure.timing import profiled
 from zero.broadcast import broadcast_state, check_keys_on_rank0, only_rank0_holds
 from zero.buckets import Bucket, assign_buckets
 from zero.checkpoint import WholeCheckpoints
@@ -136,7 +136,7 @@ class BucketedSync(WholeCheckpoints):
         raise NotImplementedError
 
     def _wait(self, buckets: list[Bucket], what: str) -> None:
-        with utils.profiled(what):
+        with profiled(what):
             for bucket in buckets:
                 bucket.handle.wait()
                 bucket.handle = None

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-import utils
 from collectives import Collectives
+from measure.timing import profiled
 from zero.broadcast import broadcast_state, check_keys_on_rank0
 from zero.buckets import Bucket
 from zero.hybrid import Replicas
@@ -198,7 +198,7 @@ class ZeroStage3(ZeroStage2):
             return
         if unit.state is UnitState.SHARDED:
             self._gather(unit)
-        with utils.profiled("all_gather wait"):
+        with profiled("all_gather wait"):
             for pending in unit.gather:
                 pending.wait()
         unit.gather, unit.state = [], UnitState.GATHERED
@@ -252,7 +252,7 @@ class ZeroStage3(ZeroStage2):
     # Hooks: forward (module hooks), backward (a hook on each unit's output; the gradients' hooks)
     # ------------------------------------------------------------------------------------------------------
     def _open(self, unit: Unit, name: str) -> None:
-        unit.span = utils.profiled(name)
+        unit.span = profiled(name)
         unit.span.__enter__()
 
     def _close(self, unit: Unit) -> None:

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from typing import Callable, Iterator, NamedTuple
 
-import utils
+from files import atomic_write, leftover_temporaries
 from utils import UsageError
 
 FILE, LATEST = "last.pt", "latest"  # DIR/last.pt; DIR/latest names the current folder
@@ -48,7 +48,7 @@ def lock(directory: str) -> tuple[int | None, str | None]:
     not in one line). flock on the folder itself: nothing is written for it, and the kernel drops it when the process
     dies, so a killed run leaves nothing stuck. A second run on the folder is refused before it touches anything (it
     would remove the first's save under way as a leftover); so is a folder this process cannot write in. Once held,
-    the temporary files a killed run's last.pt or latest left (utils.atomic_write's names, only those) are removed."""
+    the temporary files a killed run's last.pt or latest left (files.atomic_write's names, only those) are removed."""
     try:
         os.makedirs(directory, exist_ok=True)
         descriptor = os.open(directory, os.O_RDONLY)
@@ -60,7 +60,7 @@ def lock(directory: str) -> tuple[int | None, str | None]:
         os.close(descriptor)
         return None, (f"another run is using --checkpoint-dir {directory} (it holds the folder's lock): wait for it "
                       f"to end, or use another folder")
-    for name in utils.leftover_temporaries(directory, (FILE, LATEST)):  # a run killed while it wrote last.pt
+    for name in leftover_temporaries(directory, (FILE, LATEST)):  # a run killed while it wrote last.pt
         with contextlib.suppress(OSError):
             os.remove(os.path.join(directory, name))
     return descriptor, unwritable(directory)
@@ -112,7 +112,7 @@ def current(directory: str) -> Found | None:
 def mark_behind(directory: str, record: dict) -> str:
     """DIR/not-the-runs-end.json written (atomically) with ``record``; its path."""
     path = os.path.join(directory, BEHIND)
-    with utils.atomic_write(path) as f:
+    with atomic_write(path) as f:
         json.dump(record, f)
         f.write("\n")
     return path
@@ -263,7 +263,7 @@ def make_current(directory: str, name: str, keep: int = 1) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-    with utils.atomic_write(os.path.join(directory, LATEST)) as f:
+    with atomic_write(os.path.join(directory, LATEST)) as f:
         f.write(name + "\n")
     step = int(OURS.fullmatch(name)[1])
     older = [other for other in finished_steps(directory) if other < step]

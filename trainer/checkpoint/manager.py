@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 import utils
 import zero
-from trainer.faults import FaultPlan
+from measure.memory import PhasePeaks, measured_phase
 from trainer.checkpoint import folders
 from trainer.checkpoint.folders import FILE, FOLDER, PARTIAL, Found
 from trainer.checkpoint.reading import READ_ATTEMPTS, non_finite, read_state, usage_error
 from trainer.checkpoint.run_state import NO_SUMS, Position, RunState, check_compatible, trajectory
 from trainer.config import Config
-from utils import UsageError
+from trainer.faults import FaultPlan
+from utils import UsageError, one_line
 
 MARKER_WAIT_S = 2.0  # how long a rank looks for rank 0's marker (a network file system may show it late)
 
@@ -47,10 +48,10 @@ class Checkpointer:
     """Saves and restores the run: ``sync`` (the model, which it wraps, and ``optimizer``, which it writes and reads
     in either format), ``states`` (the scheduler, the scaler: each saved under its name) and ``run`` (the position,
     the finished epochs, the epoch's sums, the run's record and fingerprint: RunState). Every rank makes one and
-    calls it. ``phases``: the run's PhasePeaks (restore and save end theirs: utils.measured_phase)."""
+    calls it. ``phases``: the run's PhasePeaks (restore and save end theirs: measure.memory.measured_phase)."""
 
     def __init__(self, config: Config, sync: Any, optimizer: Any, states: dict[str, Any], run: RunState,
-                 comm_device: torch.device, phases: utils.PhasePeaks, faults: FaultPlan = FaultPlan()):
+                 comm_device: torch.device, phases: PhasePeaks, faults: FaultPlan = FaultPlan()):
         self.config, self.directory = config, config.checkpoint_dir
         self.faults = faults  # trainer/faults.py's: a save's points "write" and "save"
         self.sync, self.optimizer, self.states, self.run = sync, optimizer, states, run
@@ -96,7 +97,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------------
     # Restore
     # ------------------------------------------------------------------------------------------------------
-    @utils.measured_phase("restore")
+    @measured_phase("restore")
     def restore(self) -> tuple[Position, list[dict[str, Any]], list[float]]:
         """The position, the finished epochs and this rank's sums of the current epoch, from --checkpoint-dir's
         current checkpoint if there is one (with --eval-only: its weights and totals alone); and which format this
@@ -197,7 +198,7 @@ class Checkpointer:
             except Superseded:
                 continue  # every rank alike (rank 0's verdict, broadcast)
             except Exception as exc:  # noqa: BLE001 - said below, once every rank knows whether to read again
-                problem = str(exc) if isinstance(exc, UsageError) else zero.checkpoint.one_line(exc)
+                problem = str(exc) if isinstance(exc, UsageError) else one_line(exc)
             same = same and (loaded is None or folders.identity(loaded[0].path) == loaded[2] or not loaded[0].folder)
             verdicts: list[Any] = [(problem, same)]
             if dist.get_world_size() > 1:
@@ -227,7 +228,7 @@ class Checkpointer:
                     message[0] = ("ok", found, before, read_state(Found(path, found.folder))) if found else None
             except Exception as exc:  # noqa: BLE001 - said in one line on every rank, none left waiting for rank 0
                 text = str(exc) if isinstance(exc, UsageError) else (f"cannot read --checkpoint-dir {self.directory}: "
-                                                                      f"{zero.checkpoint.one_line(exc)}")
+                                                                      f"{one_line(exc)}")
                 gone = found is not None and (before is None or folders.identity(found.path) != before)
                 message[0] = ("superseded" if gone else "error", text)  # gone: read_whole reads the newer one
         dist.broadcast_object_list(message, src=0)
@@ -271,7 +272,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------------
     # Save
     # ------------------------------------------------------------------------------------------------------
-    @utils.measured_phase("checkpoint")
+    @measured_phase("checkpoint")
     def save(self, sums: list[list[float]]) -> None:
         """The run state as it stands (the position and the finished epochs restore returned, every rank's epoch
         sums ``sums``) to --checkpoint-dir, in the format restore chose. Every rank calls it. With --async-checkpoint

@@ -14,7 +14,7 @@ import torch
 
 import zero
 from trainer.checkpoint.folders import Found, behind_note, current
-from utils import UsageError
+from utils import UsageError, one_line
 
 RUN_STATE = ("scheduler", "scaler", "epoch", "micro_batch", "optimizer_steps", "micro_batches_total", "fingerprint",
              "config", "history", "epoch_sums")  # what a resume reads beside the model and the optimizer
@@ -35,7 +35,7 @@ def read_checkpoint(path: str, whole: bool = True) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise UsageError(f"cannot read checkpoint {path}: corrupt or not written by torch.save "
-                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}){AFRESH}") from None
+                         f"({one_line(exc)}){AFRESH}") from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
         raise UsageError(f"cannot read checkpoint {path}: not a checkpoint of this script{AFRESH}")
     return state
@@ -76,7 +76,7 @@ def usage_error(exc: Exception, path: str) -> UsageError:
     """zero.checkpoint's refusal ("zero.checkpoint.load: checkpoint DIR: why") or DCP's failure, in one line."""
     if isinstance(exc, zero.checkpoint.CheckpointError):
         return UsageError(str(exc).split(": ", 1)[-1])
-    return UsageError(f"checkpoint {path} cannot be read: {zero.checkpoint.one_line(exc)}")
+    return UsageError(f"checkpoint {path} cannot be read: {one_line(exc)}")
 
 
 def read_alone(directory: str) -> tuple[Found, dict[str, Any]] | None:

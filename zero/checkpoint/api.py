@@ -19,11 +19,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from utils import one_line
 from zero.checkpoint.background import AsyncWriter
 from zero.checkpoint.checksums import folder_problem
 from zero.checkpoint.disk import DiskError, Writer, disk_problem
-from zero.checkpoint.checks import (CheckpointError, agree, groups_problem, model_problem, one_line,
-                                    optimizer_problem, parameter_kinds, read_folder, saved_optimizer, scalars_problem)
+from zero.checkpoint.checks import (CheckpointError, agree, groups_problem, model_problem, optimizer_problem,
+                                    parameter_kinds, read_folder, saved_optimizer, scalars_problem)
 from zero.checkpoint.planner import ShardLoadPlanner, ShardSavePlanner
 from zero.checkpoint.state_dict import (Checkpointable, decode_extra, encode_extra, model_entries, optimizer_entries,
                                         plain_destinations, sharded_destinations, slots, small_entries)

@@ -44,7 +44,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zero.checkpoint.checks import CheckpointError, one_line
+from utils import one_line
+from zero.checkpoint.checks import CheckpointError
 from zero.pieces import Shards
 
 

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from utils import one_line
 from zero.matrix import PROBE_DIMS
 from zero.optimizer_kinds import state_kinds
 
@@ -49,16 +49,6 @@ def agree(problem: str | None, group: dist.ProcessGroup | None, split: bool = Fa
         return None
     alone = not split and any(verdict is None for verdict in verdicts)
     return verdicts[first] + (f" (seen by rank {first} of the group, not by every rank)" if alone else "")
-
-
-def one_line(error: BaseException) -> str:
-    """An exception in one line: DCP's CheckpointException (every failed rank's traceback) as its first failure."""
-    if isinstance(error, CheckpointException):  # DCP's, with every failed rank's traceback
-        failures = list(error.failures.values())
-        if failures:
-            error = failures[0][0] if isinstance(failures[0], tuple) else failures[0]
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def read_folder(path: str) -> tuple[Metadata | None, str | None]:

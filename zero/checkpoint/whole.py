@@ -39,11 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-import utils
+from files import atomic_write
+from utils import one_line
 from zero.checkpoint.api import load
 from zero.checkpoint.background import AsyncWriter
 from zero.checkpoint.checksums import file_problem
-from zero.checkpoint.checks import CheckpointError, agree, one_line
+from zero.checkpoint.checks import CheckpointError, agree
 from zero.checkpoint.disk import DiskError, disk_problem
 from zero.optimizer_kinds import as_optimizers, missing_optimizer_state, optimizer_parts
 
@@ -51,14 +52,14 @@ KEYS = ("model", "optimizer")  # what the file holds besides the caller's extra
 
 
 def write_file(path: str, state: dict[str, Any], writer: AsyncWriter | None = None) -> Future | None:
-    """``state`` to ``path`` atomically (utils.atomic_write: temporary file, flush, fsync, rename); the disk's error
+    """``state`` to ``path`` atomically (files.atomic_write: temporary file, flush, fsync, rename); the disk's error
     (a full disk, a read-only folder: zero/checkpoint/disk.py) refused in one line, the old file left as it was.
     With ``writer``: copied into its staging buffers and written in its thread; returns the write's future."""
     if writer is not None:
         staged = writer.stage(state)
         return writer.write(lambda: write_file(path, staged))
     try:
-        with utils.atomic_write(path, "wb") as f:
+        with atomic_write(path, "wb") as f:
             torch.save(state, f)
     except Exception as error:
         disk = disk_problem(error)
@@ -106,7 +107,7 @@ def read_file(path: str, mmap: bool = False, checked: bool = False) -> dict[str,
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # noqa: BLE001 - whatever torch.load raises, the file is not a checkpoint
         raise CheckpointError(f"zero.checkpoint.load: checkpoint {path}: corrupt or not written by torch.save "
-                              f"({one_line(error)[:200]})") from None
+                              f"({one_line(error)})") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"zero.checkpoint.load: checkpoint {path}: not a checkpoint of the whole state dicts "
                               f"(no \"model\")")
@@ -182,7 +183,7 @@ def load_model(path: str, sync: Any, model_state: dict[str, Any], mapped: bool =
         sync.load_model_state_dict(model_state)
     except RuntimeError as error:
         raise CheckpointError(f"zero.checkpoint.load: checkpoint {path} does not fit this model: "
-                              f"{(str(error).splitlines() or [''])[0]}") from None
+                              f"{one_line(error)}") from None
     if mapped:
         release(tensors_in(model_state))
 

@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from utils import one_line
 from zero.offload.files import OffloadError, Slot, round_up
 
 
@@ -56,7 +57,7 @@ class HostMemory:
                 self.slots[slot.offset] = torch.empty(slot.capacity, dtype=torch.uint8, pin_memory=self.pin)
             except RuntimeError as error:  # (pinned memory the driver would not give)
                 raise OffloadError(f"cannot keep {name} ({slot.capacity:,} bytes) in {self.label}: "
-                                   f"{str(error).splitlines()[0]}") from None
+                                   f"{one_line(error)}") from None
             self.size += slot.capacity
             return slot
 
