@@ -840,6 +840,16 @@ class StoppedBeforeTheAnswer:
         return getattr(self.store, name)
 
 
+def asked_within(member, seconds):
+    """``member._ask(0)`` on a thread of its own, waited for up to ``seconds``: [its quorum], or [] where it still
+    waits."""
+    asked = []
+    thread = threading.Thread(target=lambda: asked.append(member._ask(0)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return asked
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("between", [False, True, "inside-the-get"],
                          ids=["before-the-wait", "between-the-wait-and-the-get", "inside-the-get"])
@@ -850,10 +860,7 @@ def test_a_ticket_answered_while_the_member_was_stopped_is_asked_again(between, 
     taking the store's timeout on the get for the coordinator's loss."""
     store, lighthouse, member = stopped_member()
     member.store = StoppedBeforeTheAnswer(store, lighthouse, between)
-    asked = []
-    thread = threading.Thread(target=lambda: asked.append(member._ask(0)), daemon=True)
-    thread.start()
-    thread.join(20)
+    asked = asked_within(member, 20)
     assert asked, "the member still waits for the answer its lighthouse forgot"
     assert member.requests == 2 and asked[0].id == 3 and asked[0].members == [1, 2]  # the next quorum's
     assert "forgotten while it was stopped: asking again" in capsys.readouterr().err  # said, in one line
@@ -893,10 +900,7 @@ def test_a_quorum_forgotten_after_the_member_read_its_ticket_is_asked_again(betw
     instead of waiting for good for quorum/n or taking the store's timeout for the coordinator's loss."""
     store, lighthouse, member = stopped_member()
     member.store = StoppedAfterTheTicket(store, lighthouse, between)
-    asked = []
-    thread = threading.Thread(target=lambda: asked.append(member._ask(0)), daemon=True)
-    thread.start()
-    thread.join(20)
+    asked = asked_within(member, 20)
     assert asked, "the member still waits for the quorum its lighthouse forgot"
     assert member.requests == 2 and asked[0].id == 3 and asked[0].members == [1, 2]
     assert "forgotten while it was stopped: asking again" in capsys.readouterr().err
